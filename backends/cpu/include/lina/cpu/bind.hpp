@@ -1,0 +1,160 @@
+// Checking what is bound to a plan's inputs: statically (every input bound
+// exactly once, no stray symbol, one element type) and at run time (batch,
+// heads and every named dimension agree across inputs and with static
+// extents; a disagreement throws lina::shape_error naming the symbol, the
+// dimension and both extents).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include "lina/dims.hpp"
+#include "lina/errors.hpp"
+#include "lina/node.hpp"
+#include "lina/tensor.hpp"
+
+namespace lina {
+
+namespace diagnose {
+template <fixed_string Input, std::size_t TimesBound>
+struct input_binding {
+  static_assert(TimesBound != 0,
+                "lina: an input of the plan is not bound: pass it as Name = tensor (the input's name is in "
+                "the instantiation of input_binding above)");
+  static_assert(TimesBound <= 1,
+                "lina: an input is bound twice: pass each input once (its name is in the instantiation of "
+                "input_binding above)");
+  static constexpr bool ok = TimesBound == 1;
+};
+template <fixed_string Symbol, bool IsInput>
+struct binding_symbol {
+  static_assert(IsInput,
+                "lina: a bound symbol is not an input of the plan (its name is in the instantiation of "
+                "binding_symbol above); bind only the inputs the expression uses");
+  static constexpr bool ok = IsInput;
+};
+template <bool Same>
+struct binding_element_types {
+  static_assert(Same, "lina: all bound tensors must have the same element type (all float or all double)");
+  static constexpr bool ok = Same;
+};
+}  // namespace diagnose
+
+namespace cpu {
+
+// Extents of the named dimensions of one evaluation, looked up by type.
+template <class Dims>
+struct extent_table;
+template <class... D>
+struct extent_table<lina::detail::type_list<D...>> {
+  static constexpr std::size_t size = sizeof...(D);
+  std::array<std::size_t, size> value{};
+  std::array<std::string, size> bound_by{};  // the input that set a dynamic extent
+
+  template <class X>
+  static constexpr std::size_t index_of() {
+    constexpr std::array<bool, size> same{std::is_same_v<X, D>...};
+    for (std::size_t i = 0; i < size; ++i)
+      if (same[i]) return i;
+    return size;
+  }
+  template <class X>
+  std::size_t get() const {
+    static_assert(index_of<X>() < size, "lina: a dimension of the plan is not a dimension of its inputs");
+    return value[index_of<X>()];
+  }
+};
+
+// The checked bindings of one evaluation: one view per input of the plan (in
+// the order of inputs_of<Plan>), batch and heads, and the extent table.
+template <class Plan, class T>
+struct bound_inputs {
+  using inputs = inputs_of<Plan>;
+  using table_type = extent_table<dims_of<Plan>>;
+  std::array<tensor_view<T const>, inputs::size> views;
+  std::size_t batch = 0, heads = 0;
+  table_type table;
+};
+
+namespace detail {
+
+template <fixed_string Name, class... B>
+constexpr std::size_t times_bound() {
+  return ((B::name == Name ? 1u : 0u) + ... + 0u);
+}
+template <fixed_string Name, class... B>
+constexpr std::size_t binding_position() {
+  constexpr std::array<bool, sizeof...(B) + 1> m{(B::name == Name)..., true};
+  std::size_t i = 0;
+  while (!m[i]) ++i;
+  return i;
+}
+template <fixed_string S, class Inputs>
+struct names_an_input;
+template <fixed_string S, class... I>
+struct names_an_input<S, lina::detail::type_list<I...>> : std::bool_constant<((I::name == S) || ...)> {};
+
+template <class Table, class Dim>
+void check_extent(Table& t, std::size_t got, std::string const& symbol) {
+  constexpr std::size_t k = Table::template index_of<Dim>();
+  if constexpr (Dim::is_static) {
+    if (got != Dim::static_extent)
+      throw shape_error(symbol, Dim::label(), got, Dim::static_extent,
+                        "declared static by dim<\"" + Dim::label() + "\", " + std::to_string(Dim::static_extent) +
+                            ">");
+    t.value[k] = got;
+  } else if (t.bound_by[k].empty()) {
+    t.value[k] = got;
+    t.bound_by[k] = symbol;
+  } else if (t.value[k] != got) {
+    throw shape_error(symbol, Dim::label(), got, t.value[k], "bound by input " + t.bound_by[k]);
+  }
+}
+
+}  // namespace detail
+
+// Check the bindings against the plan; the element type is that of the bindings.
+template <class Plan, class... B>
+auto bind(B const&... bs) {
+  using inputs = inputs_of<Plan>;
+  static_assert(sizeof...(B) > 0, "lina: evaluate needs the plan's inputs bound, e.g. Q = q, K = k, V = v");
+  using T = std::common_type_t<typename B::value_type...>;
+  static_assert(diagnose::binding_element_types<(std::is_same_v<T, typename B::value_type> && ...)>::ok || true);
+  static_assert((diagnose::binding_symbol<B::name, detail::names_an_input<B::name, inputs>::value>::ok && ...) || true);
+
+  bound_inputs<Plan, T> r;
+  bool first = true;
+  std::string first_symbol;
+  [&]<class... I>(lina::detail::type_list<I...>) {
+    static_assert((diagnose::input_binding<I::name, detail::times_bound<I::name, B...>()>::ok && ...) || true);
+    std::size_t k = 0;
+    auto one = [&]<class In>() {
+      constexpr std::size_t pos = detail::binding_position<In::name, B...>();
+      if constexpr (pos < sizeof...(B)) {
+        tensor_view<T const> v = std::get<pos>(std::forward_as_tuple(bs...)).view;
+        std::string symbol(In::name.view());
+        if (first) {
+          r.batch = v.shape()[0];
+          r.heads = v.shape()[1];
+          first_symbol = symbol;
+          first = false;
+        } else {
+          if (v.shape()[0] != r.batch) throw shape_error(symbol, "B (batch)", v.shape()[0], r.batch, "of input " + first_symbol);
+          if (v.shape()[1] != r.heads) throw shape_error(symbol, "H (heads)", v.shape()[1], r.heads, "of input " + first_symbol);
+        }
+        detail::check_extent<typename bound_inputs<Plan, T>::table_type, typename In::rows>(r.table, v.shape()[2], symbol);
+        detail::check_extent<typename bound_inputs<Plan, T>::table_type, typename In::cols>(r.table, v.shape()[3], symbol);
+        r.views[k] = v;
+      }
+      ++k;
+    };
+    (one.template operator()<I>(), ...);
+  }(inputs{});
+  return r;
+}
+
+}  // namespace cpu
+}  // namespace lina

@@ -1,0 +1,158 @@
+// The CPU backend's loops: one function per plan operation, on per-(batch,
+// head) matrices. Straightforward and correct first; the scan keeps its
+// a x b state in cache and touches each row once.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+
+#include "lina/cpu/matrix.hpp"
+#include "lina/feature_maps.hpp"
+
+namespace lina::cpu::kernels {
+
+// A row-major copy unless the rows are already contiguous.
+template <class T>
+matrix<T> rows_contiguous(matrix<T>&& m) {
+  if (m.cs == 1) return std::move(m);
+  return writable(std::move(m));
+}
+
+// C = A B. B's rows are made contiguous, then four rows of C at a time
+// accumulate a_ik * B_k (each B row loaded once per four C rows).
+template <class T>
+matrix<T> gemm(matrix<T> const& a, matrix<T>&& b_in) {
+  matrix<T> b = rows_contiguous(std::move(b_in));
+  index r = a.rows, k = a.cols, c = b.cols;
+  matrix<T> out = allocate<T>(r, c);
+  if (r * c == 0) return out;
+  std::memset(out.row_mut(0), 0, sizeof(T) * static_cast<std::size_t>(r * c));
+  index i = 0;
+  for (; i + 4 <= r; i += 4) {
+    T* c0 = out.row_mut(i);
+    T* c1 = out.row_mut(i + 1);
+    T* c2 = out.row_mut(i + 2);
+    T* c3 = out.row_mut(i + 3);
+    for (index p = 0; p < k; ++p) {
+      T a0 = a(i, p), a1 = a(i + 1, p), a2 = a(i + 2, p), a3 = a(i + 3, p);
+      T const* bp = b.data + p * b.rs;
+#pragma omp simd
+      for (index j = 0; j < c; ++j) {
+        T x = bp[j];
+        c0[j] += a0 * x;
+        c1[j] += a1 * x;
+        c2[j] += a2 * x;
+        c3[j] += a3 * x;
+      }
+    }
+  }
+  for (; i < r; ++i) {
+    T* ci = out.row_mut(i);
+    for (index p = 0; p < k; ++p) {
+      T ai = a(i, p);
+      T const* bp = b.data + p * b.rs;
+#pragma omp simd
+      for (index j = 0; j < c; ++j) ci[j] += ai * bp[j];
+    }
+  }
+  return out;
+}
+
+// Row i of `out` = A_i^T S_i with S_i the running sum of B_j C_j^T over
+// j <= i (forward) or j >= i (reverse). `state` (a x b, row-major) holds the
+// sum on entry and on exit, so scans can be chained.
+template <class T>
+void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c_in, matrix<T>& out, T* state,
+                   bool reverse) {
+  matrix<T> c = rows_contiguous(std::move(c_in));
+  index n = b.rows, da = b.cols, db = c.cols;
+  for (index t = 0; t < n; ++t) {
+    index i = reverse ? n - 1 - t : t;
+    T const* ci = c.data + i * c.rs;
+    for (index p = 0; p < da; ++p) {
+      T bp = b(i, p);
+      T* s = state + p * db;
+#pragma omp simd
+      for (index q = 0; q < db; ++q) s[q] += bp * ci[q];
+    }
+    T* o = out.row_mut(i);
+    for (index q = 0; q < db; ++q) o[q] = T(0);
+    for (index p = 0; p < da; ++p) {
+      T ap = a(i, p);
+      T const* s = state + p * db;
+#pragma omp simd
+      for (index q = 0; q < db; ++q) o[q] += ap * s[q];
+    }
+  }
+}
+
+template <class Map, class T>
+matrix<T> feature_map(matrix<T> const& x) {
+  if constexpr (concepts::elementwise_map<Map>) {
+    matrix<T> out = allocate<T>(x.rows, x.cols);
+    for (index i = 0; i < x.rows; ++i) {
+      T* o = out.row_mut(i);
+      for (index j = 0; j < x.cols; ++j) o[j] = Map::value(x(i, j));
+    }
+    return out;
+  } else {
+    index d = x.cols, cdim = static_cast<index>(Map::features(static_cast<std::size_t>(d)));
+    matrix<T> out = allocate<T>(x.rows, cdim);
+    buffer<T> row(static_cast<std::size_t>(d));
+    for (index i = 0; i < x.rows; ++i) {
+      for (index j = 0; j < d; ++j) row.get()[j] = x(i, j);
+      Map::apply(static_cast<T const*>(row.get()), static_cast<std::size_t>(d), out.row_mut(i));
+    }
+    return out;
+  }
+}
+
+template <class T>
+void causal_mask(matrix<T>& m) {
+  for (index i = 0; i < m.rows; ++i)
+    for (index j = i + 1; j < m.cols; ++j) m.at_mut(i, j) = T(0);
+}
+
+template <class T, class F>
+void apply_inplace(matrix<T>& m, F f) {
+  for (index i = 0; i < m.rows; ++i)
+    for (index j = 0; j < m.cols; ++j) m.at_mut(i, j) = f(m(i, j));
+}
+
+// S_ij / (sum_k S_ik + eps), in place.
+template <class T>
+void normalize_rows(matrix<T>& m, T eps) {
+  for (index i = 0; i < m.rows; ++i) {
+    T sum = 0;
+    for (index j = 0; j < m.cols; ++j) sum += m(i, j);
+    T den = sum + eps;
+    for (index j = 0; j < m.cols; ++j) m.at_mut(i, j) /= den;
+  }
+}
+
+// [X | 1]
+template <class T>
+matrix<T> append_ones(matrix<T> const& x) {
+  matrix<T> out = allocate<T>(x.rows, x.cols + 1);
+  for (index i = 0; i < x.rows; ++i) {
+    T* o = out.row_mut(i);
+    for (index j = 0; j < x.cols; ++j) o[j] = x(i, j);
+    o[x.cols] = T(1);
+  }
+  return out;
+}
+
+// X[:, :-1] / (X[:, -1] + eps)
+template <class T>
+matrix<T> row_divide(matrix<T> const& x, T eps) {
+  index m = x.cols - 1;
+  matrix<T> out = allocate<T>(x.rows, m);
+  for (index i = 0; i < x.rows; ++i) {
+    T den = x(i, m) + eps;
+    T* o = out.row_mut(i);
+    for (index j = 0; j < m; ++j) o[j] = x(i, j) / den;
+  }
+  return out;
+}
+
+}  // namespace lina::cpu::kernels

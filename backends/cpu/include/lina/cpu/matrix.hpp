@@ -1,0 +1,141 @@
+// Per-(batch, head) matrices of the CPU backend: strided views of bound
+// tensors, or owners of a counted buffer. Every temporary the backend makes
+// goes through lina::cpu::buffer, so tests can assert how much a plan
+// allocates (no N x N for a linear plan, nothing growing with N beyond
+// O(N (C + M)) for its backward).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <new>
+#include <utility>
+
+namespace lina::cpu {
+
+// Counters of the backend's temporaries, over all threads.
+struct memory_counters {
+  std::atomic<std::size_t> live{0};         // bytes allocated now
+  std::atomic<std::size_t> peak{0};         // most bytes alive at once since reset()
+  std::atomic<std::size_t> largest{0};      // largest single allocation since reset()
+  std::atomic<std::size_t> allocations{0};  // number of allocations since reset()
+
+  void reset() {
+    peak = live.load();
+    largest = 0;
+    allocations = 0;
+  }
+};
+
+inline memory_counters& memory() {
+  static memory_counters m;
+  return m;
+}
+
+namespace detail {
+inline void raise_to(std::atomic<std::size_t>& a, std::size_t v) {
+  std::size_t cur = a.load(std::memory_order_relaxed);
+  while (v > cur && !a.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+  }
+}
+}  // namespace detail
+
+// A counted, 64-byte aligned array of T.
+template <class T>
+class buffer {
+ public:
+  buffer() = default;
+  explicit buffer(std::size_t n) : n_(n) {
+    if (n == 0) return;
+    p_ = static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+    auto& m = memory();
+    std::size_t bytes = n * sizeof(T);
+    detail::raise_to(m.peak, m.live.fetch_add(bytes) + bytes);
+    detail::raise_to(m.largest, bytes);
+    ++m.allocations;
+  }
+  buffer(buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  buffer& operator=(buffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      p_ = std::exchange(o.p_, nullptr);
+      n_ = std::exchange(o.n_, 0);
+    }
+    return *this;
+  }
+  ~buffer() { release(); }
+
+  T* get() const noexcept { return p_; }
+  std::size_t size() const noexcept { return n_; }
+  explicit operator bool() const noexcept { return p_ != nullptr; }
+
+ private:
+  void release() {
+    if (!p_) return;
+    memory().live -= n_ * sizeof(T);
+    ::operator delete(p_, std::align_val_t{64});
+    p_ = nullptr;
+  }
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+using index = std::ptrdiff_t;
+
+// rows x cols, element (i, j) at data[i * rs + j * cs]. A view when `owner`
+// is empty (then never written), else the owner of its elements.
+template <class T>
+struct matrix {
+  T const* data = nullptr;
+  index rows = 0, cols = 0, rs = 0, cs = 1;
+  buffer<T> owner;
+
+  T const& operator()(index i, index j) const { return data[i * rs + j * cs]; }
+  T* row_mut(index i) { return const_cast<T*>(data) + i * rs; }  // owners only
+  T& at_mut(index i, index j) { return const_cast<T*>(data)[i * rs + j * cs]; }  // owners only
+  bool owns() const { return static_cast<bool>(owner) || rows * cols == 0; }
+  bool row_major() const { return cs == 1 && (rs == cols || rows <= 1); }
+
+  matrix transposed() && {
+    matrix t = std::move(*this);
+    std::swap(t.rows, t.cols);
+    std::swap(t.rs, t.cs);
+    return t;
+  }
+};
+
+// A fresh row-major rows x cols matrix (uninitialised).
+template <class T>
+matrix<T> allocate(index rows, index cols) {
+  matrix<T> m;
+  m.owner = buffer<T>(static_cast<std::size_t>(rows * cols));
+  m.data = m.owner.get();
+  m.rows = rows;
+  m.cols = cols;
+  m.rs = cols;
+  m.cs = 1;
+  return m;
+}
+
+template <class T>
+matrix<T> view(T const* data, index rows, index cols, index rs, index cs) {
+  matrix<T> m;
+  m.data = data;
+  m.rows = rows;
+  m.cols = cols;
+  m.rs = rs;
+  m.cs = cs;
+  return m;
+}
+
+// A row-major copy the caller may write to (the matrix itself if it already is one).
+template <class T>
+matrix<T> writable(matrix<T>&& m) {
+  if (m.owns() && m.row_major()) return std::move(m);
+  matrix<T> c = allocate<T>(m.rows, m.cols);
+  for (index i = 0; i < m.rows; ++i)
+    for (index j = 0; j < m.cols; ++j) c.at_mut(i, j) = m(i, j);
+  return c;
+}
+
+}  // namespace lina::cpu

@@ -1,0 +1,58 @@
+// Minimal type lists for structure queries over expression types. Hana works
+// on values; these stay at the type level where only types are involved,
+// which keeps instantiations (and compile times) small.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+
+namespace lina::detail {
+
+template <class... T>
+struct type_list {
+  static constexpr std::size_t size = sizeof...(T);
+};
+
+template <class List, class T>
+struct contains;
+template <class... U, class T>
+struct contains<type_list<U...>, T> : std::bool_constant<(std::is_same_v<U, T> || ...)> {};
+
+// Append T unless already present.
+template <class List, class T>
+struct add_unique;
+template <class... U, class T>
+struct add_unique<type_list<U...>, T> {
+  using type = std::conditional_t<contains<type_list<U...>, T>::value, type_list<U...>, type_list<U..., T>>;
+};
+
+template <class A, class B>
+struct merge_unique;
+template <class A>
+struct merge_unique<A, type_list<>> {
+  using type = A;
+};
+template <class A, class T, class... R>
+struct merge_unique<A, type_list<T, R...>> {
+  using type = typename merge_unique<typename add_unique<A, T>::type, type_list<R...>>::type;
+};
+
+template <class... Lists>
+struct concat_lists;
+template <>
+struct concat_lists<> {
+  using type = type_list<>;
+};
+template <class... A>
+struct concat_lists<type_list<A...>> {
+  using type = type_list<A...>;
+};
+template <class... A, class... B, class... Rest>
+struct concat_lists<type_list<A...>, type_list<B...>, Rest...> {
+  using type = typename concat_lists<type_list<A..., B...>, Rest...>::type;
+};
+
+template <class T>
+inline constexpr bool always_false = false;
+
+}  // namespace lina::detail

@@ -1,0 +1,259 @@
+// The one node type of lina, and the vocabulary of operations.
+//
+// An expression or a plan is a tree of node<Op, Kids...> values. The type
+// carries the structure (operation tags, input names, dimensions); the value
+// carries only the few scalars an operation needs (a scale factor, an eps).
+// Data is never stored: tensors are bound to input symbols at evaluation.
+//
+// The same vocabulary serves expressions (what users write), plans (what
+// compile() produces) and backward plans (what gradient() produces); each op
+// says which it belongs to in its comment. Backends dispatch on the op tag.
+#pragma once
+
+#include <boost/hana/at.hpp>
+#include <boost/hana/basic_tuple.hpp>
+#include <cstddef>
+#include <tuple>
+#include <type_traits>
+
+#include "lina/dims.hpp"
+#include "lina/fixed_string.hpp"
+#include "lina/tensor.hpp"
+
+namespace lina {
+
+namespace hana = boost::hana;
+
+namespace op {
+// Shape rules: `shape_of<KidShapes...>` gives the node's shape.
+template <class S>
+using rows_of = typename S::rows;
+template <class S>
+using cols_of = typename S::cols;
+
+// ---- expression vocabulary -------------------------------------------------
+// A named input matrix (rows x cols) per batch and head.
+template <fixed_string Name, class Rows, class Cols>
+struct input {
+  static constexpr auto name = Name;
+  using rows = Rows;
+  using cols = Cols;
+  template <class...>
+  using shape_of = matrix_shape<Rows, Cols>;
+};
+// φ applied to every row: (R x D) -> (R x C).
+template <class Map>
+struct phi {
+  using map = Map;
+  template <class X>
+  using shape_of = matrix_shape<rows_of<X>, feature_dim_t<Map, cols_of<X>>>;
+};
+struct transpose {
+  template <class X>
+  using shape_of = matrix_shape<cols_of<X>, rows_of<X>>;
+};
+// Matrix product; in a plan, its bracketing is the evaluation order.
+struct product {
+  template <class A, class B>
+  using shape_of = matrix_shape<rows_of<A>, cols_of<B>>;
+};
+// Lower-triangular mask (keep j <= i) of a square matrix.
+struct causal {
+  template <class X>
+  using shape_of = X;
+};
+// Row normalisation: S_ij / (sum_k S_ik + eps).
+struct normalize {
+  double eps = 1e-6;
+  template <class X>
+  using shape_of = X;
+};
+struct scale {
+  double factor = 1;
+  template <class X>
+  using shape_of = X;
+};
+// Element-wise exp: the softmax similarity, which has no finite feature map.
+struct exp {
+  template <class X>
+  using shape_of = X;
+};
+
+// ---- rewrite-internal ------------------------------------------------------
+// A flattened product chain A*B*C..., before the cost model brackets it.
+template <class... T>
+using last_of = std::tuple_element_t<sizeof...(T) - 1, std::tuple<T...>>;
+struct chain {
+  template <class First, class... Rest>
+  using shape_of = matrix_shape<rows_of<First>, cols_of<last_of<First, Rest...>>>;
+};
+
+// ---- plan vocabulary -------------------------------------------------------
+// [X | 1]: X with a ones column appended (R x (C+1)).
+struct append_ones {
+  template <class X>
+  using shape_of = matrix_shape<rows_of<X>, plus_one<cols_of<X>>>;
+};
+// Divide each row's leading columns by its last column (+ eps), dropping it:
+// the numerator/denominator split of normalize(S)*V computed in one pass.
+struct row_divide {
+  double eps = 1e-6;
+  template <class X>
+  using shape_of = matrix_shape<rows_of<X>, minus_one_t<cols_of<X>>>;
+};
+// Row j of B (R x a) and of C (R x b) -> the a x b matrix B_j C_j^T, per row.
+struct outer_rows {
+  template <class B, class C>
+  using shape_of = row_seq_shape<rows_of<B>, cols_of<B>, cols_of<C>>;
+};
+// Running sums over rows: S_i = sum_{j<=i} X_j (prefix) or sum_{j>=i} X_j (suffix).
+struct prefix_scan {
+  template <class X>
+  using shape_of = X;
+};
+struct suffix_scan {
+  template <class X>
+  using shape_of = X;
+};
+// Transpose each per-row matrix.
+struct transpose_rows {
+  template <class X>
+  using shape_of = row_seq_shape<typename X::rows, typename X::b, typename X::a>;
+};
+// Row contraction: out_i = A_i^T S_i, A (R x a), S a sequence of a x b.
+struct contract_rows {
+  template <class A, class S>
+  using shape_of = matrix_shape<rows_of<A>, typename S::b>;
+};
+// Run-time choice: the first kid while extent(Key) < Threshold, else the second.
+template <class Key, std::size_t Threshold>
+struct select {
+  using key = Key;
+  static constexpr std::size_t threshold = Threshold;
+  template <class Small, class Large>
+  using shape_of = Small;
+};
+}  // namespace op
+
+template <class T>
+inline constexpr bool is_input_op_v = false;
+template <fixed_string N, class R, class C>
+inline constexpr bool is_input_op_v<op::input<N, R, C>> = true;
+
+template <class Op, class... Kids>
+struct node {
+  using op_type = Op;
+  using shape = typename Op::template shape_of<typename Kids::shape...>;
+  using kids_type = hana::basic_tuple<Kids...>;
+  static constexpr std::size_t arity = sizeof...(Kids);
+
+  [[no_unique_address]] Op op{};
+  [[no_unique_address]] kids_type kids{};
+
+  // `Q = q` binds a tensor (or a strided view) to an input symbol.
+  template <class T, class O = Op>
+    requires is_input_op_v<O>
+  constexpr auto operator=(tensor<T> const& t) const {
+    return binding<O::name, T>{t.view()};
+  }
+  template <class T, class O = Op>
+    requires is_input_op_v<O>
+  constexpr auto operator=(tensor_view<T> const& t) const {
+    return binding<O::name, T>{t};
+  }
+};
+
+template <class Op, class... Kids>
+constexpr node<Op, Kids...> make_node(Op op, Kids const&... kids) {
+  return {op, hana::make_basic_tuple(kids...)};
+}
+
+template <std::size_t I, class N>
+constexpr auto const& kid(N const& n) {
+  return hana::at_c<I>(n.kids);
+}
+
+template <class T>
+inline constexpr bool is_node = false;
+template <class Op, class... K>
+inline constexpr bool is_node<node<Op, K...>> = true;
+
+template <class T>
+inline constexpr bool is_select_op = false;
+template <class K, std::size_t T>
+inline constexpr bool is_select_op<op::select<K, T>> = true;
+
+namespace concepts {
+// A matrix-valued expression or plan.
+template <class T>
+concept expression = is_node<std::remove_cvref_t<T>> && std::remove_cvref_t<T>::shape::rank == 2;
+}  // namespace concepts
+
+// ---- structure queries (type level) ----------------------------------------
+namespace detail {
+// Visit every node type of a tree, parents first.
+template <class N, class F>
+constexpr void visit_types(F&& f);
+template <class Op, class... K, class F>
+constexpr void visit_types_impl(node<Op, K...>*, F& f) {
+  f.template operator()<node<Op, K...>>();
+  (visit_types<K>(f), ...);
+}
+template <class N, class F>
+constexpr void visit_types(F&& f) {
+  visit_types_impl(static_cast<N*>(nullptr), f);
+}
+
+template <class N>
+struct inputs_of;  // type_list of the distinct input ops
+template <class Op, class... K>
+struct inputs_of<node<Op, K...>> {
+  using type = typename merge_unique<
+      std::conditional_t<is_input_op_v<Op>, type_list<Op>, type_list<>>,
+      typename concat_lists<typename inputs_of<K>::type...>::type>::type;
+};
+
+template <class Inputs>
+struct dims_of_inputs;  // type_list of the distinct base dims of inputs
+template <class... I>
+struct dims_of_inputs<type_list<I...>> {
+  using type = typename merge_unique<type_list<>, type_list<typename I::rows..., typename I::cols...>>::type;
+};
+}  // namespace detail
+
+template <class N>
+using inputs_of = typename detail::inputs_of<N>::type;
+template <class N>
+using dims_of = typename detail::dims_of_inputs<inputs_of<N>>::type;
+
+// Does any node of N have op type Op?
+template <class N, class Op>
+constexpr bool contains_op() {
+  bool found = false;
+  detail::visit_types<N>([&]<class X>() { found = found || std::is_same_v<typename X::op_type, Op>; });
+  return found;
+}
+template <class N, class Op>
+constexpr std::size_t count_op() {
+  std::size_t n = 0;
+  detail::visit_types<N>([&]<class X>() { n += std::is_same_v<typename X::op_type, Op>; });
+  return n;
+}
+// Does any matrix node of N have shape Key x Key (an N x N intermediate)?
+template <class N, class Key>
+constexpr bool has_square() {
+  bool found = false;
+  detail::visit_types<N>([&]<class X>() {
+    if constexpr (X::shape::rank == 2)
+      found = found || (std::is_same_v<typename X::shape::rows, Key> && std::is_same_v<typename X::shape::cols, Key>);
+  });
+  return found;
+}
+template <class N>
+constexpr bool has_select() {
+  bool found = false;
+  detail::visit_types<N>([&]<class X>() { found = found || is_select_op<typename X::op_type>; });
+  return found;
+}
+
+}  // namespace lina

@@ -1,0 +1,249 @@
+// A small term-rewriting engine over node trees, in the style of Halide's
+// rewrite tables: a rule is (pattern, replacement, condition); patterns are
+// ordinary expressions built with the DSL over pattern variables x_, y_, z_;
+// rules are tried in order and the first match wins; rewriting goes bottom-up
+// to a fixed point, with a static_assert on the number of rounds.
+//
+//   rule(transpose(transpose(x_)), x_)
+//   rule(transpose(x_ * y_),       transpose(y_) * transpose(x_))
+//   rule(causal(s_ * x_),          s_ * causal(x_))
+//
+// Matching is decided on types alone (Hana's optional: just/nothing are
+// distinct types), so which rule fires is known at compile time; the values
+// carried along are the few scalars nodes hold (scale factors, eps).
+#pragma once
+
+#include <boost/hana/at_key.hpp>
+#include <boost/hana/bool.hpp>
+#include <boost/hana/integral_constant.hpp>
+#include <boost/hana/map.hpp>
+#include <boost/hana/optional.hpp>
+#include <boost/hana/pair.hpp>
+#include <boost/hana/tuple.hpp>
+#include <boost/hana/size.hpp>
+#include <boost/hana/union.hpp>
+#include <boost/hana/unpack.hpp>
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+
+#include "lina/node.hpp"
+
+namespace lina::rewrite {
+
+// ---- pattern variables -----------------------------------------------------
+// var<I>: matches any subexpression and binds it to I.
+template <int I>
+struct var {
+  static constexpr int index = I;
+  template <class...>
+  using shape_of = matrix_shape<any_dim, any_dim>;
+};
+// op_var<I, Op>: matches a node whose op is an Op (of any value) and binds the
+// op value to I, e.g. the factor of a scale or the eps of a normalize.
+template <class Op, class... S>
+struct shape_apply;
+template <class Op, class S>
+struct shape_apply<Op, S> {
+  using type = typename Op::template shape_of<S>;
+};
+template <class Op, class S1, class S2>
+struct shape_apply<Op, S1, S2> {
+  using type = typename Op::template shape_of<S1, S2>;
+};
+template <int I, class Op>
+struct op_var {
+  static constexpr int index = I;
+  using op = Op;
+  template <class... S>
+  using shape_of = typename shape_apply<Op, S...>::type;
+};
+// kind<I, Op>: matches any node whose op is an Op, whatever its kids (n-ary
+// nodes such as chain), and binds the whole node to I.
+template <int I, class Op>
+struct kind {
+  static constexpr int index = I;
+  using op = Op;
+  template <class...>
+  using shape_of = matrix_shape<any_dim, any_dim>;
+};
+
+template <class T>
+inline constexpr bool is_var = false;
+template <int I>
+inline constexpr bool is_var<var<I>> = true;
+template <class T>
+inline constexpr bool is_op_var = false;
+template <int I, class Op>
+inline constexpr bool is_op_var<op_var<I, Op>> = true;
+template <class T>
+inline constexpr bool is_kind = false;
+template <int I, class Op>
+inline constexpr bool is_kind<kind<I, Op>> = true;
+
+inline constexpr node<var<0>> x_{};
+inline constexpr node<var<1>> y_{};
+inline constexpr node<var<2>> z_{};
+
+// A scalar pattern: `s_ * x_` matches any scale node and binds its factor.
+template <int I>
+struct scalar_var {
+  template <class X>
+    requires is_node<X>
+  friend constexpr auto operator*(scalar_var, X const& x) {
+    return make_node(op_var<I, op::scale>{}, x);
+  }
+};
+inline constexpr scalar_var<10> s_{};
+inline constexpr scalar_var<11> t_{};
+
+// normalize_(x_) matches normalize with any eps, binding the op to 12.
+template <class X>
+constexpr auto normalize_(X const& x) {
+  return make_node(op_var<12, op::normalize>{}, x);
+}
+// any_node<Op>: matches any node of kind Op, bound to 13.
+template <class Op>
+inline constexpr node<kind<13, Op>> any_node{};
+
+// ---- bindings --------------------------------------------------------------
+template <int I, class B>
+constexpr auto const& get(B const& b) {
+  return b[hana::int_c<I>];
+}
+template <int I, class B>
+constexpr auto const& get(B const& b, node<var<I>>) {
+  return b[hana::int_c<I>];
+}
+
+// ---- matching --------------------------------------------------------------
+template <class P, class E>
+constexpr auto match(P const& p, E const& e);
+
+template <std::size_t I, std::size_t N, class Acc, class PK, class EK>
+constexpr auto match_kids(Acc const& acc, PK const& pk, EK const& ek) {
+  if constexpr (I == N) {
+    return hana::just(acc);
+  } else {
+    auto m = match(hana::at_c<I>(pk), hana::at_c<I>(ek));
+    if constexpr (decltype(hana::is_nothing(m))::value)
+      return hana::nothing;
+    else
+      return match_kids<I + 1, N>(hana::union_(acc, m.value()), pk, ek);
+  }
+}
+
+template <class P, class E>
+constexpr auto match(P const& p, E const& e) {
+  using POp = typename P::op_type;
+  using EOp = typename E::op_type;
+  if constexpr (is_var<POp>) {
+    return hana::just(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e)));
+  } else if constexpr (is_kind<POp>) {
+    if constexpr (std::is_same_v<typename POp::op, EOp>)
+      return hana::just(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e)));
+    else
+      return hana::nothing;
+  } else if constexpr (P::arity != E::arity) {
+    return hana::nothing;
+  } else if constexpr (is_op_var<POp>) {
+    if constexpr (std::is_same_v<typename POp::op, EOp>)
+      return match_kids<0, P::arity>(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e.op)), p.kids,
+                                     e.kids);
+    else
+      return hana::nothing;
+  } else if constexpr (std::is_same_v<POp, EOp>) {
+    return match_kids<0, P::arity>(hana::make_map(), p.kids, e.kids);
+  } else {
+    return hana::nothing;
+  }
+}
+
+// ---- substitution ----------------------------------------------------------
+template <class P, class B>
+constexpr auto subst(P const& p, B const& b) {
+  using POp = typename P::op_type;
+  if constexpr (is_var<POp> || is_kind<POp>) {
+    return b[hana::int_c<POp::index>];
+  } else {
+    auto op = [&] {
+      if constexpr (is_op_var<POp>)
+        return b[hana::int_c<POp::index>];
+      else
+        return p.op;
+    }();
+    return hana::unpack(p.kids, [&](auto const&... k) { return make_node(op, subst(k, b)...); });
+  }
+}
+
+// ---- rules -----------------------------------------------------------------
+struct always {
+  template <class B>
+  constexpr auto operator()(B const&) const {
+    return hana::true_c;
+  }
+};
+
+template <class Pattern, class Replacement, class Condition>
+struct rule_t {
+  Pattern pattern;
+  Replacement replacement;  // a pattern to substitute, or a callable on the bindings
+  Condition condition;      // callable on the bindings, returning a compile-time bool
+};
+
+template <class P, class R, class C = always>
+constexpr rule_t<P, R, C> rule(P p, R r, C c = {}) {
+  return {p, r, c};
+}
+
+template <class Rule, class E>
+constexpr auto try_rule(Rule const& r, E const& e) {
+  auto m = match(r.pattern, e);
+  if constexpr (decltype(hana::is_nothing(m))::value) {
+    return hana::nothing;
+  } else {
+    auto const& b = m.value();
+    if constexpr (!decltype(r.condition(b))::value) {
+      return hana::nothing;
+    } else if constexpr (is_node<std::remove_cvref_t<decltype(r.replacement)>>) {
+      return hana::just(subst(r.replacement, b));
+    } else {
+      return hana::just(r.replacement(b));
+    }
+  }
+}
+
+// First matching rule wins; nothing if none matches.
+template <std::size_t I, class Rules, class E>
+constexpr auto apply_first(Rules const& rules, E const& e) {
+  if constexpr (I == decltype(hana::size(rules))::value) {
+    return hana::nothing;
+  } else {
+    auto r = try_rule(hana::at_c<I>(rules), e);
+    if constexpr (decltype(hana::is_just(r))::value)
+      return r;
+    else
+      return apply_first<I + 1>(rules, e);
+  }
+}
+
+// Rounds of rewriting at one node before giving up: a rule table that cycles
+// is a bug in the table, reported here rather than as a compiler stack overflow.
+inline constexpr std::size_t max_rounds = 64;
+
+// Bottom-up to a fixed point: kids first, then the first matching rule at this
+// node, then again on what it produced.
+template <std::size_t Round = 0, class Rules, class E>
+constexpr auto rewrite(Rules const& rules, E const& e) {
+  static_assert(Round < max_rounds,
+                "lina: the rewrite rules did not reach a fixed point (a rule table cycles); "
+                "this is a bug in lina, please report the expression");
+  auto e1 = hana::unpack(e.kids, [&](auto const&... k) { return make_node(e.op, rewrite(rules, k)...); });
+  auto r = apply_first<0>(rules, e1);
+  if constexpr (decltype(hana::is_just(r))::value)
+    return rewrite<Round + 1>(rules, r.value());
+  else
+    return e1;
+}
+
+}  // namespace lina::rewrite

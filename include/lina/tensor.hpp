@@ -1,0 +1,140 @@
+// Host tensors of rank 4, [B, H, rows, cols] by index (batch, head, row, col).
+// tensor_view aliases caller memory with explicit strides (in elements), so the
+// [B,H,N,D] and [B,N,H,D] layouts bind without copies; tensor<T> owns a
+// contiguous [B,H,N,D] buffer. Inputs bind to expression symbols by name:
+// `Q = q` makes a binding<"Q", T>.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "lina/fixed_string.hpp"
+
+namespace lina {
+
+using shape4 = std::array<std::size_t, 4>;
+using strides4 = std::array<std::ptrdiff_t, 4>;
+
+template <class T>
+class tensor_view {
+ public:
+  using element_type_ = std::remove_const_t<T>;
+  tensor_view() = default;
+  tensor_view(T* data, shape4 shape, strides4 strides) : data_(data), shape_(shape), strides_(strides) {}
+  // A contiguous [B,H,N,D] view.
+  tensor_view(T* data, shape4 shape) : tensor_view(data, shape, contiguous_strides(shape)) {}
+
+  T* data() const noexcept { return data_; }
+  shape4 const& shape() const noexcept { return shape_; }
+  strides4 const& strides() const noexcept { return strides_; }
+  T& operator()(std::size_t b, std::size_t h, std::size_t n, std::size_t d) const noexcept {
+    return data_[static_cast<std::ptrdiff_t>(b) * strides_[0] + static_cast<std::ptrdiff_t>(h) * strides_[1] +
+                 static_cast<std::ptrdiff_t>(n) * strides_[2] + static_cast<std::ptrdiff_t>(d) * strides_[3]];
+  }
+  operator tensor_view<T const>() const
+    requires(!std::is_const_v<T>)
+  {
+    return {data_, shape_, strides_};
+  }
+
+  static strides4 contiguous_strides(shape4 s) {
+    return {static_cast<std::ptrdiff_t>(s[1] * s[2] * s[3]), static_cast<std::ptrdiff_t>(s[2] * s[3]),
+            static_cast<std::ptrdiff_t>(s[3]), 1};
+  }
+
+ private:
+  T* data_ = nullptr;
+  shape4 shape_{0, 0, 0, 0};
+  strides4 strides_{0, 0, 0, 0};
+};
+
+template <class T>
+class tensor {
+  static_assert(std::is_floating_point_v<T>, "lina::tensor<T>: T must be float or double");
+
+ public:
+  tensor() = default;
+  explicit tensor(shape4 shape, T fill = T(0))
+      : shape_(shape), data_(shape[0] * shape[1] * shape[2] * shape[3], fill) {}
+
+  // Uniform in [-1, 1) from a fixed generator (splitmix64), identical on every
+  // platform, so tests and examples are reproducible.
+  static tensor random(shape4 shape, std::uint64_t seed) {
+    tensor t(shape);
+    std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+    for (auto& x : t.data_) {
+      std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z ^= z >> 31;
+      x = static_cast<T>(static_cast<double>(z >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+    }
+    return t;
+  }
+
+  shape4 const& shape() const noexcept { return shape_; }
+  std::size_t size() const noexcept { return data_.size(); }
+  T* data() noexcept { return data_.data(); }
+  T const* data() const noexcept { return data_.data(); }
+  T& operator()(std::size_t b, std::size_t h, std::size_t n, std::size_t d) noexcept {
+    return data_[((b * shape_[1] + h) * shape_[2] + n) * shape_[3] + d];
+  }
+  T const& operator()(std::size_t b, std::size_t h, std::size_t n, std::size_t d) const noexcept {
+    return data_[((b * shape_[1] + h) * shape_[2] + n) * shape_[3] + d];
+  }
+  tensor_view<T> view() noexcept { return {data_.data(), shape_}; }
+  tensor_view<T const> view() const noexcept { return {data_.data(), shape_}; }
+  operator tensor_view<T>() noexcept { return view(); }
+  operator tensor_view<T const>() const noexcept { return view(); }
+
+ private:
+  shape4 shape_{0, 0, 0, 0};
+  std::vector<T> data_;
+};
+
+template <class T>
+tensor_view<T const> view_of(tensor<T> const& t) {
+  return t.view();
+}
+template <class T>
+tensor_view<T const> view_of(tensor_view<T> const& t) {
+  return t;
+}
+
+// Largest |a - b| over all elements of two tensors or views of equal shape;
+// NaN if either holds a NaN (so a NaN is never hidden by a comparison).
+template <class A, class B>
+double max_abs_diff(A const& a, B const& b) {
+  auto va = view_of(a);
+  auto vb = view_of(b);
+  if (va.shape() != vb.shape()) throw std::invalid_argument("lina::max_abs_diff: the shapes differ");
+  double m = 0;
+  auto const& s = va.shape();
+  for (std::size_t i = 0; i < s[0]; ++i)
+    for (std::size_t j = 0; j < s[1]; ++j)
+      for (std::size_t k = 0; k < s[2]; ++k)
+        for (std::size_t l = 0; l < s[3]; ++l) {
+          double d = std::abs(static_cast<double>(va(i, j, k, l)) - static_cast<double>(vb(i, j, k, l)));
+          if (std::isnan(d)) return std::numeric_limits<double>::quiet_NaN();
+          m = std::max(m, d);
+        }
+  return m;
+}
+
+// `Q = q`: a tensor bound to the input symbol Q for one evaluation.
+template <fixed_string Name, class T>
+struct binding {
+  static constexpr auto name = Name;
+  using value_type = std::remove_const_t<T>;
+  tensor_view<T const> view;
+};
+
+}  // namespace lina
