@@ -201,7 +201,7 @@ constexpr void visit_types_impl(node<Op, K...>*, F& f) {
 }
 template <class N, class F>
 constexpr void visit_types(F&& f) {
-  visit_types_impl(static_cast<N*>(nullptr), f);
+  visit_types_impl(static_cast<std::remove_cvref_t<N>*>(nullptr), f);
 }
 
 template <class N>
@@ -222,7 +222,7 @@ struct dims_of_inputs<type_list<I...>> {
 }  // namespace detail
 
 template <class N>
-using inputs_of = typename detail::inputs_of<N>::type;
+using inputs_of = typename detail::inputs_of<std::remove_cvref_t<N>>::type;
 template <class N>
 using dims_of = typename detail::dims_of_inputs<inputs_of<N>>::type;
 

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 
 #include "lina/dims.hpp"
@@ -121,7 +122,7 @@ template <class Plan, class... B>
 auto bind(B const&... bs) {
   using inputs = inputs_of<Plan>;
   static_assert(sizeof...(B) > 0, "lina: evaluate needs the plan's inputs bound, e.g. Q = q, K = k, V = v");
-  using T = std::common_type_t<typename B::value_type...>;
+  using T = typename std::tuple_element_t<0, std::tuple<B...>>::value_type;
   static_assert(diagnose::binding_element_types<(std::is_same_v<T, typename B::value_type> && ...)>::ok || true);
   static_assert((diagnose::binding_symbol<B::name, detail::names_an_input<B::name, inputs>::value>::ok && ...) || true);
 
@@ -134,7 +135,9 @@ auto bind(B const&... bs) {
     auto one = [&]<class In>() {
       constexpr std::size_t pos = detail::binding_position<In::name, B...>();
       if constexpr (pos < sizeof...(B)) {
-        tensor_view<T const> v = std::get<pos>(std::forward_as_tuple(bs...)).view;
+        auto const& bound = std::get<pos>(std::forward_as_tuple(bs...));
+        tensor_view<T const> v;
+        if constexpr (std::is_same_v<decltype(bound.view), tensor_view<T const>>) v = bound.view;  // else: diagnosed above
         std::string symbol(In::name.view());
         if (first) {
           r.batch = v.shape()[0];

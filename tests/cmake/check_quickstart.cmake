@@ -1,0 +1,15 @@
+# Run the README's program and check that its two orderings agree below 1e-4.
+execute_process(COMMAND ${EXE} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "quickstart failed (${rc}):\n${out}${err}")
+endif()
+message("${out}")
+if(NOT out MATCHES "max \\|a-b\\| = ([0-9.eE+-]+)")
+  message(FATAL_ERROR "quickstart did not print 'max |a-b| = <number>'")
+endif()
+set(diff ${CMAKE_MATCH_1})
+# CMake compares numbers as doubles only in plain notation; scale first.
+execute_process(COMMAND awk "BEGIN { exit !(${diff} < 1e-4) }" RESULT_VARIABLE below)
+if(NOT below EQUAL 0)
+  message(FATAL_ERROR "max |a-b| = ${diff} is not below 1e-4")
+endif()

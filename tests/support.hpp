@@ -1,0 +1,86 @@
+// Helpers shared by the tests: random shapes, independent reference loops
+// (written here, not with lina), and error bounds.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <lina/tensor.hpp>
+#include <vector>
+
+namespace test {
+
+// Small deterministic generator for shapes and seeds.
+struct rng {
+  std::uint64_t s;
+  std::uint64_t next() {
+    s += 0x9E3779B97F4A7C15ull;
+    std::uint64_t z = s;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  std::size_t in(std::size_t lo, std::size_t hi) { return lo + next() % (hi - lo + 1); }
+};
+
+// A sequence length in [1, 1000], mostly short so the quadratic oracles stay quick.
+inline std::size_t length(rng& r) {
+  switch (r.next() % 4) {
+    case 0: return r.in(1, 8);
+    case 1: return r.in(9, 100);
+    case 2: return r.in(101, 400);
+    default: return r.in(401, 1000);
+  }
+}
+
+template <class T>
+double max_abs(lina::tensor<T> const& t) {
+  double m = 0;
+  for (std::size_t i = 0; i < t.size(); ++i) m = std::max(m, std::abs(static_cast<double>(t.data()[i])));
+  return m;
+}
+
+// Rounding bound for results made of sums of `terms` products, compared
+// with a double-precision reference of magnitude `scale`: a sum of n rounded
+// terms of random sign errs by about sqrt(n) eps scale; the factor 2 covers
+// the rounding of the reference's and the plan's own summation orders. (The
+// tests print their largest error / bound, about 0.1 at these sizes.)
+template <class T>
+double rounding_bound(double terms, double scale) {
+  return 2.0 * std::sqrt(std::max(terms, 1.0)) * std::numeric_limits<T>::epsilon() * std::max(scale, 1.0);
+}
+
+// Causal or full attention for one (b, h), in double, straight from the
+// definition: out_i = sum_j s(i,j) v_j / (sum_j s(i,j) + eps) (or without the
+// division), s(i,j) = phi(q_i) . phi(k_j), j <= i when causal.
+template <class T, class Phi>
+lina::tensor<double> reference_attention(lina::tensor<T> const& q, lina::tensor<T> const& k, lina::tensor<T> const& v,
+                                         Phi phi, bool causal, bool normalized, double eps = 1e-6) {
+  auto const& s = q.shape();
+  std::size_t n = s[2], d = s[3], m = v.shape()[3];
+  lina::tensor<double> out({s[0], s[1], n, m});
+  for (std::size_t b = 0; b < s[0]; ++b)
+    for (std::size_t h = 0; h < s[1]; ++h)
+      for (std::size_t i = 0; i < n; ++i) {
+        std::vector<double> num(m, 0.0);
+        double den = 0;
+        for (std::size_t j = 0; j < (causal ? i + 1 : n); ++j) {
+          double sim = 0;
+          for (std::size_t c = 0; c < d; ++c) sim += phi(static_cast<double>(q(b, h, i, c))) * phi(static_cast<double>(k(b, h, j, c)));
+          den += sim;
+          for (std::size_t e = 0; e < m; ++e) num[e] += sim * static_cast<double>(v(b, h, j, e));
+        }
+        for (std::size_t e = 0; e < m; ++e) out(b, h, i, e) = normalized ? num[e] / (den + eps) : num[e];
+      }
+  return out;
+}
+
+template <class T>
+lina::tensor<T> cast(lina::tensor<double> const& t) {
+  lina::tensor<T> r(t.shape());
+  for (std::size_t i = 0; i < t.size(); ++i) r.data()[i] = static_cast<T>(t.data()[i]);
+  return r;
+}
+
+}  // namespace test

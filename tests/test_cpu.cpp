@@ -1,0 +1,220 @@
+// The CPU backend, as properties over random shapes and signed inputs:
+// linear and quadratic plans agree with each other and with the expression
+// evaluated as written; causal plans agree with a masked loop written here;
+// normalize behaves as a weighted average; layouts bind without copies.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <lina/cpu.hpp>
+#include <lina/lina.hpp>
+
+#include "support.hpp"
+
+using namespace lina;
+
+namespace {
+
+constexpr auto N = dim<"N">;
+constexpr auto D = dim<"D">;  // dynamic, so shapes can be random
+constexpr auto M = dim<"M">;
+constexpr auto Q = input<"Q">(N, D);
+constexpr auto K = input<"K">(N, D);
+constexpr auto V = input<"V">(N, M);
+
+struct shape {
+  std::size_t b, h, n, d, m;
+};
+
+shape random_shape(test::rng& r) {
+  shape s{r.in(1, 2), r.in(1, 3), test::length(r), r.in(1, 24), 0};
+  do s.m = r.in(1, 24);
+  while (s.m == s.d);
+  return s;
+}
+
+// Evaluate the expression as written, its quadratic and its linear plan, and
+// compare them with the independent reference loop (in double).
+template <class T, class Map, class Expr>
+void check_orders(Expr const& expr, bool causal, bool normalized, std::uint64_t seed) {
+  test::rng r{seed};
+  double worst = 0;  // largest error / bound seen, reported to show the bound is not slack
+  for (int trial = 0; trial < 12; ++trial) {
+    shape s = random_shape(r);
+    auto q = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto k = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto v = tensor<T>::random({s.b, s.h, s.n, s.m}, r.next());
+    auto ref = test::reference_attention(q, k, v, [](double x) { return Map::value(x); }, causal, normalized);
+    auto as_written = cpu::evaluate(expr, Q = q, K = k, V = v);
+    auto quadratic = cpu::evaluate(compile<order::quadratic>(expr), Q = q, K = k, V = v);
+    auto linear = cpu::evaluate(compile<order::linear>(expr), Q = q, K = k, V = v);
+    auto automatic = cpu::evaluate(compile(expr), Q = q, K = k, V = v);
+    // Terms per output: n similarities of d products each, times v. Unnormalised
+    // sums scale with their size; normalised ones are averages of v (|v| < 1).
+    double scale = normalized ? 1.0 : test::max_abs(ref);
+    double bound = test::rounding_bound<T>(static_cast<double>(s.n * s.d), scale);
+    CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    for (auto const* out : {&as_written, &quadratic, &linear, &automatic}) {
+      double err = max_abs_diff(*out, ref);
+      CHECK(err <= bound);
+      worst = std::max(worst, err / bound);
+    }
+  }
+  MESSAGE("largest error / bound: " << worst);
+}
+
+double elu1(double x) { return elu_plus_one::value(x); }
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("causal normalised attention: scan = masked quadratic = as written", T, float, double) {
+  constexpr auto e = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+  check_orders<T, elu_plus_one>(e, true, true, 1);
+}
+
+TEST_CASE_TEMPLATE("non-causal normalised attention: both orders agree", T, float, double) {
+  constexpr auto e = normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V;
+  check_orders<T, elu_plus_one>(e, false, true, 2);
+}
+
+TEST_CASE_TEMPLATE("unnormalised attention, signed maps: both orders agree", T, float, double) {
+  check_orders<T, identity>(causal(phi<identity>(Q) * transpose(phi<identity>(K))) * V, true, false, 3);
+  check_orders<T, identity>(Q * transpose(K) * V, false, false, 4);
+  check_orders<T, relu>(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, true, false, 5);
+  check_orders<T, relu>(phi<relu>(Q) * transpose(phi<relu>(K)) * V, false, false, 6);
+}
+
+TEST_CASE_TEMPLATE("normalize: constant rows of V come out unchanged", T, float, double) {
+  constexpr auto e = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+  test::rng r{7};
+  for (int trial = 0; trial < 6; ++trial) {
+    shape s = random_shape(r);
+    auto q = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto k = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
+    tensor<T> v({s.b, s.h, s.n, s.m}, T(0.625));
+    for (auto const& out : {cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v),
+                            cpu::evaluate(compile<order::quadratic>(e), Q = q, K = k, V = v)}) {
+      // out = c den / (den + eps), den >= n_i d e^-1 > 0.3: |out - c| < c eps / 0.3 + rounding
+      double err = 0;
+      for (std::size_t i = 0; i < out.size(); ++i) err = std::max(err, std::abs(double(out.data()[i]) - 0.625));
+      CHECK(err <= 0.625 * 1e-6 / 0.3 + test::rounding_bound<T>(double(s.n * s.d), 1.0));
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("denominators stay positive for positive maps", T, float, double) {
+  // With V = 1 the unnormalised causal product is the normaliser itself.
+  test::rng r{8};
+  for (int trial = 0; trial < 6; ++trial) {
+    shape s = random_shape(r);
+    auto q = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto k = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
+    tensor<T> ones({s.b, s.h, s.n, 1}, T(1));
+    auto elu_den = cpu::evaluate(compile(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V),
+                                 Q = q, K = k, V = ones);
+    auto relu_den = cpu::evaluate(compile(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V), Q = q, K = k, V = ones);
+    for (std::size_t i = 0; i < elu_den.size(); ++i) {
+      CHECK(elu_den.data()[i] > T(0));
+      CHECK(relu_den.data()[i] >= T(0));
+    }
+  }
+}
+
+TEST_CASE("softmax attention (exp) matches its definition") {
+  constexpr auto e = normalize(exp((Q * transpose(K)) * 0.25)) * V;
+  test::rng r{9};
+  for (int trial = 0; trial < 6; ++trial) {
+    shape s = random_shape(r);
+    auto q = tensor<double>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto k = tensor<double>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto v = tensor<double>::random({s.b, s.h, s.n, s.m}, r.next());
+    auto out = cpu::evaluate(compile(e), Q = q, K = k, V = v);
+    tensor<double> ref({s.b, s.h, s.n, s.m});
+    for (std::size_t b = 0; b < s.b; ++b)
+      for (std::size_t h = 0; h < s.h; ++h)
+        for (std::size_t i = 0; i < s.n; ++i) {
+          double den = 0;
+          std::vector<double> num(s.m, 0.0);
+          for (std::size_t j = 0; j < s.n; ++j) {
+            double dot = 0;
+            for (std::size_t c = 0; c < s.d; ++c) dot += q(b, h, i, c) * k(b, h, j, c);
+            double w = std::exp(0.25 * dot);
+            den += w;
+            for (std::size_t x = 0; x < s.m; ++x) num[x] += w * v(b, h, j, x);
+          }
+          for (std::size_t x = 0; x < s.m; ++x) ref(b, h, i, x) = num[x] / (den + 1e-6);
+        }
+    CHECK(max_abs_diff(out, ref) <= test::rounding_bound<double>(double(s.n * s.d), 1.0));
+  }
+}
+
+TEST_CASE("scaled, chained and transposed expressions agree with their as-written evaluation") {
+  constexpr auto P = dim<"P">;
+  constexpr auto W = input<"W">(M, P);
+  constexpr auto fQ = phi<elu_plus_one>(Q);
+  constexpr auto fK = phi<elu_plus_one>(K);
+  test::rng r{10};
+  for (int trial = 0; trial < 6; ++trial) {
+    shape s = random_shape(r);
+    std::size_t p = r.in(1, 9);
+    auto q = tensor<double>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto k = tensor<double>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto v = tensor<double>::random({s.b, s.h, s.n, s.m}, r.next());
+    auto w = tensor<double>::random({s.b, s.h, s.m, p}, r.next());
+    auto agree = [&](auto const& expr) {
+      auto ref = cpu::evaluate(expr, Q = q, K = k, V = v, W = w);
+      double bound = test::rounding_bound<double>(double(s.n * s.d * s.m), test::max_abs(ref));
+      CHECK(max_abs_diff(cpu::evaluate(compile<order::linear>(expr), Q = q, K = k, V = v, W = w), ref) <= bound);
+      CHECK(max_abs_diff(cpu::evaluate(compile<order::quadratic>(expr), Q = q, K = k, V = v, W = w), ref) <= bound);
+    };
+    agree(0.5 * causal(fQ * transpose(2.0 * fK)) * V * W);
+    agree(normalize(causal(fQ * transpose(fK))) * (V * W));
+    agree(transpose(transpose(V * W) * transpose(fQ * transpose(fK))));
+    agree(fQ * (transpose(fK) * V) * W / 3.0);
+  }
+}
+
+TEST_CASE_TEMPLATE("[B,N,H,D] views bind without copies and give the same result", T, float, double) {
+  constexpr auto e = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+  std::size_t b = 2, h = 3, n = 37, d = 5, m = 7;
+  auto q = tensor<T>::random({b, h, n, d}, 1), k = tensor<T>::random({b, h, n, d}, 2);
+  auto v = tensor<T>::random({b, h, n, m}, 3);
+  // The same numbers stored [B,N,H,*].
+  auto to_bnhd = [&](tensor<T> const& t) {
+    auto s = t.shape();
+    std::vector<T> buf(t.size());
+    for (std::size_t i = 0; i < s[0]; ++i)
+      for (std::size_t j = 0; j < s[1]; ++j)
+        for (std::size_t x = 0; x < s[2]; ++x)
+          for (std::size_t y = 0; y < s[3]; ++y) buf[((i * s[2] + x) * s[1] + j) * s[3] + y] = t(i, j, x, y);
+    return buf;
+  };
+  auto qb = to_bnhd(q), kb = to_bnhd(k), vb = to_bnhd(v);
+  auto strides = [&](std::size_t last) {
+    return strides4{std::ptrdiff_t(n * h * last), std::ptrdiff_t(last), std::ptrdiff_t(h * last), 1};
+  };
+  tensor_view<T> qv(qb.data(), {b, h, n, d}, strides(d)), kv(kb.data(), {b, h, n, d}, strides(d));
+  tensor_view<T> vv(vb.data(), {b, h, n, m}, strides(m));
+  auto plan = compile(e);
+  auto expected = cpu::evaluate(plan, Q = q, K = k, V = v);
+  CHECK(max_abs_diff(cpu::evaluate(plan, Q = qv, K = kv, V = vv), expected) == 0);
+  // And into a [B,N,H,M] output.
+  std::vector<T> ob(b * n * h * m, T(-7));
+  tensor_view<T> ov(ob.data(), {b, h, n, m}, strides(m));
+  cpu::evaluate_into(plan, ov, Q = qv, K = kv, V = vv);
+  CHECK(max_abs_diff(ov, expected) == 0);
+}
+
+TEST_CASE("the README program: static D and M, dynamic N") {
+  constexpr auto Ds = dim<"D", 32>;
+  constexpr auto Ms = dim<"M", 16>;
+  constexpr auto Qs = input<"Q">(N, Ds);
+  constexpr auto Ks = input<"K">(N, Ds);
+  constexpr auto Vs = input<"V">(N, Ms);
+  constexpr auto attn = normalize(causal(phi<elu_plus_one>(Qs) * transpose(phi<elu_plus_one>(Ks)))) * Vs;
+  for (std::size_t n : {1u, 22u, 23u, 24u, 100u}) {  // both sides of the select threshold
+    auto q = tensor<float>::random({2, 3, n, 32}, 1), k = tensor<float>::random({2, 3, n, 32}, 2);
+    auto v = tensor<float>::random({2, 3, n, 16}, 3);
+    auto ref = test::reference_attention(q, k, v, elu1, true, true);
+    CHECK(max_abs_diff(cpu::evaluate(compile(attn), Qs = q, Ks = k, Vs = v), ref) < 1e-5);
+  }
+}
