@@ -218,3 +218,18 @@ TEST_CASE("the README program: static D and M, dynamic N") {
     CHECK(max_abs_diff(cpu::evaluate(compile(attn), Qs = q, Ks = k, Vs = v), ref) < 1e-5);
   }
 }
+
+namespace {
+// The user-defined map of docs/dsl.md, verbatim.
+struct softplus {
+  static constexpr std::string_view name = "softplus";
+  template <class T> static T value(T x) { return std::log1p(std::exp(x)); }
+  template <class T> static T derivative(T x) { return 1 / (1 + std::exp(-x)); }
+};
+}  // namespace
+
+TEST_CASE_TEMPLATE("a user-defined feature map works like a built-in one", T, float, double) {
+  static_assert(concepts::feature_map<softplus>);
+  check_orders<T, softplus>(normalize(causal(phi<softplus>(Q) * transpose(phi<softplus>(K)))) * V, true, true, 11);
+  check_orders<T, softplus>(phi<softplus>(Q) * transpose(phi<softplus>(K)) * V, false, false, 12);
+}
