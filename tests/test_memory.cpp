@@ -6,6 +6,10 @@
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 using namespace lina;
 
 namespace {
@@ -40,4 +44,41 @@ TEST_CASE("a linear plan allocates no N x N and nothing beyond N x max(C, M+1)")
 TEST_CASE("the counters see the quadratic plan's N x N similarity") {
   std::size_t n = 1000;
   CHECK(largest_allocation(compile<order::quadratic>(attn), n) == n * n * sizeof(float));
+}
+
+namespace {
+struct backward_memory {
+  std::size_t largest, peak;
+};
+template <class Plan>
+backward_memory backward_allocations(Plan const& plan, std::size_t n) {
+  auto q = tensor<float>::random({1, 2, n, 16}, 1), k = tensor<float>::random({1, 2, n, 16}, 2);
+  auto v = tensor<float>::random({1, 2, n, 8}, 3), dout = tensor<float>::random({1, 2, n, 8}, 4);
+  cpu::memory().reset();
+  auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  return {cpu::memory().largest, cpu::memory().peak};
+}
+}  // namespace
+
+TEST_CASE("the linear backward needs O(N (C + M)) extra memory, no N x N, no per-step state") {
+  auto plan = compile<order::linear>(attn);
+  std::size_t threads = 2;  // at most two slices are in flight on this machine; more only raises the bound
+#ifdef _OPENMP
+  threads = static_cast<std::size_t>(omp_get_max_threads());
+#endif
+  for (std::size_t n : {2000u, 8000u}) {
+    auto mem = backward_allocations(plan, n);
+    // The largest temporary is one N x max(C, M+1) matrix (φ(Q), [V|1], ...);
+    // a per-step state cache would be N x C x (M+1), 9x larger, and N x N, 125x.
+    CHECK(mem.largest <= n * 16 * sizeof(float));
+    // At most 8 such matrices are alive at once in a slice (the deepest
+    // gradient, ∂K, holds [V|1], φ(Q), φ(K), the recomputed forward, rowdiv′,
+    // its own result and φ′'s input), plus the scan state.
+    CHECK(mem.peak <= threads * (8 * n * 17 * sizeof(float) + 16 * 17 * sizeof(float)));
+    CHECK(cpu::memory().live == 0);
+  }
+}
+
+TEST_CASE("the quadratic backward does materialise N x N") {
+  CHECK(backward_allocations(compile<order::quadratic>(attn), 1000).largest == 1000 * 1000 * sizeof(float));
 }

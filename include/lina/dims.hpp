@@ -148,6 +148,14 @@ struct matrix_shape {
   using rows = R;
   using cols = C;
 };
+// The shape of rewrite-pattern variables: whatever is asked of it matches.
+struct any_shape {
+  static constexpr int rank = 0;
+  using rows = any_dim;
+  using cols = any_dim;
+  using a = any_dim;
+  using b = any_dim;
+};
 template <class R, class A, class B>
 struct row_seq_shape {
   static constexpr int rank = 3;

@@ -16,7 +16,10 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
+#include "lina/feature_maps.hpp"
 #include "lina/node.hpp"
 
 namespace lina {
@@ -24,10 +27,26 @@ namespace detail {
 
 enum class prec { sum = 1, product = 2, atom = 3 };
 
+// Names given to repeated subtrees when a backward plan is printed; null
+// when printing plainly.
+struct print_names {
+  std::vector<std::pair<std::string, std::string>> named;  // (plain form, name)
+  std::string const* find(std::string const& plain) const {
+    for (auto const& [p, n] : named)
+      if (p == plain) return &n;
+    return nullptr;
+  }
+};
+inline thread_local print_names const* active_names = nullptr;
+
 template <class N>
 constexpr prec precedence() {
   using Op = typename N::op_type;
-  if constexpr (std::is_same_v<Op, op::product> || std::is_same_v<Op, op::scale> || std::is_same_v<Op, op::outer_rows>)
+  if constexpr (std::is_same_v<Op, op::add>)
+    return prec::sum;
+  else if constexpr (std::is_same_v<Op, op::product> || std::is_same_v<Op, op::scale> ||
+                     std::is_same_v<Op, op::outer_rows> || std::is_same_v<Op, op::hadamard> ||
+                     requires { typename Op::vjp_of; })
     return prec::product;
   else
     return prec::atom;
@@ -57,7 +76,25 @@ void print_call(std::string_view name, N const& n, std::string& out) {
 }
 
 template <class N>
+void print_node(N const& n, std::string& out);
+
+template <class N>
 void print(N const& n, std::string& out) {
+  if (active_names) {  // a named subtree prints as its name
+    print_names const* names = std::exchange(active_names, nullptr);
+    std::string plain;
+    print_node(n, plain);
+    active_names = names;
+    if (auto const* name = names->find(plain)) {
+      out += *name;
+      return;
+    }
+  }
+  print_node(n, out);
+}
+
+template <class N>
+void print_node(N const& n, std::string& out) {
   using Op = typename N::op_type;
   if constexpr (is_input_op_v<Op>) {
     out += Op::name.view();
@@ -65,6 +102,31 @@ void print(N const& n, std::string& out) {
     out += "φ(";
     print(kid<0>(n), out);
     out += ')';
+  } else if constexpr (requires { typename Op::vjp_of; }) {  // phi_vjp
+    if constexpr (concepts::elementwise_map<typename Op::vjp_of>) {
+      out += "φ′(";
+      print(kid<0>(n), out);
+      out += ")⊙";
+      print_kid(kid<1>(n), out, prec::atom);
+    } else {
+      print_call("φ_vjp", n, out);
+    }
+  } else if constexpr (std::is_same_v<Op, op::hadamard>) {
+    print_kid(kid<0>(n), out, prec::atom);
+    out += "⊙";
+    print_kid(kid<1>(n), out, prec::atom);
+  } else if constexpr (std::is_same_v<Op, op::add>) {
+    print_kid(kid<0>(n), out, prec::sum);
+    out += " + ";
+    print_kid(kid<1>(n), out, prec::product);
+  } else if constexpr (std::is_same_v<Op, op::drop_last>) {
+    print_call("dropcol", n, out);
+  } else if constexpr (std::is_same_v<Op, op::row_divide_vjp>) {
+    print_call("rowdiv′", n, out);
+  } else if constexpr (std::is_same_v<Op, op::normalize_vjp>) {
+    print_call("normalize′", n, out);
+  } else if constexpr (std::is_same_v<Op, op::bundle>) {
+    print_call("bundle", n, out);
   } else if constexpr (std::is_same_v<Op, op::transpose>) {
     print_kid(kid<0>(n), out, prec::atom);
     out += "ᵀ";
@@ -109,7 +171,7 @@ void print(N const& n, std::string& out) {
   } else if constexpr (std::is_same_v<Op, op::contract_rows>) {
     print_call("contract", n, out);
   } else {
-    print_call(Op::print_name, n, out);  // ops added later name themselves
+    static_assert(detail::always_false<Op>, "lina: no printed form for this op");
   }
 }
 
@@ -120,7 +182,9 @@ template <class N>
   requires is_node<N>
 std::string to_string(N const& n) {
   std::string s;
+  auto const* names = std::exchange(detail::active_names, nullptr);
   detail::print(n, s);
+  detail::active_names = names;
   return s;
 }
 

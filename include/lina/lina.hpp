@@ -9,6 +9,7 @@
 #include "lina/expr.hpp"
 #include "lina/feature_maps.hpp"
 #include "lina/format.hpp"
+#include "lina/gradient.hpp"
 #include "lina/node.hpp"
 #include "lina/rewrite.hpp"
 #include "lina/tensor.hpp"

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "lina/dims.hpp"
 #include "lina/fixed_string.hpp"
@@ -65,11 +66,13 @@ struct causal {
 // Row normalisation: S_ij / (sum_k S_ik + eps).
 struct normalize {
   double eps = 1e-6;
+  friend constexpr bool operator==(normalize const&, normalize const&) = default;
   template <class X>
   using shape_of = X;
 };
 struct scale {
   double factor = 1;
+  friend constexpr bool operator==(scale const&, scale const&) = default;
   template <class X>
   using shape_of = X;
 };
@@ -98,6 +101,7 @@ struct append_ones {
 // the numerator/denominator split of normalize(S)*V computed in one pass.
 struct row_divide {
   double eps = 1e-6;
+  friend constexpr bool operator==(row_divide const&, row_divide const&) = default;
   template <class X>
   using shape_of = matrix_shape<rows_of<X>, minus_one_t<cols_of<X>>>;
 };
@@ -125,6 +129,48 @@ struct contract_rows {
   template <class A, class S>
   using shape_of = matrix_shape<rows_of<A>, typename S::b>;
 };
+
+// ---- backward vocabulary (what gradient() adds) -------------------------------
+// Row-wise vector-Jacobian product of φ: J_φ(X_i)^T G_i (φ'(X) ⊙ G when element-wise).
+template <class Map>
+struct phi_vjp {
+  using vjp_of = Map;
+  template <class X, class G>
+  using shape_of = X;
+};
+// The adjoint of normalize(S) at cotangent G: G_ij / d_i - (sum_k G_ik S_ik) / d_i^2.
+struct normalize_vjp {
+  double eps = 1e-6;
+  friend constexpr bool operator==(normalize_vjp const&, normalize_vjp const&) = default;
+  template <class S, class G>
+  using shape_of = S;
+};
+// The adjoint of row_divide(Y) at cotangent G: G_e / d for the leading columns,
+// -sum_e G_e Y_e / d^2 for the last one (d = last column + eps).
+struct row_divide_vjp {
+  double eps = 1e-6;
+  friend constexpr bool operator==(row_divide_vjp const&, row_divide_vjp const&) = default;
+  template <class Y, class G>
+  using shape_of = Y;
+};
+struct hadamard {  // element-wise product
+  template <class A, class B>
+  using shape_of = A;
+};
+struct drop_last {  // X without its last column
+  template <class X>
+  using shape_of = matrix_shape<rows_of<X>, minus_one_t<cols_of<X>>>;
+};
+struct add {
+  template <class A, class B>
+  using shape_of = A;
+};
+// Several plans evaluated together (the gradients of one backward plan).
+struct bundle {
+  template <class First, class...>
+  using shape_of = First;
+};
+
 // Run-time choice: the first kid while extent(Key) < Threshold, else the second.
 template <class Key, std::size_t Threshold>
 struct select {
@@ -173,6 +219,21 @@ constexpr auto const& kid(N const& n) {
   return hana::at_c<I>(n.kids);
 }
 
+// Two nodes of one type are the same computation when their ops carry the
+// same values (scale factors, eps) all the way down.
+template <class Op, class... K>
+constexpr bool same_value(node<Op, K...> const& a, node<Op, K...> const& b) {
+  bool ops = [&] {
+    if constexpr (std::is_empty_v<Op>)
+      return true;
+    else
+      return a.op == b.op;
+  }();
+  return ops && [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return (same_value(hana::at_c<I>(a.kids), hana::at_c<I>(b.kids)) && ...);
+  }(std::index_sequence_for<K...>{});
+}
+
 template <class T>
 inline constexpr bool is_node = false;
 template <class Op, class... K>
@@ -182,6 +243,47 @@ template <class T>
 inline constexpr bool is_select_op = false;
 template <class K, std::size_t T>
 inline constexpr bool is_select_op<op::select<K, T>> = true;
+
+// Builders of plan nodes, spelled as in the printed notation; they take
+// pattern variables too, so rule tables can be written with them.
+namespace build {
+template <class B, class C>
+constexpr auto outer(B const& b, C const& c) {
+  return make_node(op::outer_rows{}, b, c);
+}
+template <class X>
+constexpr auto prefix(X const& x) {
+  return make_node(op::prefix_scan{}, x);
+}
+template <class X>
+constexpr auto suffix(X const& x) {
+  return make_node(op::suffix_scan{}, x);
+}
+template <class X>
+constexpr auto rows_transpose(X const& x) {
+  return make_node(op::transpose_rows{}, x);
+}
+template <class A, class S>
+constexpr auto contract(A const& a, S const& s) {
+  return make_node(op::contract_rows{}, a, s);
+}
+template <class X>
+constexpr auto ones_column(X const& x) {
+  return make_node(op::append_ones{}, x);
+}
+template <class X>
+constexpr auto drop_last(X const& x) {
+  return make_node(op::drop_last{}, x);
+}
+template <class A, class B>
+constexpr auto hadamard(A const& a, B const& b) {
+  return make_node(op::hadamard{}, a, b);
+}
+template <class A, class B>
+constexpr auto add(A const& a, B const& b) {
+  return make_node(op::add{}, a, b);
+}
+}  // namespace build
 
 namespace concepts {
 // A matrix-valued expression or plan.
@@ -223,6 +325,37 @@ struct dims_of_inputs<type_list<I...>> {
 
 template <class N>
 using inputs_of = typename detail::inputs_of<std::remove_cvref_t<N>>::type;
+
+namespace detail {
+// Every node type of a tree, with repetitions, parents first.
+template <class N>
+struct all_nodes;
+template <class Op, class... K>
+struct all_nodes<node<Op, K...>> {
+  using type = typename concat_lists<type_list<node<Op, K...>>, typename all_nodes<K>::type...>::type;
+};
+template <class List, class X>
+inline constexpr std::size_t count_in = 0;
+template <class... T, class X>
+inline constexpr std::size_t count_in<type_list<T...>, X> = (std::size_t(std::is_same_v<T, X>) + ... + 0);
+template <class All, class Rest>
+struct repeated_impl;
+template <class All>
+struct repeated_impl<All, type_list<>> {
+  using type = type_list<>;
+};
+template <class All, class X, class... R>
+struct repeated_impl<All, type_list<X, R...>> {
+  using rest = typename repeated_impl<All, type_list<R...>>::type;
+  using type = std::conditional_t<(count_in<All, X> >= 2), typename add_unique<rest, X>::type, rest>;
+};
+}  // namespace detail
+
+// Node types that occur more than once in N (candidates for sharing one evaluation).
+template <class N>
+using repeated_nodes =
+    typename detail::repeated_impl<typename detail::all_nodes<std::remove_cvref_t<N>>::type,
+                                   typename detail::all_nodes<std::remove_cvref_t<N>>::type>::type;
 template <class N>
 using dims_of = typename detail::dims_of_inputs<inputs_of<N>>::type;
 

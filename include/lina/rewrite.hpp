@@ -37,7 +37,7 @@ template <int I>
 struct var {
   static constexpr int index = I;
   template <class...>
-  using shape_of = matrix_shape<any_dim, any_dim>;
+  using shape_of = any_shape;
 };
 // op_var<I, Op>: matches a node whose op is an Op (of any value) and binds the
 // op value to I, e.g. the factor of a scale or the eps of a normalize.
@@ -65,7 +65,7 @@ struct kind {
   static constexpr int index = I;
   using op = Op;
   template <class...>
-  using shape_of = matrix_shape<any_dim, any_dim>;
+  using shape_of = any_shape;
 };
 
 template <class T>

@@ -1,7 +1,7 @@
 // Host tensors of rank 4, [B, H, rows, cols] by index (batch, head, row, col).
 // tensor_view aliases caller memory with explicit strides (in elements), so the
-// [B,H,N,D] and [B,N,H,D] layouts bind without copies; tensor<T> owns a
-// contiguous [B,H,N,D] buffer. Inputs bind to expression symbols by name:
+// [B,H,N,D] and [B,N,H,D] layouts bind without copies; tensor<T> owns a dense
+// buffer, contiguous [B,H,N,D] unless made `like` a view of another layout. Inputs bind to expression symbols by name:
 // `Q = q` makes a binding<"Q", T>.
 #pragma once
 
@@ -62,8 +62,29 @@ class tensor {
 
  public:
   tensor() = default;
+  // A contiguous [B,H,N,D] tensor.
   explicit tensor(shape4 shape, T fill = T(0))
-      : shape_(shape), data_(shape[0] * shape[1] * shape[2] * shape[3], fill) {}
+      : shape_(shape), strides_(tensor_view<T>::contiguous_strides(shape)), data_(count(shape), fill) {}
+
+  // A tensor with the shape of `v` whose memory is laid out in the same order
+  // as v's (densely): a [B,N,H,D] view gives a [B,N,H,D] tensor.
+  template <class U>
+  static tensor like(tensor_view<U> const& v, T fill = T(0)) {
+    tensor t;
+    t.shape_ = v.shape();
+    t.data_.assign(count(v.shape()), fill);
+    std::array<int, 4> dims{0, 1, 2, 3};  // innermost first after sorting
+    std::stable_sort(dims.begin(), dims.end(), [&](int a, int b) {
+      return std::abs(v.strides()[a]) < std::abs(v.strides()[b]) ||
+             (std::abs(v.strides()[a]) == std::abs(v.strides()[b]) && a > b);
+    });
+    std::ptrdiff_t stride = 1;
+    for (int d : dims) {
+      t.strides_[d] = stride;
+      stride *= static_cast<std::ptrdiff_t>(v.shape()[d]);
+    }
+    return t;
+  }
 
   // Uniform in [-1, 1) from a fixed generator (splitmix64), identical on every
   // platform, so tests and examples are reproducible.
@@ -81,22 +102,28 @@ class tensor {
   }
 
   shape4 const& shape() const noexcept { return shape_; }
+  strides4 const& strides() const noexcept { return strides_; }
   std::size_t size() const noexcept { return data_.size(); }
   T* data() noexcept { return data_.data(); }
   T const* data() const noexcept { return data_.data(); }
-  T& operator()(std::size_t b, std::size_t h, std::size_t n, std::size_t d) noexcept {
-    return data_[((b * shape_[1] + h) * shape_[2] + n) * shape_[3] + d];
-  }
+  T& operator()(std::size_t b, std::size_t h, std::size_t n, std::size_t d) noexcept { return data_[offset(b, h, n, d)]; }
   T const& operator()(std::size_t b, std::size_t h, std::size_t n, std::size_t d) const noexcept {
-    return data_[((b * shape_[1] + h) * shape_[2] + n) * shape_[3] + d];
+    return data_[offset(b, h, n, d)];
   }
-  tensor_view<T> view() noexcept { return {data_.data(), shape_}; }
-  tensor_view<T const> view() const noexcept { return {data_.data(), shape_}; }
+  tensor_view<T> view() noexcept { return {data_.data(), shape_, strides_}; }
+  tensor_view<T const> view() const noexcept { return {data_.data(), shape_, strides_}; }
   operator tensor_view<T>() noexcept { return view(); }
   operator tensor_view<T const>() const noexcept { return view(); }
 
  private:
+  static std::size_t count(shape4 const& s) { return s[0] * s[1] * s[2] * s[3]; }
+  std::size_t offset(std::size_t b, std::size_t h, std::size_t n, std::size_t d) const noexcept {
+    return static_cast<std::size_t>(static_cast<std::ptrdiff_t>(b) * strides_[0] + static_cast<std::ptrdiff_t>(h) * strides_[1] +
+                                    static_cast<std::ptrdiff_t>(n) * strides_[2] + static_cast<std::ptrdiff_t>(d) * strides_[3]);
+  }
+
   shape4 shape_{0, 0, 0, 0};
+  strides4 strides_{0, 0, 0, 1};
   std::vector<T> data_;
 };
 

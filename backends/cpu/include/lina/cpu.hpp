@@ -1,7 +1,9 @@
-// The CPU backend: lina::cpu::evaluate(plan_or_expression, Q = q, ...).
+// The CPU backend: lina::cpu::evaluate(plan_or_expression, Q = q, ...) and
+// lina::cpu::gradient(plan, dout, Q = q, ...).
 #pragma once
 
 #include "lina/cpu/bind.hpp"
 #include "lina/cpu/evaluate.hpp"
+#include "lina/cpu/gradient.hpp"
 #include "lina/cpu/kernels.hpp"
 #include "lina/cpu/matrix.hpp"

@@ -73,11 +73,23 @@ struct extent_table<lina::detail::type_list<D...>> {
 // the order of inputs_of<Plan>), batch and heads, and the extent table.
 template <class Plan, class T>
 struct bound_inputs {
+  using value_type = T;
   using inputs = inputs_of<Plan>;
   using table_type = extent_table<dims_of<Plan>>;
   std::array<tensor_view<T const>, inputs::size> views;
   std::size_t batch = 0, heads = 0;
   table_type table;
+
+  // Position of input op In in `views`.
+  template <class In>
+  static constexpr std::size_t input_index() {
+    return []<class... I>(lina::detail::type_list<I...>) {
+      constexpr std::array<bool, sizeof...(I)> m{std::is_same_v<I, In>...};
+      std::size_t i = 0;
+      while (i < m.size() && !m[i]) ++i;
+      return i;
+    }(inputs{});
+  }
 };
 
 namespace detail {

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "lina/cpu/bind.hpp"
 #include "lina/cpu/kernels.hpp"
@@ -22,11 +23,21 @@
 
 namespace lina::cpu {
 
-// One (batch, head) slice of an evaluation.
-template <class Bound>
+// One (batch, head) slice of an evaluation. Node types listed in Shared are
+// evaluated once per slice and reused (the subtrees a backward plan's
+// gradients have in common, e.g. the recomputed forward pass).
+template <class Bound, class Shared = lina::detail::type_list<>>
 struct slice {
+  using T = typename Bound::value_type;
   Bound const& in;
   std::size_t b, h;
+
+  struct cached {
+    void const* node;  // of a type in Shared, compared with same_value
+    std::size_t type;  // index of that type in Shared
+    matrix<T> value;
+  };
+  mutable std::vector<cached> cache;
 
   template <fixed_string Name>
   static constexpr std::size_t input_position() {
@@ -37,7 +48,26 @@ struct slice {
       return i;
     }(typename Bound::inputs{});
   }
+
+  template <class N>
+  static constexpr std::size_t shared_index() {
+    return []<class... S>(lina::detail::type_list<S...>) {
+      constexpr std::array<bool, sizeof...(S) + 1> m{std::is_same_v<S, N>..., true};
+      std::size_t i = 0;
+      while (!m[i]) ++i;
+      return i;
+    }(Shared{});
+  }
+  template <class N>
+  static constexpr bool shares() {
+    return shared_index<N>() < Shared::size;
+  }
 };
+
+template <class T>
+matrix<T> view_of(matrix<T> const& m) {
+  return view(m.data, m.rows, m.cols, m.rs, m.cs);
+}
 
 template <class Op>
 struct lower {
@@ -49,7 +79,15 @@ struct lower {
 
 template <class T, class N, class Ctx>
 matrix<T> eval(N const& n, Ctx const& ctx) {
-  return lower<typename N::op_type>::template run<T>(n, ctx);
+  if constexpr (Ctx::template shares<N>()) {
+    constexpr std::size_t type = Ctx::template shared_index<N>();
+    for (auto const& c : ctx.cache)
+      if (c.type == type && same_value(*static_cast<N const*>(c.node), n)) return view_of(c.value);
+    ctx.cache.push_back({&n, type, lower<typename N::op_type>::template run<T>(n, ctx)});
+    return view_of(ctx.cache.back().value);  // buffers do not move when the cache grows
+  } else {
+    return lower<typename N::op_type>::template run<T>(n, ctx);
+  }
 }
 
 template <fixed_string Name, class R, class C>
@@ -154,6 +192,68 @@ struct lower<op::select<K, Threshold>> {
   }
 };
 
+// ---- backward ops ----
+template <class Map>
+struct lower<op::phi_vjp<Map>> {
+  template <class T, class N, class Ctx>
+  static matrix<T> run(N const& n, Ctx const& ctx) {
+    matrix<T> x = eval<T>(kid<0>(n), ctx);
+    return kernels::feature_map_vjp<Map>(x, eval<T>(kid<1>(n), ctx));
+  }
+};
+
+template <>
+struct lower<op::normalize_vjp> {
+  template <class T, class N, class Ctx>
+  static matrix<T> run(N const& n, Ctx const& ctx) {
+    matrix<T> s = eval<T>(kid<0>(n), ctx);
+    return kernels::normalize_vjp(s, eval<T>(kid<1>(n), ctx), static_cast<T>(n.op.eps));
+  }
+};
+
+template <>
+struct lower<op::row_divide_vjp> {
+  template <class T, class N, class Ctx>
+  static matrix<T> run(N const& n, Ctx const& ctx) {
+    matrix<T> y = eval<T>(kid<0>(n), ctx);
+    return kernels::row_divide_vjp(y, eval<T>(kid<1>(n), ctx), static_cast<T>(n.op.eps));
+  }
+};
+
+template <>
+struct lower<op::hadamard> {
+  template <class T, class N, class Ctx>
+  static matrix<T> run(N const& n, Ctx const& ctx) {
+    matrix<T> a = writable(eval<T>(kid<0>(n), ctx));
+    matrix<T> b = eval<T>(kid<1>(n), ctx);
+    for (index i = 0; i < a.rows; ++i)
+      for (index j = 0; j < a.cols; ++j) a.at_mut(i, j) *= b(i, j);
+    return a;
+  }
+};
+
+template <>
+struct lower<op::add> {
+  template <class T, class N, class Ctx>
+  static matrix<T> run(N const& n, Ctx const& ctx) {
+    matrix<T> a = writable(eval<T>(kid<0>(n), ctx));
+    matrix<T> b = eval<T>(kid<1>(n), ctx);
+    for (index i = 0; i < a.rows; ++i)
+      for (index j = 0; j < a.cols; ++j) a.at_mut(i, j) += b(i, j);
+    return a;
+  }
+};
+
+template <>
+struct lower<op::drop_last> {  // a view of the same elements
+  template <class T, class N, class Ctx>
+  static matrix<T> run(N const& n, Ctx const& ctx) {
+    matrix<T> m = eval<T>(kid<0>(n), ctx);
+    m.cols -= 1;
+    return m;
+  }
+};
+
 namespace detail {
 template <class S>
 struct fused_scan : std::false_type {};
@@ -187,13 +287,23 @@ struct lower<op::contract_rows> {
   }
 };
 
+// Threads pay off from a few slices of some size; below that, starting them
+// costs more than the work (and oversubscribed machines make it worse).
+inline constexpr std::size_t parallel_min_elements = std::size_t(1) << 15;
+template <class Bound>
+bool worth_threads(Bound const& in) {
+  std::size_t elements = 0;
+  for (auto const& v : in.views) elements += v.shape()[0] * v.shape()[1] * v.shape()[2] * v.shape()[3];
+  return in.batch * in.heads > 1 && elements >= parallel_min_elements;
+}
+
 namespace detail {
 template <class T, class Plan, class Bound>
 void evaluate_slices(Plan const& plan, Bound const& in, tensor_view<T> out) {
   long total = static_cast<long>(in.batch * in.heads);
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (worth_threads(in))
   for (long bh = 0; bh < total; ++bh) {
-    slice<Bound> ctx{in, static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads};
+    slice<Bound> ctx{in, static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads, {}};
     matrix<T> m = eval<T>(plan, ctx);
     for (index i = 0; i < m.rows; ++i)
       for (index j = 0; j < m.cols; ++j) out(ctx.b, ctx.h, static_cast<std::size_t>(i), static_cast<std::size_t>(j)) = m(i, j);

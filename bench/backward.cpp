@@ -1,0 +1,85 @@
+// Peak extra memory and time of the derived backward against N: the linear
+// plan (prefix/suffix scans) and the quadratic plan (N x N), causal elu+1
+// attention, B = 1, H = 2, D = M = 64, float. Extra memory is what the CPU
+// backend allocates beyond inputs, dout and gradients (cpu::memory().peak).
+//
+//   backward [--max-n 65536] [--quadratic-max-n 4096]
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <lina/cpu.hpp>
+#include <lina/lina.hpp>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+using namespace lina;
+
+namespace {
+constexpr auto N = dim<"N">;
+constexpr auto D = dim<"D", 64>;
+constexpr auto M = dim<"M", 64>;
+constexpr auto Q = input<"Q">(N, D);
+constexpr auto K = input<"K">(N, D);
+constexpr auto V = input<"V">(N, M);
+constexpr auto attn = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+
+struct result {
+  double fwd_ms, bwd_ms;
+  std::size_t peak;
+};
+
+template <class Plan>
+result measure(Plan const& plan, std::size_t n) {
+  std::size_t heads = 2;
+  auto q = tensor<float>::random({1, heads, n, 64}, 1), k = tensor<float>::random({1, heads, n, 64}, 2);
+  auto v = tensor<float>::random({1, heads, n, 64}, 3), dout = tensor<float>::random({1, heads, n, 64}, 4);
+  using clock = std::chrono::steady_clock;
+  auto best = [](auto&& f) {
+    double b = 1e300;
+    for (int r = 0; r < 3; ++r) {
+      auto t0 = clock::now();
+      f();
+      b = std::min(b, std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+    }
+    return b;
+  };
+  double fwd = best([&] { auto o = cpu::evaluate(plan, Q = q, K = k, V = v); });
+  cpu::memory().reset();
+  double bwd = best([&] { auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v); });
+  return {fwd, bwd, cpu::memory().peak.load()};
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::size_t max_n = 65536, quad_max = 4096;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--max-n")) max_n = std::strtoull(argv[i + 1], nullptr, 10);
+    if (!std::strcmp(argv[i], "--quadratic-max-n")) quad_max = std::strtoull(argv[i + 1], nullptr, 10);
+  }
+  int threads = 1;
+#ifdef _OPENMP
+  threads = omp_get_max_threads();
+#endif
+  fmt::print("causal elu+1 attention, B=1 H=2 D=M=64 float, {} threads; peak = extra memory of the backward\n",
+             threads);
+  fmt::print("{:>6} | {:>9} {:>9} {:>10} {:>12} | {:>9} {:>10} {:>12}\n", "N", "lin fwd", "lin bwd", "peak MiB",
+             "bytes/token", "quad bwd", "peak MiB", "bytes/token");
+  auto lin = compile<order::linear>(attn);
+  auto quad = compile<order::quadratic>(attn);
+  for (std::size_t n = 1024; n <= max_n; n *= 2) {
+    result l = measure(lin, n);
+    fmt::print("{:>6} | {:>7.1f}ms {:>7.1f}ms {:>10.2f} {:>12.0f} |", n, l.fwd_ms, l.bwd_ms, l.peak / 1048576.0,
+               double(l.peak) / double(n));
+    if (n <= quad_max) {
+      result qd = measure(quad, n);
+      fmt::print(" {:>7.1f}ms {:>10.2f} {:>12.0f}\n", qd.bwd_ms, qd.peak / 1048576.0, double(qd.peak) / double(n));
+    } else {
+      fmt::print(" {:>9} {:>10} {:>12}\n", "-", "-", "-");
+    }
+  }
+}

@@ -1,0 +1,497 @@
+// gradient(plan): reverse-mode differentiation of a plan, at compile time.
+//
+// Each op has one adjoint rule (adjoint<Op>::kids) that maps the cotangent G of
+// its output to the cotangents of its kids, written in the same plan
+// vocabulary:
+//
+//   A·B          -> G·Bᵀ, Aᵀ·G            φ(X)         -> φ′(X)⊙G (J_φ(X)ᵀG per row)
+//   Xᵀ           -> Gᵀ                    s·X          -> s·G
+//   causal(S)    -> causal(G)             exp(X)       -> G⊙exp(X)
+//   normalize(S) -> normalize′(S, G)      rowdiv(Y)    -> rowdiv′(Y, G)   (quotient rule)
+//   [X|1]        -> dropcol(G)            contract(A, S) -> contract(G, rowsᵀ(S)), A⊗G
+//   prefix(S)    -> suffix(G)             suffix(S)    -> prefix(G)
+//   B⊗C          -> contract(C, rowsᵀ(G)), contract(B, G)
+//
+// The cotangent of the output is the input symbol "dout". Contributions to
+// one input are summed; a small table then moves transposes of per-row
+// matrices inside scans (rowsᵀ(prefix(B⊗C)) = prefix(C⊗B)). Run-time selects
+// are first hoisted to the top of the plan, so each branch is differentiated
+// on its own and the backward plan selects between the two backward plans.
+//
+// For the causal linear plan rowdiv(contract(φQ, prefix(φK⊗[V|1]))) this
+// yields the paper's result: ∂φQ from the prefix sum of [V|1]_j φ(K)_jᵀ, and
+// ∂φK, ∂V from suffix sums of dY_j φ(Q)_jᵀ, each a fused scan with a C x (M+1)
+// state, so the backward needs no per-step state cache.
+#pragma once
+
+#include <boost/hana/drop_front.hpp>
+#include <boost/hana/filter.hpp>
+#include <boost/hana/flatten.hpp>
+#include <boost/hana/fold_left.hpp>
+#include <boost/hana/front.hpp>
+#include <boost/hana/range.hpp>
+#include <boost/hana/tuple.hpp>
+#include <boost/hana/zip_with.hpp>
+#include <algorithm>
+#include <boost/hana/for_each.hpp>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "lina/compile.hpp"
+#include "lina/format.hpp"
+#include "lina/node.hpp"
+#include "lina/rewrite.hpp"
+
+namespace lina {
+
+inline constexpr fixed_string cotangent_symbol = "dout";
+
+// ∂L/∂In, as an expression over the inputs and dout.
+template <class In, class E>
+struct gradient_entry {
+  using input = In;
+  E expr;
+};
+
+// The gradients of every input of a forward plan (in the order of inputs_of).
+template <class Forward, class... Entries>
+struct backward_plan {
+  using forward_type = Forward;
+  Forward forward;
+  hana::basic_tuple<Entries...> entries;
+
+  // g[Q]: the gradient expression of input Q.
+  template <class Op>
+  constexpr auto const& operator[](node<Op> const&) const {
+    constexpr std::size_t i = [] {
+      constexpr std::array<bool, sizeof...(Entries)> m{std::is_same_v<typename Entries::input, Op>...};
+      for (std::size_t k = 0; k < m.size(); ++k)
+        if (m[k]) return k;
+      return m.size();
+    }();
+    static_assert(i < sizeof...(Entries), "lina: this input is not an input of the differentiated plan");
+    return hana::at_c<i>(entries).expr;
+  }
+};
+
+template <class T>
+inline constexpr bool is_backward_plan = false;
+template <class F, class... E>
+inline constexpr bool is_backward_plan<backward_plan<F, E...>> = true;
+
+namespace adjoint {
+
+// The adjoint rule of Op: kids(n, g) returns one cotangent per kid. Ops
+// without one (the backward-only ops) keep this primary template.
+template <class Op>
+struct rule {
+  static constexpr bool defined = false;
+};
+
+template <class Map>
+struct rule<op::phi<Map>> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const& n, G const& g) {
+    return hana::make_tuple(make_node(op::phi_vjp<Map>{}, kid<0>(n), g));
+  }
+};
+template <>
+struct rule<op::transpose> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const&, G const& g) {
+    return hana::make_tuple(make_node(op::transpose{}, g));
+  }
+};
+template <>
+struct rule<op::product> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const& n, G const& g) {
+    return hana::make_tuple(make_node(op::product{}, g, make_node(op::transpose{}, kid<1>(n))),
+                            make_node(op::product{}, make_node(op::transpose{}, kid<0>(n)), g));
+  }
+};
+template <>
+struct rule<op::causal> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const&, G const& g) {
+    return hana::make_tuple(make_node(op::causal{}, g));
+  }
+};
+template <>
+struct rule<op::normalize> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const& n, G const& g) {
+    return hana::make_tuple(make_node(op::normalize_vjp{n.op.eps}, kid<0>(n), g));
+  }
+};
+template <>
+struct rule<op::scale> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const& n, G const& g) {
+    return hana::make_tuple(make_node(n.op, g));
+  }
+};
+template <>
+struct rule<op::exp> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const& n, G const& g) {
+    return hana::make_tuple(build::hadamard(g, n));  // d exp(x) = exp(x) dx
+  }
+};
+template <>
+struct rule<op::append_ones> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const&, G const& g) {
+    return hana::make_tuple(build::drop_last(g));
+  }
+};
+template <>
+struct rule<op::row_divide> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const& n, G const& g) {
+    return hana::make_tuple(make_node(op::row_divide_vjp{n.op.eps}, kid<0>(n), g));
+  }
+};
+template <>
+struct rule<op::contract_rows> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const& n, G const& g) {
+    return hana::make_tuple(build::contract(g, build::rows_transpose(kid<1>(n))), build::outer(kid<0>(n), g));
+  }
+};
+template <>
+struct rule<op::prefix_scan> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const&, G const& g) {
+    return hana::make_tuple(build::suffix(g));
+  }
+};
+template <>
+struct rule<op::suffix_scan> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const&, G const& g) {
+    return hana::make_tuple(build::prefix(g));
+  }
+};
+template <>
+struct rule<op::outer_rows> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const& n, G const& g) {
+    return hana::make_tuple(build::contract(kid<1>(n), build::rows_transpose(g)), build::contract(kid<0>(n), g));
+  }
+};
+template <>
+struct rule<op::transpose_rows> {
+  static constexpr bool defined = true;
+  template <class N, class G>
+  static constexpr auto kids(N const&, G const& g) {
+    return hana::make_tuple(build::rows_transpose(g));
+  }
+};
+
+}  // namespace adjoint
+
+namespace rules {
+using namespace rewrite;
+// Tidying derived gradients: transposes to the leaves, per-row transposes
+// into the scans. Products keep their bracketing (the order of the forward
+// plan is the order of its backward).
+inline constexpr auto adjoint_rules = hana::make_tuple(
+    rule(transpose(transpose(x_)), x_),                                                  //
+    rule(transpose(x_ * y_), transpose(y_) * transpose(x_)),                              //
+    rule(transpose(s_ * x_), s_ * transpose(x_)),                                        //
+    rule(build::rows_transpose(build::rows_transpose(x_)), x_),                          //
+    rule(build::rows_transpose(build::prefix(x_)), build::prefix(build::rows_transpose(x_))),  //
+    rule(build::rows_transpose(build::suffix(x_)), build::suffix(build::rows_transpose(x_))),  //
+    rule(build::rows_transpose(build::outer(x_, y_)), build::outer(y_, x_)));
+}  // namespace rules
+
+namespace detail {
+
+// (input, contribution) pairs of the cotangent g flowing into n.
+template <class N, class G>
+constexpr auto backprop(N const& n, G const& g) {
+  using Op = typename N::op_type;
+  if constexpr (is_input_op_v<Op>) {
+    return hana::make_tuple(gradient_entry<Op, G>{g});
+  } else {
+    auto cot = adjoint::rule<Op>::kids(n, g);
+    return hana::flatten(hana::zip_with([](auto const& k, auto const& c) { return backprop(k, c); },
+                                        hana::to_tuple(n.kids), cot));
+  }
+}
+
+template <class In, class Contributions>
+constexpr auto sum_for(Contributions const& c) {
+  auto mine = hana::filter(c, [](auto const& e) {
+    return hana::bool_c<std::is_same_v<typename std::remove_cvref_t<decltype(e)>::input, In>>;
+  });
+  auto total = hana::fold_left(hana::drop_front(mine), hana::front(mine).expr,
+                               [](auto const& acc, auto const& e) { return build::add(acc, e.expr); });
+  return gradient_entry<In, decltype(rewrite::rewrite(rules::adjoint_rules, total))>{
+      rewrite::rewrite(rules::adjoint_rules, total)};
+}
+
+// op(.., select(a, b), ..) -> select(op(.., a, ..), op(.., b, ..)), bottom-up.
+template <class N>
+constexpr auto hoist_selects(N const& n);
+
+template <std::size_t I, class N>
+constexpr auto hoist_at(N const& n) {
+  if constexpr (I == N::arity) {
+    return n;
+  } else {
+    using K = std::remove_cvref_t<decltype(kid<I>(n))>;
+    if constexpr (is_select_op<typename K::op_type> && !is_select_op<typename N::op_type>) {
+      auto with = [&](auto const& branch) {
+        return hana::unpack(hana::make_range(hana::size_c<0>, hana::size_c<N::arity>), [&](auto... j) {
+          return make_node(n.op, [&] {
+            if constexpr (decltype(j)::value == I)
+              return branch;
+            else
+              return kid<decltype(j)::value>(n);
+          }()...);
+        });
+      };
+      return make_node(kid<I>(n).op, hoist_selects(with(kid<0>(kid<I>(n)))), hoist_selects(with(kid<1>(kid<I>(n)))));
+    } else {
+      return hoist_at<I + 1>(n);
+    }
+  }
+}
+
+template <class N>
+constexpr auto hoist_selects(N const& n) {
+  auto kids_done = hana::unpack(n.kids, [&](auto const&... k) { return make_node(n.op, hoist_selects(k)...); });
+  return hoist_at<0>(kids_done);
+}
+
+template <class Forward, class Inputs>
+struct differentiate;
+template <class Forward, class... In>
+struct differentiate<Forward, detail::type_list<In...>> {
+  template <class P>
+  static constexpr auto run(P const& p) {
+    using Op = typename P::op_type;
+    if constexpr (is_select_op<Op>) {
+      auto small = run(kid<0>(p));
+      auto large = run(kid<1>(p));
+      return hana::make_tuple(gradient_entry<In, decltype(make_node(p.op, hana::at_c<index<In>()>(small).expr,
+                                                                    hana::at_c<index<In>()>(large).expr))>{
+          make_node(p.op, hana::at_c<index<In>()>(small).expr, hana::at_c<index<In>()>(large).expr)}...);
+    } else {
+      using S = typename P::shape;
+      constexpr node<op::input<cotangent_symbol, typename S::rows, typename S::cols>> dout{};
+      auto contributions = backprop(p, dout);
+      return hana::make_tuple(sum_for<In>(contributions)...);
+    }
+  }
+  template <class X>
+  static constexpr std::size_t index() {
+    constexpr std::array<bool, sizeof...(In)> m{std::is_same_v<In, X>...};
+    for (std::size_t i = 0; i < m.size(); ++i)
+      if (m[i]) return i;
+    return m.size();
+  }
+};
+
+}  // namespace detail
+
+namespace detail {
+template <class... T>
+struct first_non_void {
+  using type = void;
+};
+template <class T, class... R>
+struct first_non_void<T, R...> {
+  using type = std::conditional_t<std::is_void_v<T>, typename first_non_void<R...>::type, T>;
+};
+// The first op of a plan without an adjoint rule (inputs and selects need none), or void.
+template <class N>
+struct first_without_adjoint;
+template <class Op, class... K>
+struct first_without_adjoint<node<Op, K...>> {
+  using type = typename first_non_void<
+      std::conditional_t<!adjoint::rule<Op>::defined && !is_input_op_v<Op> && !is_select_op<Op>, Op, void>,
+      typename first_without_adjoint<K>::type...>::type;
+};
+}  // namespace detail
+
+namespace diagnose {
+template <class Op>
+struct adjoint_rule {
+  static_assert(std::is_void_v<Op>,
+                "lina::gradient: no adjoint rule for this node (its op is in the instantiation of "
+                "lina::diagnose::adjoint_rule above); the backward-only nodes (φ′, rowdiv′, normalize′, ⊙, +, "
+                "dropcol) cannot be differentiated again");
+  static constexpr bool ok = std::is_void_v<Op>;
+};
+template <bool NoClash, bool BaseDims>
+struct differentiable_plan {
+  static_assert(NoClash, "lina::gradient: \"dout\" names the output's cotangent; rename the input called dout");
+  static_assert(!NoClash || BaseDims,
+                "lina::gradient: the output's rows and columns must be dimensions of the inputs (dout is bound "
+                "with that shape)");
+  static constexpr bool ok = NoClash && BaseDims;
+};
+}  // namespace diagnose
+
+// gradient(plan) -> backward_plan: g[Q] is ∂L/∂Q given dout = ∂L/∂out.
+template <class P>
+  requires is_node<P>
+constexpr auto gradient(P const& plan) {
+  if constexpr (!diagnose::adjoint_rule<typename detail::first_without_adjoint<P>::type>::ok) {
+    return backward_plan<P>{plan, {}};  // diagnosed above; nothing more to say
+  } else {
+    using S = typename P::shape;
+    constexpr bool no_clash = []<class... I>(detail::type_list<I...>) {
+      return ((I::name != cotangent_symbol) && ...);
+    }(inputs_of<P>{});
+    static_assert(diagnose::differentiable_plan<no_clash, concepts::base_dimension<typename S::rows> &&
+                                                              concepts::base_dimension<typename S::cols>>::ok ||
+                  true);
+    auto hoisted = detail::hoist_selects(plan);
+    auto entries = detail::differentiate<P, inputs_of<P>>::run(hoisted);
+    return hana::unpack(entries, [&](auto const&... e) {
+      return backward_plan<P, std::remove_cvref_t<decltype(e)>...>{plan, hana::make_basic_tuple(e...)};
+    });
+  }
+}
+
+// No N x N matrix, and per-row sequences only inside a fused scan
+// contract(A, prefix|suffix(B⊗C)): the plan runs in O(N) time with a state of
+// one C x M matrix, never a per-step cache.
+template <class E, class Key>
+constexpr bool constant_state() {
+  std::size_t sequences = 0, fused = 0;
+  bool well_formed = true;
+  detail::visit_types<E>([&]<class X>() {
+    if constexpr (X::shape::rank == 3) ++sequences;
+    if constexpr (std::is_same_v<typename X::op_type, op::contract_rows>) {
+      using S = std::remove_cvref_t<decltype(kid<1>(std::declval<X>()))>;
+      if constexpr ((std::is_same_v<typename S::op_type, op::prefix_scan> ||
+                     std::is_same_v<typename S::op_type, op::suffix_scan>) &&
+                    std::is_same_v<typename std::remove_cvref_t<decltype(kid<0>(std::declval<S>()))>::op_type,
+                                   op::outer_rows>)
+        fused += 2;  // the scan and its outer product
+      else
+        well_formed = false;
+    }
+  });
+  return !has_square<E, Key>() && well_formed && sequences == fused;
+}
+
+template <class BP, class Key>
+constexpr bool backward_is_constant_state() {
+  return []<class F, class... E>(backward_plan<F, E...>*) {
+    return (constant_state<decltype(std::declval<E>().expr), Key>() && ...);
+  }(static_cast<BP*>(nullptr));
+}
+
+namespace detail {
+// Visit every subtree value, parents first; f returns whether to descend.
+template <class N, class F>
+void walk(N const& n, F& f) {
+  if (f(n)) hana::for_each(n.kids, [&](auto const& k) { walk(k, f); });
+}
+
+// Counts how often each subtree is printed: a named subtree is printed as its
+// name, and its definition (its kids) once.
+struct repeat_counter {
+  print_names const& names;
+  std::vector<std::pair<std::string, int>> counts;
+  std::vector<std::string> defined;
+
+  template <class N>
+  bool operator()(N const& n) {
+    std::string plain = to_string(n);
+    if (names.find(plain)) {
+      if (std::find(defined.begin(), defined.end(), plain) == defined.end()) {
+        defined.push_back(plain);
+        hana::for_each(n.kids, [&](auto const& k) { walk(k, *this); });
+      }
+      return false;
+    }
+    auto it = std::find_if(counts.begin(), counts.end(), [&](auto const& c) { return c.first == plain; });
+    if (it == counts.end())
+      counts.emplace_back(plain, 1);
+    else
+      ++it->second;
+    return true;
+  }
+};
+
+// Name the subtrees a backward plan repeats (largest first), so that its
+// printed form shows the shared forward pass once.
+template <class BP>
+print_names name_repeats(BP const& bp) {
+  print_names names;
+  for (;;) {
+    repeat_counter counter{names, {}, {}};
+    hana::for_each(bp.entries, [&](auto const& e) { walk(e.expr, counter); });
+    std::string const* best = nullptr;
+    for (auto const& [plain, c] : counter.counts)
+      if (c >= 2 && plain.size() >= 24 && (!best || plain.size() > best->size())) best = &plain;
+    if (!best) return names;
+    std::string name = fmt::format("t{}", names.named.size() + 1);
+    names.named.emplace_back(*best, std::move(name));
+  }
+}
+}  // namespace detail
+
+// The backward plan as text: one line per input, then the named subtrees.
+template <class F, class... E>
+std::string to_string(backward_plan<F, E...> const& bp) {
+  detail::print_names names = detail::name_repeats(bp);
+  std::string out;
+  detail::active_names = &names;
+  hana::for_each(bp.entries, [&](auto const& e) {
+    using In = typename std::remove_cvref_t<decltype(e)>::input;
+    out += "∂";
+    out += In::name.view();
+    out += " = ";
+    detail::print(e.expr, out);
+    out += '\n';
+  });
+  // definitions: each named subtree's top node plainly, its kids with names
+  for (auto const& [plain, name] : names.named) {
+    bool done = false;
+    auto def = [&](auto const& n) {
+      if (done) return false;
+      if (to_string(n) != plain) return true;
+      out += name;
+      out += " = ";
+      detail::print_node(n, out);
+      out += '\n';
+      done = true;
+      return false;
+    };
+    hana::for_each(bp.entries, [&](auto const& e) { detail::walk(e.expr, def); });
+  }
+  detail::active_names = nullptr;
+  return out;
+}
+
+}  // namespace lina
+
+template <class F, class... E>
+struct fmt::formatter<lina::backward_plan<F, E...>> : fmt::formatter<std::string_view> {
+  template <class Ctx>
+  auto format(lina::backward_plan<F, E...> const& bp, Ctx& ctx) const {
+    return fmt::formatter<std::string_view>::format(lina::to_string(bp), ctx);
+  }
+};
