@@ -1,0 +1,17 @@
+# Run examples/gradients: it must print the backward plans and a finite
+# difference error below 1e-6.
+execute_process(COMMAND ${EXE} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "gradients failed (${rc}):\n${out}${err}")
+endif()
+message("${out}")
+if(NOT out MATCHES "suffix\\(t1⊗φ\\(Q\\)\\)")
+  message(FATAL_ERROR "the printed backward plan has no suffix scan")
+endif()
+if(NOT out MATCHES "max relative error ([0-9.eE+-]+)")
+  message(FATAL_ERROR "gradients did not print its finite-difference error")
+endif()
+execute_process(COMMAND awk "BEGIN { exit !(${CMAKE_MATCH_1} < 1e-6) }" RESULT_VARIABLE below)
+if(NOT below EQUAL 0)
+  message(FATAL_ERROR "finite-difference error ${CMAKE_MATCH_1} is not below 1e-6")
+endif()
