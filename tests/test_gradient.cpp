@@ -249,3 +249,59 @@ TEST_CASE("gradients come back in the layout of their inputs") {
   CHECK(max_abs_diff(gb[K], g[K]) == 0);
   CHECK(max_abs_diff(gb[V], g[V]) == 0);
 }
+
+namespace {
+constexpr auto F = dim<"F">;
+constexpr auto W = input<"W">(D, F);
+
+// L = sum(dout ⊙ out) with a projection W bound too.
+template <class E>
+double loss_w(E const& e, tensor<double> const& q, tensor<double> const& k, tensor<double> const& v,
+              tensor<double> const& w, tensor<double> const& dout) {
+  auto out = cpu::evaluate(e, Q = q, K = k, V = v, W = w);
+  double s = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) s += out.data()[i] * dout.data()[i];
+  return s;
+}
+
+// Central differences for Q, K, V and W of a parametric map's attention
+// (same error budget as check_fd).
+template <class E>
+void check_fd_parametric(E const& expr, std::uint64_t seed) {
+  test::rng r{seed};
+  for (int trial = 0; trial < 2; ++trial) {
+    std::size_t b = r.in(1, 2), h = r.in(1, 2), n = r.in(1, 6), d = r.in(1, 4), m = r.in(1, 3), f = r.in(2, 6);
+    auto q = tensor<double>::random({b, h, n, d}, r.next()), k = tensor<double>::random({b, h, n, d}, r.next());
+    auto v = tensor<double>::random({b, h, n, m}, r.next()), dout = tensor<double>::random({b, h, n, m}, r.next());
+    auto w = tensor<double>::random({b, h, d, f}, r.next());  // one projection per (b, h): ∂W per (b, h) too
+    for (auto const& g : {cpu::gradient(compile<order::linear>(expr), dout, Q = q, K = k, V = v, W = w),
+                          cpu::gradient(compile<order::quadratic>(expr), dout, Q = q, K = k, V = v, W = w)}) {
+      auto check = [&](tensor<double>& x, tensor<double> const& gx, char const* name) {
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          double keep = x.data()[i];
+          x.data()[i] = keep + 1e-6;
+          double up = loss_w(expr, q, k, v, w, dout);
+          x.data()[i] = keep - 1e-6;
+          double down = loss_w(expr, q, k, v, w, dout);
+          x.data()[i] = keep;
+          double fd = (up - down) / 2e-6;
+          CAPTURE(name); CAPTURE(i);
+          CHECK(std::abs(fd - gx.data()[i]) <= 1e-6 * (1 + std::abs(fd)));
+        }
+      };
+      check(q, g[Q], "Q");
+      check(k, g[K], "K");
+      check(v, g[V], "V");
+      check(w, g[W], "W");
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("gradients equal central differences: poly2, favor, random Fourier features") {
+  check_fd_all_orders(causal_plain<poly2>, 20);
+  check_fd_all_orders(full_attn<poly2>, 21);  // normalised: (q·k)² >= 0
+  check_fd_parametric(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 22);
+  check_fd_parametric(phi<favor>(Q, W) * transpose(phi<favor>(K, W)) * V, 23);
+  check_fd_parametric(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W))) * V, 24);
+}

@@ -93,6 +93,15 @@ struct op_cost<op::phi<Map>, S, X> {
     return {n, n * elem};
   }
 };
+template <class Map, class S, class X, class W>
+struct op_cost<op::phi<Map>, S, X, W> {  // the projection x W, then one function per feature
+  template <class Src>
+  static constexpr cost_estimate of(Src const& s, double elem) {
+    double r = ext<typename S::rows>(s), d = ext<typename X::cols>(s), m = ext<typename W::cols>(s);
+    double n = r * ext<typename S::cols>(s);
+    return {2 * r * d * m + n, n * elem};
+  }
+};
 template <class S, class A, class B>
 struct op_cost<op::product, S, A, B> {
   template <class Src>

@@ -36,4 +36,11 @@ class shape_error : public std::invalid_argument {
   std::size_t got_, expected_;
 };
 
+// A recurrent state used with a plan it does not belong to (made by another
+// plan, or for another batch or number of heads).
+class state_error : public std::invalid_argument {
+ public:
+  explicit state_error(std::string const& what) : std::invalid_argument("lina::state_error: " + what) {}
+};
+
 }  // namespace lina

@@ -46,6 +46,22 @@ struct input_dimensions {
                 "lina::dim<\"name\"> or lina::dim<\"name\", extent>");
   static constexpr bool ok = concepts::base_dimension<R> && concepts::base_dimension<C>;
 };
+
+template <class Map, bool WithParameter>
+struct feature_map_arguments {
+  static_assert(!concepts::parametric_map<Map> || WithParameter,
+                "lina: phi<Map>(X): this map is parametric (random features); pass its projection as "
+                "phi<Map>(X, W) with W an input of shape (D x m), e.g. drawn by gaussian_projection");
+  static_assert(concepts::parametric_map<Map> || !WithParameter,
+                "lina: phi<Map>(X, W): this map takes no parameter; write phi<Map>(X)");
+  static constexpr bool ok = concepts::parametric_map<Map> == WithParameter;
+};
+template <class XCols, class WRows>
+struct projection_rows {
+  static_assert(same_dim<XCols, WRows>,
+                "lina: phi<Map>(X, W): W's rows must be the same dimension as X's columns (W is D x m)");
+  static constexpr bool ok = same_dim<XCols, WRows>;
+};
 }  // namespace diagnose
 
 // input<"Q">(N, D): a named (N x D) matrix per batch and head.
@@ -55,16 +71,26 @@ constexpr auto input(R, C) {
   return node<op::input<Name, R, C>>{};
 }
 
+
 template <class Map>
 struct phi_fn {
   template <class X>
     requires is_node<X>
   constexpr auto operator()(X const& x) const {
-    static_assert(diagnose::feature_map_concept<Map>::ok || true);
+    static_assert((diagnose::feature_map_concept<Map>::ok && diagnose::feature_map_arguments<Map, false>::ok) ||
+                  true);
     return make_node(op::phi<Map>{}, x);
   }
+  template <class X, class W>
+    requires(is_node<X> && is_node<W>)
+  constexpr auto operator()(X const& x, W const& w) const {
+    static_assert((diagnose::feature_map_concept<Map>::ok && diagnose::feature_map_arguments<Map, true>::ok &&
+                   diagnose::projection_rows<typename X::shape::cols, typename W::shape::rows>::ok) ||
+                  true);
+    return make_node(op::phi<Map>{}, x, w);
+  }
 };
-// phi<Map>(X): the feature map applied to each row of X.
+// phi<Map>(X), or phi<Map>(X, W) for a parametric map: the feature map applied to each row of X.
 template <class Map>
 inline constexpr phi_fn<Map> phi{};
 

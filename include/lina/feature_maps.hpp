@@ -17,13 +17,27 @@
 //     template <class T> static void vjp(T const* x, std::size_t d, T const* g, T* dx);  // dx = J_φ(x)ᵀ g
 //   };
 //
-// NaN inputs must give NaN outputs: compare so that NaN falls through.
+// and the parametric kind (random features) takes a parameter matrix W (D x m),
+// bound like any input, phi<Map>(X, W), and has C = features(m):
+//
+//   struct my_random_map {
+//     static constexpr std::string_view name = "mine";
+//     static constexpr std::size_t features(std::size_t m);
+//     template <class T> static void apply(T const* x, std::size_t d, T const* w, std::size_t m, T* out);
+//     template <class T> static void vjp(T const* x, std::size_t d, T const* w, std::size_t m, T const* g, T* dx);
+//     // h (m entries) with ∂L/∂W = Σ_rows x hᵀ, for the gradient of W
+//     template <class T> static void param_vjp(T const* x, std::size_t d, T const* w, std::size_t m, T const* g, T* h);
+//   };
+//
+// (w is row-major: w[i * m + j].) NaN inputs must give NaN outputs: compare
+// so that NaN falls through.
 #pragma once
 
 #include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <string_view>
+#include <vector>
 
 namespace lina {
 
@@ -47,7 +61,16 @@ concept row_map = requires(std::size_t d, double const* x, double const* g, doub
 };
 
 template <class M>
-concept feature_map = elementwise_map<M> || row_map<M>;
+concept parametric_map = requires(std::size_t d, double const* x, double const* w, double const* g, double* out) {
+  { M::name } -> std::convertible_to<std::string_view>;
+  { M::features(d) } -> std::same_as<std::size_t>;
+  M::apply(x, d, w, d, out);
+  M::vjp(x, d, w, d, g, out);
+  M::param_vjp(x, d, w, d, g, out);
+};
+
+template <class M>
+concept feature_map = elementwise_map<M> || row_map<M> || parametric_map<M>;
 
 }  // namespace concepts
 
@@ -87,6 +110,116 @@ struct identity {
   template <class T>
   static constexpr T derivative(T x) {
     return x == x ? T(1) : x;
+  }
+};
+
+// The exact degree-2 polynomial kernel: φ(x)·φ(y) = (x·y)², with the
+// symmetric packing [x_i² (i), √2 x_i x_j (i < j)], C = D(D+1)/2.
+struct poly2 {
+  static constexpr std::string_view name = "poly2";
+  static constexpr std::size_t features(std::size_t d) { return d * (d + 1) / 2; }
+  template <class T>
+  static void apply(T const* x, std::size_t d, T* out) {
+    T const r2 = static_cast<T>(1.4142135623730950488);
+    std::size_t k = 0;
+    for (std::size_t i = 0; i < d; ++i) {
+      out[k++] = x[i] * x[i];
+      for (std::size_t j = i + 1; j < d; ++j) out[k++] = r2 * x[i] * x[j];
+    }
+  }
+  template <class T>
+  static void vjp(T const* x, std::size_t d, T const* g, T* dx) {
+    T const r2 = static_cast<T>(1.4142135623730950488);
+    for (std::size_t i = 0; i < d; ++i) dx[i] = T(0);
+    std::size_t k = 0;
+    for (std::size_t i = 0; i < d; ++i) {
+      dx[i] += 2 * x[i] * g[k++];
+      for (std::size_t j = i + 1; j < d; ++j, ++k) {
+        dx[i] += r2 * x[j] * g[k];
+        dx[j] += r2 * x[i] * g[k];
+      }
+    }
+  }
+};
+
+// Performer's positive random features (FAVOR+): with x' = x D^-1/4,
+// φ(x)_j = exp(w_j·x' - |x'|²/2) / √m, so E[φ(q)·φ(k)] = exp(q·k / √D), the
+// softmax similarity. W (D x m) holds the projections w_j as columns;
+// gaussian_projection(d, m, seed, true) draws them orthogonal.
+struct favor {
+  static constexpr std::string_view name = "favor";
+  static constexpr std::size_t features(std::size_t m) { return m; }
+  template <class T>
+  static void apply(T const* x, std::size_t d, T const* w, std::size_t m, T* out) {
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
+    T half_norm = 0;
+    for (std::size_t i = 0; i < d; ++i) half_norm += x[i] * x[i];
+    half_norm *= s * s / 2;
+    for (std::size_t j = 0; j < m; ++j) {
+      T z = 0;
+      for (std::size_t i = 0; i < d; ++i) z += w[i * m + j] * x[i];
+      out[j] = std::exp(s * z - half_norm) * inv;
+    }
+  }
+  // ∂φ_j/∂x_i = φ_j (w_ij - x'_i) D^-1/4
+  template <class T>
+  static void vjp(T const* x, std::size_t d, T const* w, std::size_t m, T const* g, T* dx) {
+    std::vector<T> phi(m);
+    apply(x, d, w, m, phi.data());
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25));
+    T gphi = 0;
+    for (std::size_t j = 0; j < m; ++j) gphi += g[j] * phi[j];
+    for (std::size_t i = 0; i < d; ++i) {
+      T acc = 0;
+      for (std::size_t j = 0; j < m; ++j) acc += w[i * m + j] * g[j] * phi[j];
+      dx[i] = s * (acc - s * x[i] * gphi);
+    }
+  }
+  // ∂φ_j/∂w_ij = φ_j x'_i: h_j = g_j φ_j D^-1/4
+  template <class T>
+  static void param_vjp(T const* x, std::size_t d, T const* w, std::size_t m, T const* g, T* h) {
+    apply(x, d, w, m, h);
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25));
+    for (std::size_t j = 0; j < m; ++j) h[j] *= g[j] * s;
+  }
+};
+
+// Random Fourier features of the Gaussian kernel: with x' = x D^-1/4,
+// φ(x) = [cos(w_j·x'), sin(w_j·x')]_j / √m, C = 2m, so
+// E[φ(x)·φ(y)] = exp(-|x' - y'|² / 2). Signed: use it unnormalised, or
+// with care (the row sums can approach zero).
+struct random_fourier {
+  static constexpr std::string_view name = "rff";
+  static constexpr std::size_t features(std::size_t m) { return 2 * m; }
+  template <class T>
+  static void apply(T const* x, std::size_t d, T const* w, std::size_t m, T* out) {
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
+    for (std::size_t j = 0; j < m; ++j) {
+      T z = 0;
+      for (std::size_t i = 0; i < d; ++i) z += w[i * m + j] * x[i];
+      out[j] = std::cos(s * z) * inv;
+      out[m + j] = std::sin(s * z) * inv;
+    }
+  }
+  // dz_j = (-g_j sin z_j + g_{m+j} cos z_j) / √m, dx = D^-1/4 W dz
+  template <class T>
+  static void vjp(T const* x, std::size_t d, T const* w, std::size_t m, T const* g, T* dx) {
+    std::vector<T> dz(m);
+    param_vjp(x, d, w, m, g, dz.data());  // h = D^-1/4 dz
+    for (std::size_t i = 0; i < d; ++i) {
+      T acc = 0;
+      for (std::size_t j = 0; j < m; ++j) acc += w[i * m + j] * dz[j];
+      dx[i] = acc;
+    }
+  }
+  template <class T>
+  static void param_vjp(T const* x, std::size_t d, T const* w, std::size_t m, T const* g, T* h) {
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
+    for (std::size_t j = 0; j < m; ++j) {
+      T z = 0;
+      for (std::size_t i = 0; i < d; ++i) z += w[i * m + j] * x[i];
+      h[j] = s * inv * (-g[j] * std::sin(s * z) + g[m + j] * std::cos(s * z));
+    }
   }
 };
 

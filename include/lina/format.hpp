@@ -98,10 +98,16 @@ void print_node(N const& n, std::string& out) {
   using Op = typename N::op_type;
   if constexpr (is_input_op_v<Op>) {
     out += Op::name.view();
-  } else if constexpr (requires { typename Op::map; }) {  // phi
+  } else if constexpr (requires { typename Op::map; }) {  // phi, phi(X; W)
     out += "φ(";
     print(kid<0>(n), out);
+    if constexpr (N::arity == 2) {
+      out += "; ";
+      print(kid<1>(n), out);
+    }
     out += ')';
+  } else if constexpr (requires { typename Op::param_vjp_of; }) {
+    print_call("φ_w′", n, out);
   } else if constexpr (requires { typename Op::vjp_of; }) {  // phi_vjp
     if constexpr (concepts::elementwise_map<typename Op::vjp_of>) {
       out += "φ′(";

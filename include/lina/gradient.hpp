@@ -5,6 +5,7 @@
 // vocabulary:
 //
 //   A·B          -> G·Bᵀ, Aᵀ·G            φ(X)         -> φ′(X)⊙G (J_φ(X)ᵀG per row)
+//   φ(X; W)      -> φ_vjp(X, W, G), Xᵀ·φ_w′(X, W, G)
 //   Xᵀ           -> Gᵀ                    s·X          -> s·G
 //   causal(S)    -> causal(G)             exp(X)       -> G⊙exp(X)
 //   normalize(S) -> normalize′(S, G)      rowdiv(Y)    -> rowdiv′(Y, G)   (quotient rule)
@@ -94,7 +95,12 @@ struct rule<op::phi<Map>> {
   static constexpr bool defined = true;
   template <class N, class G>
   static constexpr auto kids(N const& n, G const& g) {
-    return hana::make_tuple(make_node(op::phi_vjp<Map>{}, kid<0>(n), g));
+    if constexpr (N::arity == 2)  // X and the projection W: ∂W = Xᵀ H
+      return hana::make_tuple(make_node(op::phi_vjp<Map>{}, kid<0>(n), kid<1>(n), g),
+                              make_node(op::product{}, make_node(op::transpose{}, kid<0>(n)),
+                                        make_node(op::phi_param_vjp<Map>{}, kid<0>(n), kid<1>(n), g)));
+    else
+      return hana::make_tuple(make_node(op::phi_vjp<Map>{}, kid<0>(n), g));
   }
 };
 template <>

@@ -11,5 +11,6 @@
 #include "lina/format.hpp"
 #include "lina/gradient.hpp"
 #include "lina/node.hpp"
+#include "lina/random_features.hpp"
 #include "lina/rewrite.hpp"
 #include "lina/tensor.hpp"

@@ -42,12 +42,21 @@ struct input {
   template <class...>
   using shape_of = matrix_shape<Rows, Cols>;
 };
-// φ applied to every row: (R x D) -> (R x C).
+// The dimension C is a function of: X's columns, or a parameter's columns.
+template <class X, class... P>
+struct feature_base {
+  using type = cols_of<X>;
+};
+template <class X, class P>
+struct feature_base<X, P> {
+  using type = cols_of<P>;
+};
+// φ applied to every row: (R x D) -> (R x C); a parametric map also reads W (D x m).
 template <class Map>
 struct phi {
   using map = Map;
-  template <class X>
-  using shape_of = matrix_shape<rows_of<X>, feature_dim_t<Map, cols_of<X>>>;
+  template <class X, class... P>
+  using shape_of = matrix_shape<rows_of<X>, feature_dim_t<Map, typename feature_base<X, P...>::type>>;
 };
 struct transpose {
   template <class X>
@@ -132,11 +141,19 @@ struct contract_rows {
 
 // ---- backward vocabulary (what gradient() adds) -------------------------------
 // Row-wise vector-Jacobian product of φ: J_φ(X_i)^T G_i (φ'(X) ⊙ G when element-wise).
+// Kids: X, G or X, W, G.
 template <class Map>
 struct phi_vjp {
   using vjp_of = Map;
-  template <class X, class G>
+  template <class X, class... R>
   using shape_of = X;
+};
+// Row-wise h_i with ∂L/∂W = Σ_i x_i h_iᵀ for a parametric map (kids X, W, G).
+template <class Map>
+struct phi_param_vjp {
+  using param_vjp_of = Map;
+  template <class X, class W, class G>
+  using shape_of = matrix_shape<rows_of<X>, cols_of<W>>;
 };
 // The adjoint of normalize(S) at cotangent G: G_ij / d_i - (sum_k G_ik S_ik) / d_i^2.
 struct normalize_vjp {
@@ -388,5 +405,31 @@ constexpr bool has_select() {
   detail::visit_types<N>([&]<class X>() { found = found || is_select_op<typename X::op_type>; });
   return found;
 }
+
+// The plan a run-time select takes for long sequences: every select replaced
+// by its last branch. For a causal linear expression this is the prefix-scan
+// plan, the one that has a state to carry from token to token.
+template <class N>
+constexpr auto longest_branch(N const& n) {
+  if constexpr (is_select_op<typename N::op_type>)
+    return longest_branch(kid<1>(n));
+  else
+    return hana::unpack(n.kids, [&](auto const&... k) { return make_node(n.op, longest_branch(k)...); });
+}
+
+namespace detail {
+template <class List>
+struct filter_prefix_scans;
+template <class... N>
+struct filter_prefix_scans<type_list<N...>> {
+  using type = typename concat_lists<
+      std::conditional_t<std::is_same_v<typename N::op_type, op::prefix_scan>, type_list<N>, type_list<>>...>::type;
+};
+}  // namespace detail
+
+// The prefix-scan nodes of N in preorder, one entry per occurrence.
+template <class N>
+using prefix_scans_of =
+    typename detail::filter_prefix_scans<typename detail::all_nodes<std::remove_cvref_t<N>>::type>::type;
 
 }  // namespace lina

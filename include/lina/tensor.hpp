@@ -164,4 +164,9 @@ struct binding {
   tensor_view<T const> view;
 };
 
+template <class B>
+inline constexpr bool is_binding = false;
+template <fixed_string Name, class T>
+inline constexpr bool is_binding<binding<Name, T>> = true;
+
 }  // namespace lina

@@ -52,6 +52,15 @@ struct concat_lists<type_list<A...>, type_list<B...>, Rest...> {
   using type = typename concat_lists<type_list<A..., B...>, Rest...>::type;
 };
 
+template <class List>
+struct front;
+template <class T, class... R>
+struct front<type_list<T, R...>> {
+  using type = T;
+};
+template <class List>
+using front_t = typename front<List>::type;
+
 template <class T>
 inline constexpr bool always_false = false;
 

@@ -18,6 +18,7 @@
 #include "lina/cpu/bind.hpp"
 #include "lina/cpu/kernels.hpp"
 #include "lina/cpu/matrix.hpp"
+#include "lina/cpu/state.hpp"
 #include "lina/node.hpp"
 #include "lina/tensor.hpp"
 
@@ -31,13 +32,15 @@ struct slice {
   using T = typename Bound::value_type;
   Bound const& in;
   std::size_t b, h;
+  state<T>* st = nullptr;  // the running sums prefix scans start from and end with
+  mutable std::size_t next_scan = 0;  // prefix scans are numbered in evaluation order
 
   struct cached {
     void const* node;  // of a type in Shared, compared with same_value
     std::size_t type;  // index of that type in Shared
     matrix<T> value;
   };
-  mutable std::vector<cached> cache;
+  mutable std::vector<cached> cache{};
 
   template <fixed_string Name>
   static constexpr std::size_t input_position() {
@@ -105,7 +108,12 @@ template <class Map>
 struct lower<op::phi<Map>> {
   template <class T, class N, class Ctx>
   static matrix<T> run(N const& n, Ctx const& ctx) {
-    return kernels::feature_map<Map>(eval<T>(kid<0>(n), ctx));
+    if constexpr (N::arity == 2) {  // a parametric map reads its projection W
+      matrix<T> x = eval<T>(kid<0>(n), ctx);
+      return kernels::feature_map<Map>(x, eval<T>(kid<1>(n), ctx));
+    } else {
+      return kernels::feature_map<Map>(eval<T>(kid<0>(n), ctx));
+    }
   }
 };
 
@@ -198,7 +206,22 @@ struct lower<op::phi_vjp<Map>> {
   template <class T, class N, class Ctx>
   static matrix<T> run(N const& n, Ctx const& ctx) {
     matrix<T> x = eval<T>(kid<0>(n), ctx);
-    return kernels::feature_map_vjp<Map>(x, eval<T>(kid<1>(n), ctx));
+    if constexpr (N::arity == 3) {
+      matrix<T> w = eval<T>(kid<1>(n), ctx);
+      return kernels::feature_map_vjp<Map, false>(x, w, eval<T>(kid<2>(n), ctx));
+    } else {
+      return kernels::feature_map_vjp<Map>(x, eval<T>(kid<1>(n), ctx));
+    }
+  }
+};
+
+template <class Map>
+struct lower<op::phi_param_vjp<Map>> {
+  template <class T, class N, class Ctx>
+  static matrix<T> run(N const& n, Ctx const& ctx) {
+    matrix<T> x = eval<T>(kid<0>(n), ctx);
+    matrix<T> w = eval<T>(kid<1>(n), ctx);
+    return kernels::feature_map_vjp<Map, true>(x, w, eval<T>(kid<2>(n), ctx));
   }
 };
 
@@ -275,14 +298,23 @@ struct lower<op::contract_rows> {
     using S = std::remove_cvref_t<decltype(kid<1>(n))>;
     static_assert(detail::fused_scan<S>::value,
                   "lina::cpu: contract(A, S) lowers only when S is prefix(B⊗C) or suffix(B⊗C)");
+    constexpr bool reverse = detail::fused_scan<S>::reverse;
+    std::size_t k = reverse ? 0 : ctx.next_scan++;  // numbered before the kids, in preorder
     auto const& outer = kid<0>(kid<1>(n));
     matrix<T> a = eval<T>(kid<0>(n), ctx);
     matrix<T> b = eval<T>(kid<0>(outer), ctx);
     matrix<T> c = eval<T>(kid<1>(outer), ctx);
     matrix<T> out = allocate<T>(b.rows, c.cols);
-    buffer<T> state(static_cast<std::size_t>(b.cols * c.cols));
-    std::fill_n(state.get(), state.size(), T(0));
-    kernels::scan_contract(a, b, std::move(c), out, state.get(), detail::fused_scan<S>::reverse);
+    buffer<T> local;
+    T* sums = nullptr;
+    if (!reverse && ctx.st) {
+      sums = ctx.st->at(k, ctx.b, ctx.h);  // carried across evaluations
+    } else {
+      local = buffer<T>(static_cast<std::size_t>(b.cols * c.cols));
+      std::fill_n(local.get(), local.size(), T(0));
+      sums = local.get();
+    }
+    kernels::scan_contract(a, b, std::move(c), out, sums, reverse);
     return out;
   }
 };
@@ -299,11 +331,11 @@ bool worth_threads(Bound const& in) {
 
 namespace detail {
 template <class T, class Plan, class Bound>
-void evaluate_slices(Plan const& plan, Bound const& in, tensor_view<T> out) {
+void evaluate_slices(Plan const& plan, Bound const& in, tensor_view<T> out, state<T>* st = nullptr) {
   long total = static_cast<long>(in.batch * in.heads);
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(in))
   for (long bh = 0; bh < total; ++bh) {
-    slice<Bound> ctx{in, static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads, {}};
+    slice<Bound> ctx{in, static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads, st};
     matrix<T> m = eval<T>(plan, ctx);
     for (index i = 0; i < m.rows; ++i)
       for (index j = 0; j < m.cols; ++j) out(ctx.b, ctx.h, static_cast<std::size_t>(i), static_cast<std::size_t>(j)) = m(i, j);
@@ -320,7 +352,7 @@ shape4 result_shape(Bound const& in) {
 // evaluate(plan, Q = q, K = k, V = v) -> [B, H, rows, cols] (an expression
 // evaluates as written, which makes it the oracle of its compiled plans).
 template <class Plan, class... B>
-  requires is_node<Plan>
+  requires(is_node<Plan> && (is_binding<B> && ...))
 auto evaluate(Plan const& plan, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
   using T = typename decltype(in.views)::value_type::element_type_;
@@ -331,7 +363,7 @@ auto evaluate(Plan const& plan, B const&... bindings) {
 
 // Like evaluate, into caller memory of any layout (e.g. a [B,N,H,M] view).
 template <class Plan, class T, class... B>
-  requires is_node<Plan>
+  requires(is_node<Plan> && (is_binding<B> && ...))
 void evaluate_into(Plan const& plan, tensor_view<T> out, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
   shape4 want = detail::result_shape<Plan>(in);

@@ -107,6 +107,26 @@ matrix<T> feature_map(matrix<T> const& x) {
   }
 }
 
+// Rows copied to a contiguous buffer, for maps that read whole rows.
+template <class T>
+void copy_row(matrix<T> const& x, index i, T* to) {
+  for (index j = 0; j < x.cols; ++j) to[j] = x(i, j);
+}
+
+// A parametric map: every row of x with the projection w (d x m).
+template <class Map, class T>
+matrix<T> feature_map(matrix<T> const& x, matrix<T> const& w) {
+  std::size_t d = static_cast<std::size_t>(x.cols), m = static_cast<std::size_t>(w.cols);
+  matrix<T> wc = writable(view(w.data, w.rows, w.cols, w.rs, w.cs));  // contiguous d x m
+  matrix<T> out = allocate<T>(x.rows, static_cast<index>(Map::features(m)));
+  buffer<T> row(d);
+  for (index i = 0; i < x.rows; ++i) {
+    copy_row(x, i, row.get());
+    Map::apply(static_cast<T const*>(row.get()), d, wc.data, m, out.row_mut(i));
+  }
+  return out;
+}
+
 template <class T>
 void causal_mask(matrix<T>& m) {
   for (index i = 0; i < m.rows; ++i)
@@ -174,6 +194,25 @@ matrix<T> feature_map_vjp(matrix<T> const& x, matrix<T> const& g) {
       Map::vjp(static_cast<T const*>(xr.get()), static_cast<std::size_t>(x.cols), static_cast<T const*>(gr.get()),
                out.row_mut(i));
     }
+  }
+  return out;
+}
+
+// A parametric map's row-wise adjoints: dx (Param = false, d columns) or the
+// h of ∂L/∂W = Σ_i x_i h_iᵀ (Param = true, m columns).
+template <class Map, bool Param, class T>
+matrix<T> feature_map_vjp(matrix<T> const& x, matrix<T> const& w, matrix<T> const& g) {
+  std::size_t d = static_cast<std::size_t>(x.cols), m = static_cast<std::size_t>(w.cols);
+  matrix<T> wc = writable(view(w.data, w.rows, w.cols, w.rs, w.cs));
+  matrix<T> out = allocate<T>(x.rows, static_cast<index>(Param ? m : d));
+  buffer<T> xr(d), gr(static_cast<std::size_t>(g.cols));
+  for (index i = 0; i < x.rows; ++i) {
+    copy_row(x, i, xr.get());
+    copy_row(g, i, gr.get());
+    if constexpr (Param)
+      Map::param_vjp(static_cast<T const*>(xr.get()), d, wc.data, m, static_cast<T const*>(gr.get()), out.row_mut(i));
+    else
+      Map::vjp(static_cast<T const*>(xr.get()), d, wc.data, m, static_cast<T const*>(gr.get()), out.row_mut(i));
   }
   return out;
 }

@@ -1,0 +1,275 @@
+// Transformers are RNNs: recurrent steps and chained blocks equal one parallel
+// evaluation; states save, restore and reset; the feature-map family (poly2
+// exact, favor and random Fourier features converging as m grows).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <lina/cpu.hpp>
+#include <lina/lina.hpp>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace lina;
+
+namespace {
+
+constexpr auto N = dim<"N">;
+constexpr auto D = dim<"D">;
+constexpr auto M = dim<"M">;
+constexpr auto F = dim<"F">;  // random features
+constexpr auto Q = input<"Q">(N, D);
+constexpr auto K = input<"K">(N, D);
+constexpr auto V = input<"V">(N, M);
+constexpr auto W = input<"W">(D, F);
+
+struct softplus {  // a user-defined map
+  static constexpr std::string_view name = "softplus";
+  template <class T> static T value(T x) { return std::log1p(std::exp(x)); }
+  template <class T> static T derivative(T x) { return 1 / (1 + std::exp(-x)); }
+};
+
+// Tokens [from, to) of a [B, H, N, *] tensor, as a view.
+template <class T>
+tensor_view<T const> tokens(tensor<T> const& t, std::size_t from, std::size_t to) {
+  auto s = t.shape();
+  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
+}
+
+struct shape {
+  std::size_t b, h, n, d, m;
+};
+shape random_shape(test::rng& r) {
+  shape s{r.in(1, 2), r.in(1, 3), r.in(1, 120), r.in(1, 12), 0};
+  do s.m = r.in(1, 12);
+  while (s.m == s.d);
+  return s;
+}
+
+// Steps and chained blocks against the quadratic plan evaluated at once.
+template <class T, class Expr, class... Extra>
+void check_recurrent(Expr const& expr, std::uint64_t seed, Extra const&... extra) {
+  test::rng r{seed};
+  for (int trial = 0; trial < 5; ++trial) {
+    shape s = random_shape(r);
+    auto q = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next()), k = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto v = tensor<T>::random({s.b, s.h, s.n, s.m}, r.next());
+    auto ref = cpu::evaluate(compile<order::quadratic>(expr), Q = q, K = k, V = v, extra...);
+    auto once = cpu::evaluate(compile<order::linear>(expr), Q = q, K = k, V = v, extra...);
+    double bound = test::rounding_bound<T>(double(s.n * s.d * 4), 1.0) * (1 + test::max_abs(ref));
+    CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CHECK(max_abs_diff(once, ref) <= bound);
+
+    // token by token: the same scan, so the same numbers as one linear evaluation
+    auto rnn = cpu::recurrent<T>(compile(expr), s.b, s.h);
+    double step_err = 0;
+    for (std::size_t t = 0; t < s.n; ++t) {
+      auto y = rnn.step(Q = tokens(q, t, t + 1), K = tokens(k, t, t + 1), V = tokens(v, t, t + 1), extra...);
+      step_err = std::max(step_err, max_abs_diff(y, tokens(once, t, t + 1)));
+    }
+    CHECK(step_err == 0);
+
+    // blocks at random boundaries, then steps continuing from the blocks' state
+    cpu::state<T> st;
+    std::size_t at = 0;
+    while (at < s.n) {
+      std::size_t to = std::min(s.n, at + r.in(1, 40));
+      auto y = cpu::evaluate(compile(expr), st, Q = tokens(q, at, to), K = tokens(k, at, to), V = tokens(v, at, to), extra...);
+      CHECK(max_abs_diff(y, tokens(once, at, to)) == 0);
+      at = to;
+    }
+    std::size_t prompt = s.n / 2;
+    cpu::state<T> prefill;
+    cpu::evaluate(compile(expr), prefill, Q = tokens(q, 0, prompt), K = tokens(k, 0, prompt), V = tokens(v, 0, prompt), extra...);
+    auto gen = cpu::recurrent<T>(compile(expr), s.b, s.h);
+    gen.set_state(prefill);
+    for (std::size_t t = prompt; t < s.n; ++t)
+      CHECK(max_abs_diff(gen.step(Q = tokens(q, t, t + 1), K = tokens(k, t, t + 1), V = tokens(v, t, t + 1), extra...),
+                         tokens(once, t, t + 1)) == 0);
+  }
+}
+
+template <class Map>
+constexpr auto causal_attn = normalize(causal(phi<Map>(Q) * transpose(phi<Map>(K)))) * V;
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("recurrent steps and chained blocks equal the parallel plan", T, float, double) {
+  check_recurrent<T>(causal_attn<elu_plus_one>, 1);
+  check_recurrent<T>(causal_attn<softplus>, 2);
+  check_recurrent<T>(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 3);
+  check_recurrent<T>(causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V, 4);
+}
+
+TEST_CASE_TEMPLATE("favor attention steps like any linear attention", T, float, double) {
+  constexpr auto e = normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V;
+  test::rng r{7};
+  for (int trial = 0; trial < 3; ++trial) {
+    std::size_t b = r.in(1, 2), h = r.in(1, 3), n = r.in(1, 80), d = r.in(2, 10), m = r.in(1, 6), f = r.in(4, 40);
+    auto q = tensor<T>::random({b, h, n, d}, r.next()), k = tensor<T>::random({b, h, n, d}, r.next());
+    auto v = tensor<T>::random({b, h, n, m}, r.next());
+    auto w = gaussian_projection<T>(d, f, r.next());
+    auto wb = broadcast(w, b, h);
+    auto once = cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v, W = wb);
+    auto ref = cpu::evaluate(compile<order::quadratic>(e), Q = q, K = k, V = v, W = wb);
+    CHECK(max_abs_diff(once, ref) <= test::rounding_bound<T>(double(n * f), 1.0));
+    auto rnn = cpu::recurrent<T>(compile(e), b, h);
+    for (std::size_t t = 0; t < n; ++t)
+      CHECK(max_abs_diff(rnn.step(Q = tokens(q, t, t + 1), K = tokens(k, t, t + 1), V = tokens(v, t, t + 1), W = wb),
+                         tokens(once, t, t + 1)) == 0);
+  }
+}
+
+TEST_CASE("reset starts over; a saved state restores the sequence where it was") {
+  constexpr auto e = causal_attn<elu_plus_one>;
+  auto q = tensor<double>::random({2, 2, 30, 5}, 1), k = tensor<double>::random({2, 2, 30, 5}, 2);
+  auto v = tensor<double>::random({2, 2, 30, 3}, 3);
+  auto rnn = cpu::recurrent<double>(compile(e), 2, 2);
+  std::vector<tensor<double>> first;
+  cpu::state<double> saved;
+  for (std::size_t t = 0; t < 30; ++t) {
+    first.push_back(rnn.step(Q = tokens(q, t, t + 1), K = tokens(k, t, t + 1), V = tokens(v, t, t + 1)));
+    if (t == 11) saved = rnn.state();
+  }
+  // the state is the paper's (s | z): z = Σ φ(k_j) is its last column
+  auto st = rnn.state()[0];
+  REQUIRE(st.shape() == shape4{2, 2, 5, 4});
+  double z = 0;
+  for (std::size_t j = 0; j < 30; ++j) z += elu_plus_one::value(k(1, 0, j, 2));
+  CHECK(st(1, 0, 2, 3) == doctest::Approx(z).epsilon(1e-12));
+
+  rnn.reset();
+  for (std::size_t t = 0; t < 30; ++t)
+    CHECK(max_abs_diff(rnn.step(Q = tokens(q, t, t + 1), K = tokens(k, t, t + 1), V = tokens(v, t, t + 1)), first[t]) == 0);
+  rnn.set_state(saved);
+  for (std::size_t t = 12; t < 30; ++t)
+    CHECK(max_abs_diff(rnn.step(Q = tokens(q, t, t + 1), K = tokens(k, t, t + 1), V = tokens(v, t, t + 1)), first[t]) == 0);
+}
+
+TEST_CASE("stepping with the wrong shape throws shape_error; a foreign state is rejected") {
+  constexpr auto e = causal_attn<elu_plus_one>;
+  auto rnn = cpu::recurrent<float>(compile(e), 2, 3);
+  auto tok = [](std::size_t b, std::size_t h, std::size_t n, std::size_t d) {
+    return tensor<float>::random({b, h, n, d}, b * 1000 + h * 100 + n * 10 + d);
+  };
+  auto q = tok(2, 3, 1, 4), v = tok(2, 3, 1, 6);
+  rnn.step(Q = q, K = q, V = v);  // fixes D = 4, M = 6
+  auto expect = [](auto f, std::string symbol, std::string dimension, std::size_t got, std::size_t want) {
+    try {
+      f();
+      FAIL("no shape_error");
+    } catch (shape_error const& err) {
+      CHECK(err.symbol() == symbol);
+      CHECK(err.dimension() == dimension);
+      CHECK(err.extent() == got);
+      CHECK(err.expected_extent() == want);
+    }
+  };
+  auto qb = tok(3, 3, 1, 4), vb = tok(3, 3, 1, 6);
+  expect([&] { rnn.step(Q = qb, K = qb, V = vb); }, "Q", "B (batch)", 3, 2);
+  auto qh = tok(2, 1, 1, 4), vh = tok(2, 1, 1, 6);
+  expect([&] { rnn.step(Q = qh, K = qh, V = vh); }, "Q", "H (heads)", 1, 3);
+  auto qd = tok(2, 3, 1, 5);
+  expect([&] { rnn.step(Q = qd, K = qd, V = v); }, "Q", "D", 5, 4);
+  auto q2 = tok(2, 3, 2, 4), v2 = tok(2, 3, 2, 6);
+  expect([&] { rnn.step(Q = q2, K = q2, V = v2); }, "Q", "N", 2, 1);
+
+  // a state from another plan, or for another batch, is refused
+  auto other = cpu::recurrent<float>(compile(causal_attn<relu>), 2, 3);
+  other.step(Q = q, K = q, V = v);
+  CHECK_THROWS_AS(rnn.set_state(other.state()), state_error);
+  CHECK_THROWS_WITH_AS(rnn.set_state(other.state()), doctest::Contains("this state belongs to the plan"), state_error);
+  auto small = cpu::recurrent<float>(compile(e), 1, 3);
+  CHECK_THROWS_AS(rnn.set_state(small.state()), state_error);
+  cpu::state<float> foreign = other.state();
+  CHECK_THROWS_AS(cpu::evaluate(compile(e), foreign, Q = q, K = q, V = v), state_error);
+}
+
+TEST_CASE_TEMPLATE("poly2 is exact: (q·k)² through C = D(D+1)/2 features", T, float, double) {
+  constexpr auto e = causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V;
+  test::rng r{8};
+  for (int trial = 0; trial < 5; ++trial) {
+    std::size_t b = r.in(1, 2), h = r.in(1, 2), n = r.in(1, 150), d = r.in(1, 9), m = r.in(1, 7);
+    auto q = tensor<T>::random({b, h, n, d}, r.next()), k = tensor<T>::random({b, h, n, d}, r.next());
+    auto v = tensor<T>::random({b, h, n, m}, r.next());
+    tensor<double> ref({b, h, n, m});
+    for (std::size_t x = 0; x < b; ++x)
+      for (std::size_t y = 0; y < h; ++y)
+        for (std::size_t i = 0; i < n; ++i)
+          for (std::size_t j = 0; j <= i; ++j) {
+            double dot = 0;
+            for (std::size_t c = 0; c < d; ++c) dot += double(q(x, y, i, c)) * double(k(x, y, j, c));
+            for (std::size_t e2 = 0; e2 < m; ++e2) ref(x, y, i, e2) += dot * dot * double(v(x, y, j, e2));
+          }
+    double bound = test::rounding_bound<T>(double(n * d * d), test::max_abs(ref));
+    CAPTURE(n); CAPTURE(d);
+    CHECK(max_abs_diff(cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v), ref) <= bound);
+    CHECK(max_abs_diff(cpu::evaluate(compile<order::quadratic>(e), Q = q, K = k, V = v), ref) <= bound);
+  }
+  static_assert(std::is_same_v<typename decltype(phi<poly2>(Q))::shape::cols, feature_dim<poly2, std::remove_cvref_t<decltype(D)>>>);
+  CHECK(poly2::features(64) == 2080);
+}
+
+TEST_CASE("favor: the error against softmax attention falls as m grows") {
+  // Softmax attention exp(q·k/√D), normalised, against favor with m features;
+  // the error of a random-feature estimate shrinks like 1/√m, so four times
+  // the features should roughly halve it. Mean over four projections.
+  constexpr auto Dd = dim<"D", 16>;
+  constexpr auto Qs = input<"Q">(N, Dd);
+  constexpr auto Ks = input<"K">(N, Dd);
+  constexpr auto Ws = input<"W">(Dd, F);
+  constexpr auto softmax = normalize(causal(exp(Qs * transpose(Ks) / 4.0))) * V;
+  constexpr auto approx = normalize(causal(phi<favor>(Qs, Ws) * transpose(phi<favor>(Ks, Ws)))) * V;
+  std::size_t n = 256;
+  auto q = tensor<double>::random({1, 2, n, 16}, 1), k = tensor<double>::random({1, 2, n, 16}, 2);
+  auto v = tensor<double>::random({1, 2, n, 8}, 3);
+  auto exact = cpu::evaluate(softmax, Qs = q, Ks = k, V = v);
+  std::vector<double> errors;
+  for (std::size_t m : {8u, 32u, 128u, 512u}) {
+    double sum = 0;
+    for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+      auto w = gaussian_projection<double>(16, m, seed);
+      auto out = cpu::evaluate(compile(approx), Qs = q, Ks = k, V = v, Ws = broadcast(w, 1, 2));
+      double num = 0, den = 0;  // relative RMS error
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        num += (out.data()[i] - exact.data()[i]) * (out.data()[i] - exact.data()[i]);
+        den += exact.data()[i] * exact.data()[i];
+      }
+      sum += std::sqrt(num / den);
+    }
+    errors.push_back(sum / 4);
+    MESSAGE("m = " << m << ": relative RMS error " << sum / 4);
+  }
+  // Each quadrupling must cut the error by a quarter at least, and 64x the
+  // features by 70% (1/√64 = 1/8 is the Monte Carlo rate; measured: 0.21).
+  for (std::size_t i = 1; i < errors.size(); ++i) CHECK(errors[i] < 0.75 * errors[i - 1]);
+  CHECK(errors.back() < 0.3 * errors.front());
+  CHECK(errors.back() < 0.2);  // measured 0.128 at 512 features
+}
+
+TEST_CASE("random Fourier features approximate the Gaussian kernel better as m grows") {
+  constexpr auto kernel = phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W));
+  std::size_t n = 40, d = 6;
+  auto q = tensor<double>::random({1, 1, n, d}, 1), k = tensor<double>::random({1, 1, n, d}, 2);
+  double s = std::pow(double(d), -0.25);
+  std::vector<double> errors;
+  for (std::size_t m : {16u, 64u, 256u, 1024u}) {
+    double sum = 0;
+    for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+      auto w = gaussian_projection<double>(d, m, seed);
+      auto approx = cpu::evaluate(kernel, Q = q, K = k, W = broadcast(w, 1, 1));
+      double err = 0;
+      for (std::size_t i = 0; i < n; ++i)
+        for (std::size_t j = 0; j < n; ++j) {
+          double dist2 = 0;
+          for (std::size_t c = 0; c < d; ++c) dist2 += std::pow(s * (q(0, 0, i, c) - k(0, 0, j, c)), 2);
+          err = std::max(err, std::abs(approx(0, 0, i, j) - std::exp(-dist2 / 2)));
+        }
+      sum += err;
+    }
+    errors.push_back(sum / 4);
+    MESSAGE("m = " << m << ": max kernel error " << sum / 4);
+  }
+  for (std::size_t i = 1; i < errors.size(); ++i) CHECK(errors[i] < 0.75 * errors[i - 1]);
+  CHECK(errors.back() < 0.1);
+}
