@@ -82,7 +82,7 @@ inline constexpr auto flatten_rules = hana::make_tuple(rule(x_ * y_, make_chain)
 template <class A, class B, class C>
 constexpr auto prefix_contract(A const& a, B const& b, C const& c) {
   auto bt = rewrite::rewrite(canonical_rules, transpose(b));
-  return make_node(op::contract_rows{}, a, make_node(op::prefix_scan{}, make_node(op::outer_rows{}, bt, c)));
+  return build::contract(a, build::prefix(build::outer(bt, c)));
 }
 
 // The ways to multiply two bracketed operands.

@@ -65,12 +65,7 @@ struct backward_plan {
   // g[Q]: the gradient expression of input Q.
   template <class Op>
   constexpr auto const& operator[](node<Op> const&) const {
-    constexpr std::size_t i = [] {
-      constexpr std::array<bool, sizeof...(Entries)> m{std::is_same_v<typename Entries::input, Op>...};
-      for (std::size_t k = 0; k < m.size(); ++k)
-        if (m[k]) return k;
-      return m.size();
-    }();
+    constexpr std::size_t i = detail::index_of_v<Op, detail::type_list<typename Entries::input...>>;
     static_assert(i < sizeof...(Entries), "lina: this input is not an input of the differentiated plan");
     return hana::at_c<i>(entries).expr;
   }
@@ -293,25 +288,19 @@ struct differentiate<Forward, detail::type_list<In...>> {
   template <class P>
   static constexpr auto run(P const& p) {
     using Op = typename P::op_type;
-    if constexpr (is_select_op<Op>) {
-      auto small = run(kid<0>(p));
-      auto large = run(kid<1>(p));
-      return hana::make_tuple(gradient_entry<In, decltype(make_node(p.op, hana::at_c<index<In>()>(small).expr,
-                                                                    hana::at_c<index<In>()>(large).expr))>{
-          make_node(p.op, hana::at_c<index<In>()>(small).expr, hana::at_c<index<In>()>(large).expr)}...);
+    if constexpr (is_select_op<Op>) {  // the same choice between the two backward plans
+      return hana::zip_with(
+          [&](auto const& small, auto const& large) {
+            auto e = make_node(p.op, small.expr, large.expr);
+            return gradient_entry<typename std::remove_cvref_t<decltype(small)>::input, decltype(e)>{e};
+          },
+          run(kid<0>(p)), run(kid<1>(p)));
     } else {
       using S = typename P::shape;
       constexpr node<op::input<cotangent_symbol, typename S::rows, typename S::cols>> dout{};
       auto contributions = backprop(p, dout);
       return hana::make_tuple(sum_for<In>(contributions)...);
     }
-  }
-  template <class X>
-  static constexpr std::size_t index() {
-    constexpr std::array<bool, sizeof...(In)> m{std::is_same_v<In, X>...};
-    for (std::size_t i = 0; i < m.size(); ++i)
-      if (m[i]) return i;
-    return m.size();
   }
 };
 

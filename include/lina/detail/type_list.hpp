@@ -52,6 +52,21 @@ struct concat_lists<type_list<A...>, type_list<B...>, Rest...> {
   using type = typename concat_lists<type_list<A..., B...>, Rest...>::type;
 };
 
+// Position of X in List (List::size when X is absent).
+template <class X, class List>
+struct index_of;
+template <class X, class... T>
+struct index_of<X, type_list<T...>> {
+  static constexpr std::size_t value = [] {
+    constexpr bool same[] = {std::is_same_v<X, T>..., true};
+    std::size_t i = 0;
+    while (!same[i]) ++i;
+    return i;
+  }();
+};
+template <class X, class List>
+inline constexpr std::size_t index_of_v = index_of<X, List>::value;
+
 template <class List>
 struct front;
 template <class T, class... R>

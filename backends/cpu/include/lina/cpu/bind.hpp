@@ -57,10 +57,7 @@ struct extent_table<lina::detail::type_list<D...>> {
 
   template <class X>
   static constexpr std::size_t index_of() {
-    constexpr std::array<bool, size> same{std::is_same_v<X, D>...};
-    for (std::size_t i = 0; i < size; ++i)
-      if (same[i]) return i;
-    return size;
+    return lina::detail::index_of_v<X, lina::detail::type_list<D...>>;
   }
   template <class X>
   std::size_t get() const {
@@ -83,12 +80,7 @@ struct bound_inputs {
   // Position of input op In in `views`.
   template <class In>
   static constexpr std::size_t input_index() {
-    return []<class... I>(lina::detail::type_list<I...>) {
-      constexpr std::array<bool, sizeof...(I)> m{std::is_same_v<I, In>...};
-      std::size_t i = 0;
-      while (i < m.size() && !m[i]) ++i;
-      return i;
-    }(inputs{});
+    return lina::detail::index_of_v<In, inputs>;
   }
 };
 

@@ -42,24 +42,9 @@ struct slice {
   };
   mutable std::vector<cached> cache{};
 
-  template <fixed_string Name>
-  static constexpr std::size_t input_position() {
-    return [&]<class... I>(lina::detail::type_list<I...>) {
-      constexpr std::array<bool, sizeof...(I)> m{(I::name == Name)...};
-      std::size_t i = 0;
-      while (!m[i]) ++i;
-      return i;
-    }(typename Bound::inputs{});
-  }
-
   template <class N>
   static constexpr std::size_t shared_index() {
-    return []<class... S>(lina::detail::type_list<S...>) {
-      constexpr std::array<bool, sizeof...(S) + 1> m{std::is_same_v<S, N>..., true};
-      std::size_t i = 0;
-      while (!m[i]) ++i;
-      return i;
-    }(Shared{});
+    return lina::detail::index_of_v<N, Shared>;
   }
   template <class N>
   static constexpr bool shares() {
@@ -97,7 +82,7 @@ template <fixed_string Name, class R, class C>
 struct lower<op::input<Name, R, C>> {
   template <class T, class N, class Ctx>
   static matrix<T> run(N const&, Ctx const& ctx) {
-    auto const& v = ctx.in.views[Ctx::template input_position<Name>()];
+    auto const& v = ctx.in.views[std::remove_cvref_t<decltype(ctx.in)>::template input_index<op::input<Name, R, C>>()];
     auto const& s = v.strides();
     T const* base = v.data() + static_cast<index>(ctx.b) * s[0] + static_cast<index>(ctx.h) * s[1];
     return view(base, static_cast<index>(v.shape()[2]), static_cast<index>(v.shape()[3]), s[2], s[3]);
@@ -330,15 +315,20 @@ bool worth_threads(Bound const& in) {
 }
 
 namespace detail {
+// Write one slice's result into [b, h] of an output of any layout.
+template <class T>
+void store(matrix<T> const& m, tensor_view<T> out, std::size_t b, std::size_t h) {
+  for (index i = 0; i < m.rows; ++i)
+    for (index j = 0; j < m.cols; ++j) out(b, h, static_cast<std::size_t>(i), static_cast<std::size_t>(j)) = m(i, j);
+}
+
 template <class T, class Plan, class Bound>
 void evaluate_slices(Plan const& plan, Bound const& in, tensor_view<T> out, state<T>* st = nullptr) {
   long total = static_cast<long>(in.batch * in.heads);
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(in))
   for (long bh = 0; bh < total; ++bh) {
     slice<Bound> ctx{in, static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads, st};
-    matrix<T> m = eval<T>(plan, ctx);
-    for (index i = 0; i < m.rows; ++i)
-      for (index j = 0; j < m.cols; ++j) out(ctx.b, ctx.h, static_cast<std::size_t>(i), static_cast<std::size_t>(j)) = m(i, j);
+    store(eval<T>(plan, ctx), out, ctx.b, ctx.h);
   }
 }
 template <class Plan, class Bound>

@@ -27,26 +27,19 @@ class gradients {
  public:
   template <class Op>
   tensor<T> const& operator[](node<Op> const&) const {
-    constexpr std::size_t i = position<Op>();
+    constexpr std::size_t i = lina::detail::index_of_v<Op, lina::detail::type_list<In...>>;
     static_assert(i < sizeof...(In), "lina: this input is not an input of the differentiated plan");
     return tensors_[i];
   }
   template <class Op>
   tensor<T>& operator[](node<Op> const&) {
-    constexpr std::size_t i = position<Op>();
+    constexpr std::size_t i = lina::detail::index_of_v<Op, lina::detail::type_list<In...>>;
     static_assert(i < sizeof...(In), "lina: this input is not an input of the differentiated plan");
     return tensors_[i];
   }
   std::array<tensor<T>, sizeof...(In)>& all() { return tensors_; }
 
  private:
-  template <class Op>
-  static constexpr std::size_t position() {
-    constexpr std::array<bool, sizeof...(In)> m{std::is_same_v<Op, In>...};
-    for (std::size_t i = 0; i < m.size(); ++i)
-      if (m[i]) return i;
-    return m.size();
-  }
   std::array<tensor<T>, sizeof...(In)> tensors_;
 };
 
@@ -105,11 +98,7 @@ auto gradient(P const& plan, D const& dout, B const&... bindings) {
   for (long bh = 0; bh < total; ++bh) {
     slice<decltype(in), shared> ctx{in, static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads, {}};
     hana::for_each(hana::make_range(hana::size_c<0>, hana::size_c<count>), [&](auto i) {
-      matrix<T> m = eval<T>(hana::at_c<decltype(i)::value>(bp.entries).expr, ctx);
-      auto out = g.all()[i].view();
-      for (index r = 0; r < m.rows; ++r)
-        for (index c = 0; c < m.cols; ++c)
-          out(ctx.b, ctx.h, static_cast<std::size_t>(r), static_cast<std::size_t>(c)) = m(r, c);
+      detail::store(eval<T>(hana::at_c<decltype(i)::value>(bp.entries).expr, ctx), g.all()[i].view(), ctx.b, ctx.h);
     });
   }
   return g;
