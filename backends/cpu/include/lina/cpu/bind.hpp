@@ -68,11 +68,13 @@ struct extent_table<lina::detail::type_list<D...>> {
 
 // The checked bindings of one evaluation: one view per input of the plan (in
 // the order of inputs_of<Plan>), batch and heads, and the extent table.
-template <class Plan, class T>
+// Keyed on the input and dimension lists, not on the plan: this type is part
+// of every lowering's instantiation, so it is kept short.
+template <class Inputs, class Dims, class T>
 struct bound_inputs {
   using value_type = T;
-  using inputs = inputs_of<Plan>;
-  using table_type = extent_table<dims_of<Plan>>;
+  using inputs = Inputs;
+  using table_type = extent_table<Dims>;
   std::array<tensor_view<T const>, inputs::size> views;
   std::size_t batch = 0, heads = 0;
   table_type table;
@@ -130,7 +132,8 @@ auto bind(B const&... bs) {
   static_assert(diagnose::binding_element_types<(std::is_same_v<T, typename B::value_type> && ...)>::ok || true);
   static_assert((diagnose::binding_symbol<B::name, detail::names_an_input<B::name, inputs>::value>::ok && ...) || true);
 
-  bound_inputs<Plan, T> r;
+  using bound_type = bound_inputs<inputs, dims_of<Plan>, T>;
+  bound_type r;
   bool first = true;
   std::string first_symbol;
   [&]<class... I>(lina::detail::type_list<I...>) {
@@ -152,8 +155,8 @@ auto bind(B const&... bs) {
           if (v.shape()[0] != r.batch) throw shape_error(symbol, "B (batch)", v.shape()[0], r.batch, "of input " + first_symbol);
           if (v.shape()[1] != r.heads) throw shape_error(symbol, "H (heads)", v.shape()[1], r.heads, "of input " + first_symbol);
         }
-        detail::check_extent<typename bound_inputs<Plan, T>::table_type, typename In::rows>(r.table, v.shape()[2], symbol);
-        detail::check_extent<typename bound_inputs<Plan, T>::table_type, typename In::cols>(r.table, v.shape()[3], symbol);
+        detail::check_extent<typename bound_type::table_type, typename In::rows>(r.table, v.shape()[2], symbol);
+        detail::check_extent<typename bound_type::table_type, typename In::cols>(r.table, v.shape()[3], symbol);
         r.views[k] = v;
       }
       ++k;
