@@ -11,6 +11,7 @@
 #include "support.hpp"
 
 using namespace lina;
+using test::softplus;
 
 namespace {
 
@@ -219,15 +220,7 @@ TEST_CASE("the README program: static D and M, dynamic N") {
   }
 }
 
-namespace {
-// The user-defined map of docs/dsl.md, verbatim.
-struct softplus {
-  static constexpr std::string_view name = "softplus";
-  template <class T> static T value(T x) { return std::log1p(std::exp(x)); }
-  template <class T> static T derivative(T x) { return 1 / (1 + std::exp(-x)); }
-};
-}  // namespace
-
+// softplus is the user-defined map of docs/dsl.md (tests/support.hpp).
 TEST_CASE_TEMPLATE("a user-defined feature map works like a built-in one", T, float, double) {
   static_assert(concepts::feature_map<softplus>);
   check_orders<T, softplus>(normalize(causal(phi<softplus>(Q) * transpose(phi<softplus>(K)))) * V, true, true, 11);

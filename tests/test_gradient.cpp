@@ -1,43 +1,12 @@
 // Derived gradients: finite differences in double for every input, map and
 // mask; linear = quadratic gradients; a two-token case in closed form; the
 // printed causal backward; constant extra memory.
-#include <doctest/doctest.h>
-
-#include <cmath>
-#include <lina/cpu.hpp>
-#include <lina/lina.hpp>
 #include <string>
 
-#include "support.hpp"
+#include "gradient_support.hpp"
 
-using namespace lina;
-
-namespace {
-
-constexpr auto N = dim<"N">;
-constexpr auto D = dim<"D">;
-constexpr auto M = dim<"M">;
-constexpr auto Q = input<"Q">(N, D);
-constexpr auto K = input<"K">(N, D);
-constexpr auto V = input<"V">(N, M);
+using namespace gradient_test;
 using N_t = std::remove_cvref_t<decltype(N)>;
-
-struct softplus {  // a user-defined map
-  static constexpr std::string_view name = "softplus";
-  template <class T> static T value(T x) { return std::log1p(std::exp(x)); }
-  template <class T> static T derivative(T x) { return 1 / (1 + std::exp(-x)); }
-};
-
-template <class M_>
-constexpr auto causal_attn = normalize(causal(phi<M_>(Q) * transpose(phi<M_>(K)))) * V;
-template <class M_>
-constexpr auto full_attn = normalize(phi<M_>(Q) * transpose(phi<M_>(K))) * V;
-template <class M_>
-constexpr auto causal_plain = causal(phi<M_>(Q) * transpose(phi<M_>(K))) * V;
-template <class M_>
-constexpr auto full_plain = phi<M_>(Q) * transpose(phi<M_>(K)) * V;
-
-}  // namespace
 
 TEST_CASE_TEMPLATE("linear and quadratic gradients agree", T, float, double) {
   test::rng r{14};

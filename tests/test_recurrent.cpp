@@ -11,6 +11,7 @@
 #include "support.hpp"
 
 using namespace lina;
+using test::softplus;
 
 namespace {
 
@@ -23,11 +24,6 @@ constexpr auto K = input<"K">(N, D);
 constexpr auto V = input<"V">(N, M);
 constexpr auto W = input<"W">(D, F);
 
-struct softplus {  // a user-defined map
-  static constexpr std::string_view name = "softplus";
-  template <class T> static T value(T x) { return std::log1p(std::exp(x)); }
-  template <class T> static T derivative(T x) { return 1 / (1 + std::exp(-x)); }
-};
 
 // Tokens [from, to) of a [B, H, N, *] tensor, as a view.
 template <class T>

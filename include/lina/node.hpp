@@ -383,12 +383,6 @@ constexpr bool contains_op() {
   detail::visit_types<N>([&]<class X>() { found = found || std::is_same_v<typename X::op_type, Op>; });
   return found;
 }
-template <class N, class Op>
-constexpr std::size_t count_op() {
-  std::size_t n = 0;
-  detail::visit_types<N>([&]<class X>() { n += std::is_same_v<typename X::op_type, Op>; });
-  return n;
-}
 // Does any matrix node of N have shape Key x Key (an N x N intermediate)?
 template <class N, class Key>
 constexpr bool has_square() {
