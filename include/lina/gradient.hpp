@@ -281,10 +281,11 @@ constexpr auto hoist_selects(N const& n) {
   return hoist_at<0>(kids_done);
 }
 
-template <class Forward, class Inputs>
+// The gradient entries of every input (in the order of inputs_of) of a plan.
+template <class Inputs>
 struct differentiate;
-template <class Forward, class... In>
-struct differentiate<Forward, detail::type_list<In...>> {
+template <class... In>
+struct differentiate<detail::type_list<In...>> {
   template <class P>
   static constexpr auto run(P const& p) {
     using Op = typename P::op_type;
@@ -304,9 +305,6 @@ struct differentiate<Forward, detail::type_list<In...>> {
   }
 };
 
-}  // namespace detail
-
-namespace detail {
 template <class... T>
 struct first_non_void {
   using type = void;
@@ -360,7 +358,7 @@ constexpr auto gradient(P const& plan) {
                                                               concepts::base_dimension<typename S::cols>>::ok ||
                   true);
     auto hoisted = detail::hoist_selects(plan);
-    auto entries = detail::differentiate<P, inputs_of<P>>::run(hoisted);
+    auto entries = detail::differentiate<inputs_of<P>>::run(hoisted);
     return hana::unpack(entries, [&](auto const&... e) {
       return backward_plan<P, std::remove_cvref_t<decltype(e)>...>{plan, hana::make_basic_tuple(e...)};
     });

@@ -53,7 +53,7 @@ struct slice {
 };
 
 template <class T>
-matrix<T> view_of(matrix<T> const& m) {
+matrix<T> alias(matrix<T> const& m) {  // a view of m's elements, not owning them
   return view(m.data, m.rows, m.cols, m.rs, m.cs);
 }
 
@@ -70,9 +70,9 @@ matrix<T> eval(N const& n, Ctx const& ctx) {
   if constexpr (Ctx::template shares<N>()) {
     constexpr std::size_t type = Ctx::template shared_index<N>();
     for (auto const& c : ctx.cache)
-      if (c.type == type && same_value(*static_cast<N const*>(c.node), n)) return view_of(c.value);
+      if (c.type == type && same_value(*static_cast<N const*>(c.node), n)) return alias(c.value);
     ctx.cache.push_back({&n, type, lower<typename N::op_type>::template run<T>(n, ctx)});
-    return view_of(ctx.cache.back().value);  // buffers do not move when the cache grows
+    return alias(ctx.cache.back().value);  // buffers do not move when the cache grows
   } else {
     return lower<typename N::op_type>::template run<T>(n, ctx);
   }
