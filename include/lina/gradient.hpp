@@ -243,8 +243,8 @@ constexpr auto sum_for(Contributions const& c) {
   });
   auto total = hana::fold_left(hana::drop_front(mine), hana::front(mine).expr,
                                [](auto const& acc, auto const& e) { return build::add(acc, e.expr); });
-  return gradient_entry<In, decltype(rewrite::rewrite(rules::adjoint_rules, total))>{
-      rewrite::rewrite(rules::adjoint_rules, total)};
+  auto tidy = rewrite::rewrite(rules::adjoint_rules, total);
+  return gradient_entry<In, decltype(tidy)>{tidy};
 }
 
 // op(.., select(a, b), ..) -> select(op(.., a, ..), op(.., b, ..)), bottom-up.

@@ -233,9 +233,7 @@ struct lower<op::hadamard> {
   template <class T, class N, class Ctx>
   static matrix<T> run(N const& n, Ctx const& ctx) {
     matrix<T> a = writable(eval<T>(kid<0>(n), ctx));
-    matrix<T> b = eval<T>(kid<1>(n), ctx);
-    for (index i = 0; i < a.rows; ++i)
-      for (index j = 0; j < a.cols; ++j) a.at_mut(i, j) *= b(i, j);
+    kernels::combine_inplace(a, eval<T>(kid<1>(n), ctx), [](T x, T y) { return x * y; });
     return a;
   }
 };
@@ -245,9 +243,7 @@ struct lower<op::add> {
   template <class T, class N, class Ctx>
   static matrix<T> run(N const& n, Ctx const& ctx) {
     matrix<T> a = writable(eval<T>(kid<0>(n), ctx));
-    matrix<T> b = eval<T>(kid<1>(n), ctx);
-    for (index i = 0; i < a.rows; ++i)
-      for (index j = 0; j < a.cols; ++j) a.at_mut(i, j) += b(i, j);
+    kernels::combine_inplace(a, eval<T>(kid<1>(n), ctx), [](T x, T y) { return x + y; });
     return a;
   }
 };

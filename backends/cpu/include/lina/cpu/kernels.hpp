@@ -139,6 +139,13 @@ void apply_inplace(matrix<T>& m, F f) {
     for (index j = 0; j < m.cols; ++j) m.at_mut(i, j) = f(m(i, j));
 }
 
+// a_ij = f(a_ij, b_ij), in place.
+template <class T, class F>
+void combine_inplace(matrix<T>& a, matrix<T> const& b, F f) {
+  for (index i = 0; i < a.rows; ++i)
+    for (index j = 0; j < a.cols; ++j) a.at_mut(i, j) = f(a(i, j), b(i, j));
+}
+
 // S_ij / (sum_k S_ik + eps), in place.
 template <class T>
 void normalize_rows(matrix<T>& m, T eps) {

@@ -64,9 +64,8 @@ constexpr bool check_stateful() {
 template <class L, class T, class Bound>
 void prepare_state(L const& plan, state<T>& st, Bound const& in) {
   using scans = prefix_scans_of<L>;
-  std::string id = typeid(L).name();
-  if (st.plan_id().empty()) st = state<T>(id, to_string(plan), in.batch, in.heads, scans::size);
-  if (st.plan_id() != id)
+  if (st.unbound()) st = state<T>(typeid(L), to_string(plan), in.batch, in.heads, scans::size);
+  if (!st.belongs_to(typeid(L)))
     throw state_error("this state belongs to the plan " + st.plan() + ", not to " + to_string(plan));
   std::string first(lina::detail::front_t<typename Bound::inputs>::name.view());
   if (in.batch != st.batch()) throw shape_error(first, "B (batch)", in.batch, st.batch(), "of the state");
@@ -96,6 +95,16 @@ void prepare_state(L const& plan, state<T>& st, Bound const& in) {
      ...);
   }(dims_of<L>{});
 }
+// The stateful evaluation of the linear form L, its inputs already bound.
+template <class L, class T, class Bound>
+tensor<T> evaluate_bound(L const& linear, state<T>& st, Bound const& in) {
+  static_assert(std::is_same_v<typename Bound::value_type, T>,
+                "lina: the state's element type must be that of the bound tensors");
+  prepare_state(linear, st, in);
+  tensor<T> out(result_shape<L>(in));
+  evaluate_slices<T>(linear, in, out.view(), &st);
+  return out;
+}
 }  // namespace detail
 
 // evaluate(plan, st, bindings...): the causal plan over a block of tokens,
@@ -107,13 +116,7 @@ tensor<T> evaluate(Plan const& plan, state<T>& st, B const&... bindings) {
   auto linear = longest_branch(plan);
   using L = decltype(linear);
   static_assert(detail::check_stateful<L>() || true);
-  auto in = bind<L>(bindings...);
-  static_assert(std::is_same_v<typename decltype(in)::value_type, T>,
-                "lina: the state's element type must be that of the bound tensors");
-  detail::prepare_state(linear, st, in);
-  tensor<T> out(detail::result_shape<L>(in));
-  detail::evaluate_slices<T>(linear, in, out.view(), &st);
-  return out;
+  return detail::evaluate_bound(linear, st, bind<L>(bindings...));
 }
 
 // A causal plan run token by token, holding its state.
@@ -121,7 +124,7 @@ template <class T, class L>
 class rnn {
  public:
   rnn(L plan, std::size_t batch, std::size_t heads)
-      : plan_(plan), state_(typeid(L).name(), to_string(plan), batch, heads, prefix_scans_of<L>::size) {}
+      : plan_(plan), state_(typeid(L), to_string(plan), batch, heads, prefix_scans_of<L>::size) {}
 
   // One token: every input [B, H, 1, *]; returns [B, H, 1, cols].
   template <class... B>
@@ -132,7 +135,7 @@ class rnn {
     constexpr std::size_t k = decltype(in)::table_type::template index_of<seq>();
     if (in.table.value[k] != 1)
       throw shape_error(in.table.bound_by[k], seq::label(), in.table.value[k], 1, "(a step takes one token)");
-    return cpu::evaluate(plan_, state_, bindings...);
+    return detail::evaluate_bound(plan_, state_, in);
   }
 
   void reset() { state_.reset(); }
@@ -140,7 +143,7 @@ class rnn {
   cpu::state<T>& state() noexcept { return state_; }
   // Restore a saved state; it must come from this plan and shape.
   void set_state(cpu::state<T> s) {
-    if (s.plan_id() != state_.plan_id())
+    if (!s.same_plan(state_))
       throw state_error("this state belongs to the plan " + s.plan() + ", not to " + state_.plan());
     if (s.batch() != state_.batch() || s.heads() != state_.heads())
       throw state_error("this state is for " + std::to_string(s.batch()) + " x " + std::to_string(s.heads()) +

@@ -22,8 +22,8 @@ template <class T>
 class state {
  public:
   state() = default;
-  state(std::string plan_id, std::string plan_text, std::size_t batch, std::size_t heads, std::size_t scans)
-      : plan_id_(std::move(plan_id)), plan_text_(std::move(plan_text)), batch_(batch), heads_(heads), scans_(scans) {}
+  state(std::type_info const& plan, std::string plan_text, std::size_t batch, std::size_t heads, std::size_t scans)
+      : plan_(&plan), plan_text_(std::move(plan_text)), batch_(batch), heads_(heads), scans_(scans) {}
 
   std::size_t batch() const noexcept { return batch_; }
   std::size_t heads() const noexcept { return heads_; }
@@ -31,7 +31,11 @@ class state {
   // Sized (and zero) once the extents are known, at the first evaluation.
   bool sized() const noexcept { return !scans_.empty() && !scans_[0].data.empty(); }
   std::string const& plan() const noexcept { return plan_text_; }
-  std::string const& plan_id() const noexcept { return plan_id_; }
+  // Made for (or by a first evaluation of) no plan yet.
+  bool unbound() const noexcept { return plan_ == nullptr; }
+  // Does this state belong to the plan of this type?
+  bool belongs_to(std::type_info const& plan) const noexcept { return plan_ && *plan_ == plan; }
+  bool same_plan(state const& o) const noexcept { return plan_ && o.plan_ && *plan_ == *o.plan_; }
 
   // Scan k's running sums as a [B, H, a, b] tensor (for attention: [B, H, C, M+1],
   // the normaliser z in the last column).
@@ -59,7 +63,8 @@ class state {
     auto& s = scans_.at(k);
     return {s.data.data(), {batch_, heads_, s.a, s.b}};
   }
-  std::string plan_id_, plan_text_;
+  std::type_info const* plan_ = nullptr;  // compared by value: equal types, equal plans
+  std::string plan_text_;
   std::size_t batch_ = 0, heads_ = 0;
   std::vector<scan> scans_;
   std::vector<std::size_t> extents_;  // of every dimension, fixed at the first evaluation
