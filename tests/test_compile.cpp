@@ -109,14 +109,48 @@ static_assert(contains_op<decltype(compile<order::linear>(causal(fQ * transpose(
 }  // namespace
 
 TEST_CASE("plans print in the plan vocabulary") {
-  CHECK(to_string(causal_attn) == "normalize(causal(φ(Q)·φ(K)ᵀ))·V");
-  CHECK(to_string(compile<order::linear>(causal_attn)) == "rowdiv(contract(φ(Q), prefix(φ(K)⊗[V|1])))");
-  CHECK(to_string(compile<order::quadratic>(causal_attn)) == "rowdiv(causal(φ(Q)·φ(K)ᵀ)·[V|1])");
-  CHECK(to_string(compile(full_attn)) == "rowdiv((N < 23 ? (φ(Q)·φ(K)ᵀ)·[V|1] : φ(Q)·(φ(K)ᵀ·[V|1])))");
+  CHECK(to_string(causal_attn) == "normalize(causal(φ[elu+1](Q)·φ[elu+1](K)ᵀ))·V");
+  CHECK(to_string(compile<order::linear>(causal_attn)) == "rowdiv(contract(φ[elu+1](Q), prefix(φ[elu+1](K)⊗[V|1])))");
+  CHECK(to_string(compile<order::quadratic>(causal_attn)) == "rowdiv(causal(φ[elu+1](Q)·φ[elu+1](K)ᵀ)·[V|1])");
+  CHECK(to_string(compile(full_attn)) ==
+        "rowdiv((N < 23 ? (φ[elu+1](Q)·φ[elu+1](K)ᵀ)·[V|1] : φ[elu+1](Q)·(φ[elu+1](K)ᵀ·[V|1])))");
   CHECK(to_string(compile(causal_attn)) ==
-        "rowdiv((N < 23 ? causal(φ(Q)·φ(K)ᵀ)·[V|1] : contract(φ(Q), prefix(φ(K)⊗[V|1]))))");
-  CHECK(fmt::format("{}", compile<order::linear>(scaled)) == "1·contract(φ(Q), prefix(φ(K)⊗V))");
+        "rowdiv((N < 23 ? causal(φ[elu+1](Q)·φ[elu+1](K)ᵀ)·[V|1] : contract(φ[elu+1](Q), prefix(φ[elu+1](K)⊗[V|1]))))");
+  CHECK(fmt::format("{}", compile<order::linear>(scaled)) == "1·contract(φ[elu+1](Q), prefix(φ[elu+1](K)⊗V))");
 }
+
+// Two plans that differ in their map, eps or scale never print alike (a
+// state used with the wrong plan names both plans in its error).
+TEST_CASE("printed plans show the map, a non-default eps and exact scale factors") {
+  constexpr auto poly = normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V;
+  CHECK(to_string(compile<order::linear>(poly)) == "rowdiv(contract(φ[poly2](Q), prefix(φ[poly2](K)⊗[V|1])))");
+  CHECK(to_string(compile<order::linear>(poly)) != to_string(compile<order::linear>(causal_attn)));
+  constexpr auto eps = normalize(causal(fQ * transpose(fK)), 1e-3) * V;
+  CHECK(to_string(compile<order::linear>(eps)) ==
+        "rowdiv(contract(φ[elu+1](Q), prefix(φ[elu+1](K)⊗[V|1])); eps=0.001)");
+  CHECK(to_string(normalize(fQ * transpose(fK), 0.25)) == "normalize(φ[elu+1](Q)·φ[elu+1](K)ᵀ; eps=0.25)");
+  CHECK(to_string(Q / 3.0) == "0.3333333333333333·Q");
+  CHECK(to_string((1.0 / 3.0 + 1e-16) * Q) != to_string(Q / 3.0));
+  constexpr auto F = dim<"F">;
+  constexpr auto Wf = input<"W">(D, F);
+  CHECK(to_string(phi<favor>(Q, Wf)) == "φ[favor](Q; W)");
+}
+
+// The matcher is sound: a variable used twice matches equal subtrees only.
+namespace matcher {
+using namespace lina::rewrite;
+constexpr auto pattern = x_ * transpose(x_);
+template <class E>
+constexpr bool matches(E const& e) {
+  return decltype(hana::is_just(match(pattern, e)))::value;
+}
+static_assert(matches(Q * transpose(Q)));
+static_assert(!matches(Q * transpose(K)));
+static_assert(!matches(fQ * transpose(fK)));
+static_assert(matches(fQ * transpose(fQ)));
+// Same type, values that may differ at run time: not provably equal, no match.
+static_assert(!matches((2.0 * Q) * transpose(3.0 * Q)));
+}  // namespace matcher
 
 TEST_CASE("estimate counts the plan's flops and bytes") {
   double n = 1000, d = 32, m1 = 17;
@@ -143,8 +177,32 @@ TEST_CASE("the select threshold is where the cost model's preference flips") {
     CHECK(estimate(plan, N = n).flops == (n < t[0] ? estimate(quad, N = n).flops : estimate(lin, N = n).flops));
 }
 
-TEST_CASE("the sequence dimension is the one the inputs name most") {
+TEST_CASE("the sequence dimension comes from the structure, not from counting names") {
   CHECK(std::is_same_v<sequence_dim<decltype(causal_attn)>, N_t>);
   constexpr auto X = input<"X">(M, D);
   CHECK(std::is_same_v<sequence_dim<decltype(X * transpose(X) * W)>, std::remove_cvref_t<decltype(M)>>);
+
+  // FAVOR with d_v = d_k: D is named by Q, K, V and W (five times), N three
+  // times; the causal mask still says N, so N gets the run-time choice.
+  constexpr auto F = dim<"F">;
+  constexpr auto Dd = dim<"D">;
+  constexpr auto Qf = input<"Q">(N, Dd);
+  constexpr auto Kf = input<"K">(N, Dd);
+  constexpr auto Vf = input<"V">(N, Dd);
+  constexpr auto Wf = input<"W">(Dd, F);
+  constexpr auto favor_causal = normalize(causal(phi<favor>(Qf, Wf) * transpose(phi<favor>(Kf, Wf)))) * Vf;
+  CHECK(std::is_same_v<sequence_dim<decltype(favor_causal)>, N_t>);
+  CHECK(has_select<decltype(compile(favor_causal))>());
+  CHECK(std::is_same_v<typename lina::detail::front_t<prefix_scans_of<decltype(compile<order::linear>(favor_causal))>>::shape::rows, N_t>);
+  // Non-causal: the square similarity φQ·φKᵀ says N.
+  constexpr auto favor_full = normalize(phi<favor>(Qf, Wf) * transpose(phi<favor>(Kf, Wf))) * Vf;
+  CHECK(std::is_same_v<sequence_dim<decltype(favor_full)>, N_t>);
+  CHECK(has_select<decltype(compile(favor_full))>());
+  // Written in linear order there is no similarity; the inputs' rows say N.
+  constexpr auto elu_linear = phi<elu_plus_one>(Qf) * (transpose(phi<elu_plus_one>(Kf)) * Vf);
+  CHECK(std::is_same_v<sequence_dim<decltype(elu_linear)>, N_t>);
+  // With W (D x F) among the inputs and no similarity, the user names it.
+  constexpr auto favor_linear = phi<favor>(Qf, Wf) * (transpose(phi<favor>(Kf, Wf)) * Vf);
+  CHECK(std::is_void_v<sequence_dim<decltype(favor_linear)>>);
+  CHECK(has_square<decltype(compile<order::quadratic>(favor_linear, N)), N_t>());
 }

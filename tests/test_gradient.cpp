@@ -60,16 +60,42 @@ TEST_CASE("two tokens: the gradients in closed form") {
 TEST_CASE("the causal backward prints as prefix and suffix scans") {
   constexpr auto plan = compile<order::linear>(causal_attn<elu_plus_one>);
   CHECK(to_string(gradient(plan)) ==
-        "∂Q = φ′(Q)⊙contract(t1, prefix([V|1]⊗φ(K)))\n"
-        "∂K = φ′(K)⊙contract([V|1], suffix(t1⊗φ(Q)))\n"
-        "∂V = dropcol(contract(φ(K), suffix(φ(Q)⊗t1)))\n"
-        "t1 = rowdiv′(contract(φ(Q), prefix(φ(K)⊗[V|1])), dout)\n");
+        "∂Q = φ′[elu+1](Q)⊙contract(t1, prefix([V|1]⊗φ[elu+1](K)))\n"
+        "∂K = φ′[elu+1](K)⊙contract([V|1], suffix(t1⊗φ[elu+1](Q)))\n"
+        "∂V = dropcol(contract(φ[elu+1](K), suffix(φ[elu+1](Q)⊗t1)))\n"
+        "t1 = rowdiv′(contract(φ[elu+1](Q), prefix(φ[elu+1](K)⊗[V|1])), dout)\n");
   CHECK(to_string(gradient(compile<order::quadratic>(causal_attn<elu_plus_one>))) ==
-        "∂Q = φ′(Q)⊙(t1·φ(K))\n"
-        "∂K = φ′(K)⊙(t1ᵀ·φ(Q))\n"
-        "∂V = dropcol(causal(φ(Q)·φ(K)ᵀ)ᵀ·t2)\n"
+        "∂Q = φ′[elu+1](Q)⊙(t1·φ[elu+1](K))\n"
+        "∂K = φ′[elu+1](K)⊙(t1ᵀ·φ[elu+1](Q))\n"
+        "∂V = dropcol(t3ᵀ·t2)\n"
         "t1 = causal(t2·[V|1]ᵀ)\n"
-        "t2 = rowdiv′(causal(φ(Q)·φ(K)ᵀ)·[V|1], dout)\n");
+        "t2 = rowdiv′(t3·[V|1], dout)\n"
+        "t3 = causal(φ[elu+1](Q)·φ[elu+1](K)ᵀ)\n");
+}
+
+// Shared subtrees are named by identity (type and values), not by their text:
+// two maps that happen to share a name print alike, but are two subtrees.
+struct twin_a {
+  static constexpr std::string_view name = "twin";
+  template <class T> static T value(T x) { return x * x + 1; }
+  template <class T> static T derivative(T x) { return 2 * x; }
+};
+struct twin_b {
+  static constexpr std::string_view name = "twin";
+  template <class T> static T value(T x) { return x * x + 2; }
+  template <class T> static T derivative(T x) { return 2 * x; }
+};
+TEST_CASE("backward plans name shared subtrees by identity, not by text") {
+  constexpr auto a = normalize(causal(phi<twin_a>(Q) * transpose(phi<twin_a>(K)))) * V;
+  constexpr auto b = normalize(causal(phi<twin_b>(Q) * transpose(phi<twin_b>(K)))) * V;
+  std::string text = to_string(gradient(compile<order::linear>(transpose(a) * b)));
+  CAPTURE(text);
+  // Every named subtree is defined once; the two forward passes print alike
+  // yet get a name each.
+  std::string const forward = "rowdiv(contract(φ[twin](Q), prefix(φ[twin](K)⊗[V|1])))";
+  std::size_t defs = 0;
+  for (std::size_t at = 0; (at = text.find(" = " + forward + "\n", at)) != std::string::npos; ++at) ++defs;
+  CHECK(defs == 2);
 }
 
 // The derived backward of a linear plan: no N x N node, and per-row matrices

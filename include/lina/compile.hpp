@@ -213,28 +213,89 @@ inline constexpr auto ordering_rules = hana::make_tuple(rule(any_node<op::chain>
 }  // namespace rules
 
 namespace detail {
-// The sequence dimension: the base dimension named most often by the inputs'
-// shapes (N in Q(N,D), K(N,D), V(N,M)). The cost model varies it; an N x N
-// matrix is one whose rows and columns are both this dimension.
-template <class Inputs, class Dims>
-struct sequence_dim_impl;
-template <class... I, class... D>
-struct sequence_dim_impl<type_list<I...>, type_list<D...>> {
-  template <class X>
-  static constexpr std::size_t uses = ((std::is_same_v<typename I::rows, X> + std::is_same_v<typename I::cols, X>) + ...);
-  static constexpr std::array<std::size_t, sizeof...(D)> counts{uses<D>...};
-  static constexpr std::size_t best = [] {
-    std::size_t b = 0;
-    for (std::size_t i = 1; i < counts.size(); ++i)
-      if (counts[i] > counts[b]) b = i;
-    return b;
-  }();
-  using type = std::tuple_element_t<best, std::tuple<D...>>;
+// The sequence dimension, found from the expression's structure (never by
+// counting how often a dimension is named):
+//   1. the dimension a causal mask runs over;
+//   2. else the dimension X of a square similarity: a product of shape X x X
+//      that contracts another dimension, X being the rows of an input (tokens
+//      are rows: Q(N,D)·K(N,D)ᵀ is N x N);
+//   3. else the rows of the inputs, when all inputs have the same rows.
+// Where none of these gives one dimension, the user names it:
+// compile(e, N). The cost model varies this dimension; an N x N matrix is
+// one whose rows and columns are both this dimension.
+// Per node type X: the dimensions X contributes under each rule.
+template <class X, class InputRows>
+struct sequence_evidence {
+  using causal = type_list<>;
+  using square = type_list<>;
+};
+template <class... K, class InputRows>
+struct sequence_evidence<node<op::causal, K...>, InputRows> {
+  using causal = type_list<typename node<op::causal, K...>::shape::rows>;
+  using square = type_list<>;
+};
+template <class A, class B, class InputRows>
+struct sequence_evidence<node<op::product, A, B>, InputRows> {
+  using S = typename node<op::product, A, B>::shape;
+  static constexpr bool similarity = std::is_same_v<typename S::rows, typename S::cols> &&
+                                     !std::is_same_v<typename A::shape::cols, typename S::rows> &&
+                                     contains<InputRows, typename S::rows>::value;
+  using causal = type_list<>;
+  using square = std::conditional_t<similarity, type_list<typename S::rows>, type_list<>>;
+};
+
+template <class Inputs>
+struct rows_of_inputs;
+template <class... I>
+struct rows_of_inputs<type_list<I...>> {
+  using type = typename merge_unique<type_list<>, type_list<typename I::rows...>>::type;
+};
+
+template <class Nodes, class InputRows>
+struct sequence_candidates_impl;
+template <class... X, class InputRows>
+struct sequence_candidates_impl<type_list<X...>, InputRows> {
+  using causal = typename merge_unique<type_list<>, typename concat_lists<
+      typename sequence_evidence<X, InputRows>::causal...>::type>::type;
+  using square = typename merge_unique<type_list<>, typename concat_lists<
+      typename sequence_evidence<X, InputRows>::square...>::type>::type;
+  using type = std::conditional_t<(causal::size > 0), causal,
+                                  std::conditional_t<(square::size > 0), square, InputRows>>;
+};
+
+template <class E>
+struct sequence_candidates {
+  using type = typename sequence_candidates_impl<typename all_nodes<std::remove_cvref_t<E>>::type,
+                                                 typename rows_of_inputs<lina::inputs_of<E>>::type>::type;
 };
 }  // namespace detail
 
+namespace diagnose {
+template <std::size_t Candidates>
+struct sequence_dimension {
+  static_assert(Candidates == 1,
+                "lina: compile(e): the sequence dimension cannot be told from the expression's structure (no "
+                "causal mask, no square similarity, inputs with different rows, or several masks over different "
+                "dimensions); name it: compile(e, N)");
+  static constexpr bool ok = Candidates == 1;
+};
+}  // namespace diagnose
+
+namespace detail {
+template <class List>
+struct sole_or_void {
+  using type = void;
+};
+template <class D>
+struct sole_or_void<type_list<D>> {
+  using type = D;
+};
+}  // namespace detail
+
+// The sequence dimension of an expression (see detail::sequence_candidates);
+// void when it must be named.
 template <class E>
-using sequence_dim = typename detail::sequence_dim_impl<inputs_of<E>, dims_of<E>>::type;
+using sequence_dim = typename detail::sole_or_void<typename detail::sequence_candidates<E>::type>::type;
 
 namespace diagnose {
 template <bool HasExp, bool HasSquare>
@@ -242,7 +303,7 @@ struct linear_order {
   static_assert(!HasExp,
                 "lina: compile<order::linear>: exp(...) has no finite feature map, so softmax attention "
                 "cannot be evaluated in linear order; use order::automatic, or a feature map such as "
-                "phi<elu_plus_one> (or favor<m> to approximate softmax)");
+                "phi<elu_plus_one> (or phi<favor>(Q, W) to approximate softmax)");
   static_assert(HasExp || !HasSquare,
                 "lina: compile<order::linear>: no evaluation order avoids an N x N matrix here (the result "
                 "or an unmasked similarity that is not multiplied on is N x N); use order::automatic");
@@ -250,11 +311,12 @@ struct linear_order {
 };
 }  // namespace diagnose
 
-// compile<order, CostModel>(expr) -> plan (a node tree in the plan vocabulary).
-template <order O = order::automatic, class Model = default_cost_model, class E>
-  requires is_node<E>
-constexpr auto compile(E const& e) {
-  using Key = sequence_dim<E>;
+// compile<order, CostModel>(expr) -> plan (a node tree in the plan vocabulary);
+// compile(expr, N) names the sequence dimension where the structure does not
+// tell it (see sequence_dim).
+template <order O = order::automatic, class Model = default_cost_model, class E, class Key>
+  requires(is_node<E> && concepts::base_dimension<Key>)
+constexpr auto compile(E const& e, Key) {
   auto canonical = rewrite::rewrite(rules::canonical_rules, e);
   auto chains = rewrite::rewrite(rules::flatten_rules, canonical);
   auto plan = rewrite::rewrite(rules::ordering_rules<O, Key, Model>, chains);
@@ -263,6 +325,16 @@ constexpr auto compile(E const& e) {
     static_assert(diagnose::linear_order<contains_op<P, op::exp>(), has_square<P, Key>()>::ok || true);
   }
   return plan;
+}
+
+template <order O = order::automatic, class Model = default_cost_model, class E>
+  requires is_node<E>
+constexpr auto compile(E const& e) {
+  using candidates = typename detail::sequence_candidates<E>::type;
+  if constexpr (!diagnose::sequence_dimension<candidates::size>::ok)
+    return e;  // diagnosed above
+  else
+    return compile<O, Model>(e, detail::front_t<candidates>{});
 }
 
 }  // namespace lina

@@ -37,6 +37,7 @@
 #include <boost/hana/for_each.hpp>
 #include <string>
 #include <type_traits>
+#include <typeinfo>
 #include <vector>
 
 #include "lina/compile.hpp"
@@ -402,28 +403,37 @@ void walk(N const& n, F& f) {
   if (f(n)) hana::for_each(n.kids, [&](auto const& k) { walk(k, f); });
 }
 
-// Counts how often each subtree is printed: a named subtree is printed as its
-// name, and its definition (its kids) once.
+// Counts how often each subtree occurs, by identity (type and values); a named
+// subtree counts once more where it is used, and its definition (its kids) once.
 struct repeat_counter {
   print_names const& names;
-  std::vector<std::pair<std::string, int>> counts;
-  std::vector<std::string> defined;
+  struct seen {
+    print_names::entry id;
+    int count;
+    std::size_t size;  // printed length: the largest repeat is named first
+  };
+  std::vector<seen> counts;
+  std::vector<void const*> defined;
 
   template <class N>
   bool operator()(N const& n) {
-    std::string plain = to_string(n);
-    if (names.find(plain)) {
-      if (std::find(defined.begin(), defined.end(), plain) == defined.end()) {
-        defined.push_back(plain);
-        hana::for_each(n.kids, [&](auto const& k) { walk(k, *this); });
-      }
+    if (names.find(n)) {
+      bool first = false;
+      for (auto const& e : names.named)
+        if (*e.type == typeid(N) && e.same(e.node, &n) &&
+            std::find(defined.begin(), defined.end(), e.node) == defined.end()) {
+          defined.push_back(e.node);
+          first = true;
+        }
+      if (first) hana::for_each(n.kids, [&](auto const& k) { walk(k, *this); });
       return false;
     }
-    auto it = std::find_if(counts.begin(), counts.end(), [&](auto const& c) { return c.first == plain; });
+    auto it = std::find_if(counts.begin(), counts.end(),
+                           [&](seen const& c) { return *c.id.type == typeid(N) && c.id.same(c.id.node, &n); });
     if (it == counts.end())
-      counts.emplace_back(plain, 1);
+      counts.push_back({{&typeid(N), &n, &print_names::same_as<N>, {}}, 1, to_string(n).size()});
     else
-      ++it->second;
+      ++it->count;
     return true;
   }
 };
@@ -436,12 +446,13 @@ print_names name_repeats(BP const& bp) {
   for (;;) {
     repeat_counter counter{names, {}, {}};
     hana::for_each(bp.entries, [&](auto const& e) { walk(e.expr, counter); });
-    std::string const* best = nullptr;
-    for (auto const& [plain, c] : counter.counts)
-      if (c >= 2 && plain.size() >= 24 && (!best || plain.size() > best->size())) best = &plain;
+    repeat_counter::seen const* best = nullptr;
+    for (auto const& c : counter.counts)
+      if (c.count >= 2 && c.size >= 24 && (!best || c.size > best->size)) best = &c;
     if (!best) return names;
-    std::string name = fmt::format("t{}", names.named.size() + 1);
-    names.named.emplace_back(*best, std::move(name));
+    print_names::entry e = best->id;
+    e.name = fmt::format("t{}", names.named.size() + 1);
+    names.named.push_back(std::move(e));
   }
 }
 }  // namespace detail
@@ -449,34 +460,34 @@ print_names name_repeats(BP const& bp) {
 // The backward plan as text: one line per input, then the named subtrees.
 template <class F, class... E>
 std::string to_string(backward_plan<F, E...> const& bp) {
+  detail::printer p;
   detail::print_names names = detail::name_repeats(bp);
-  std::string out;
-  detail::active_names = &names;
+  p.names = &names;
   hana::for_each(bp.entries, [&](auto const& e) {
     using In = typename std::remove_cvref_t<decltype(e)>::input;
-    out += "∂";
-    out += In::name.view();
-    out += " = ";
-    detail::print(e.expr, out);
-    out += '\n';
+    p.text("∂");
+    p.text(In::name.view());
+    p.text(" = ");
+    p(e.expr);
+    p.text("\n");
   });
   // definitions: each named subtree's top node plainly, its kids with names
-  for (auto const& [plain, name] : names.named) {
+  for (auto const& entry : names.named) {
     bool done = false;
     auto def = [&](auto const& n) {
+      using N = std::remove_cvref_t<decltype(n)>;
       if (done) return false;
-      if (to_string(n) != plain) return true;
-      out += name;
-      out += " = ";
-      detail::print_node(n, out);
-      out += '\n';
+      if (*entry.type != typeid(N) || !entry.same(entry.node, &n)) return true;
+      p.text(entry.name);
+      p.text(" = ");
+      p.node(n);
+      p.text("\n");
       done = true;
       return false;
     };
     hana::for_each(bp.entries, [&](auto const& e) { detail::walk(e.expr, def); });
   }
-  detail::active_names = nullptr;
-  return out;
+  return std::move(p.out);
 }
 
 }  // namespace lina

@@ -13,7 +13,10 @@
 // carried along are the few scalars nodes hold (scale factors, eps).
 #pragma once
 
+#include <boost/hana/all_of.hpp>
 #include <boost/hana/at_key.hpp>
+#include <boost/hana/contains.hpp>
+#include <boost/hana/keys.hpp>
 #include <boost/hana/bool.hpp>
 #include <boost/hana/integral_constant.hpp>
 #include <boost/hana/map.hpp>
@@ -116,9 +119,54 @@ constexpr auto const& get(B const& b, node<var<I>>) {
   return b[hana::int_c<I>];
 }
 
-// ---- matching --------------------------------------------------------------
+// ---- matching ----------------------------------------------------------------
+// Sound before clever (Halide's IRMatch): a variable that occurs twice in a
+// pattern matches only equal subtrees, and a pattern never fixes an op's value.
+// Matching is decided on types, so "equal" must be decidable from types: two
+// occurrences match when they are the same type and carry no values (every op
+// empty); same-typed subtrees with values (a scale factor, an eps) could
+// differ at run time, so such a pattern does not match them.
+template <class N>
+constexpr bool value_free() {
+  bool free = true;
+  detail::visit_types<N>([&]<class X>() { free = free && std::is_empty_v<typename X::op_type>; });
+  return free;
+}
+
+namespace diagnose {
+template <bool ValueFree>
+struct pattern_op_value {
+  static_assert(ValueFree,
+                "lina::rewrite: a pattern node carries a value (a scale factor, an eps) that matching would ignore; "
+                "match the op with an op variable (s_ * x_, normalize_(x_)) and use its value in the replacement");
+  static constexpr bool ok = ValueFree;
+};
+}  // namespace diagnose
+
 template <class P, class E>
 constexpr auto match(P const& p, E const& e);
+
+// Add the bindings of one kid to those so far; a variable bound twice must
+// be bound to equal subtrees.
+template <class Acc, class New>
+constexpr auto merge_bindings(Acc const& acc, New const& m) {
+  auto consistent = hana::all_of(hana::keys(m), [&](auto key) {
+    if constexpr (decltype(hana::contains(acc, key))::value) {
+      using A = std::remove_cvref_t<decltype(acc[key])>;
+      using B = std::remove_cvref_t<decltype(m[key])>;
+      if constexpr (std::is_same_v<A, B> && is_node<A>)
+        return hana::bool_c<value_free<A>()>;
+      else
+        return hana::false_c;
+    } else {
+      return hana::true_c;
+    }
+  });
+  if constexpr (decltype(consistent)::value)
+    return hana::just(hana::union_(acc, m));
+  else
+    return hana::nothing;
+}
 
 template <std::size_t I, std::size_t N, class Acc, class PK, class EK>
 constexpr auto match_kids(Acc const& acc, PK const& pk, EK const& ek) {
@@ -126,10 +174,15 @@ constexpr auto match_kids(Acc const& acc, PK const& pk, EK const& ek) {
     return hana::just(acc);
   } else {
     auto m = match(hana::at_c<I>(pk), hana::at_c<I>(ek));
-    if constexpr (decltype(hana::is_nothing(m))::value)
+    if constexpr (decltype(hana::is_nothing(m))::value) {
       return hana::nothing;
-    else
-      return match_kids<I + 1, N>(hana::union_(acc, m.value()), pk, ek);
+    } else {
+      auto merged = merge_bindings(acc, m.value());
+      if constexpr (decltype(hana::is_nothing(merged))::value)
+        return hana::nothing;
+      else
+        return match_kids<I + 1, N>(merged.value(), pk, ek);
+    }
   }
 }
 
@@ -144,6 +197,8 @@ constexpr auto match(P const& p, E const& e) {
       return hana::just(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e)));
     else
       return hana::nothing;
+  } else if constexpr (!diagnose::pattern_op_value<std::is_empty_v<POp>>::ok) {
+    return hana::nothing;  // diagnosed above
   } else if constexpr (P::arity != E::arity) {
     return hana::nothing;
   } else if constexpr (is_op_var<POp>) {
