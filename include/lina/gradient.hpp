@@ -34,6 +34,7 @@
 #include <boost/hana/tuple.hpp>
 #include <boost/hana/zip_with.hpp>
 #include <algorithm>
+#include <array>
 #include <boost/hana/for_each.hpp>
 #include <string>
 #include <type_traits>
@@ -364,6 +365,58 @@ constexpr auto gradient(P const& plan) {
       return backward_plan<P, std::remove_cvref_t<decltype(e)>...>{plan, hana::make_basic_tuple(e...)};
     });
   }
+}
+
+// ---- what every backend needs to run a backward plan -----------------------------
+
+// The gradients of one backward evaluation, in a backend's tensor type: g[Q]
+// is ∂L/∂Q, shaped like Q (and, on the CPU, laid out like the tensor bound to Q).
+template <class Tensor, class... In>
+class gradients {
+ public:
+  template <class Op>
+  Tensor const& operator[](node<Op> const&) const {
+    return tensors_[index<Op>()];
+  }
+  template <class Op>
+  Tensor& operator[](node<Op> const&) {
+    return tensors_[index<Op>()];
+  }
+  std::array<Tensor, sizeof...(In)>& all() { return tensors_; }
+
+ private:
+  template <class Op>
+  static constexpr std::size_t index() {
+    constexpr std::size_t i = detail::index_of_v<Op, detail::type_list<In...>>;
+    static_assert(i < sizeof...(In), "lina: this input is not an input of the differentiated plan");
+    return i;
+  }
+  std::array<Tensor, sizeof...(In)> tensors_;
+};
+
+namespace detail {
+template <class Tensor, class F, class... E>
+auto make_gradients(backward_plan<F, E...> const*) -> gradients<Tensor, typename E::input...>;
+}  // namespace detail
+template <class Tensor, class BP>
+using gradients_of = decltype(detail::make_gradients<Tensor>(static_cast<BP const*>(nullptr)));
+
+// A backward plan as one plan: bundle(forward, ∂In…). Its schedule computes
+// every gradient, sharing what they have in common (the recomputed forward
+// pass, rowdiv′, φ(Q), …); the forward plan rides along as the first kid so
+// that every input it uses counts as bound, even one no gradient reads.
+template <class F, class... E>
+constexpr auto as_bundle(backward_plan<F, E...> const& bp) {
+  return hana::unpack(bp.entries, [&](auto const&... e) { return make_node(op::bundle{}, bp.forward, e.expr...); });
+}
+
+// The backward plan of a plan (or the backward plan itself).
+template <class P>
+constexpr auto backward_of(P const& plan) {
+  if constexpr (is_backward_plan<P>)
+    return plan;
+  else
+    return gradient(plan);
 }
 
 // No N x N matrix, and per-row sequences only inside a fused scan

@@ -213,16 +213,11 @@ struct node {
   [[no_unique_address]] Op op{};
   [[no_unique_address]] kids_type kids{};
 
-  // `Q = q` binds a tensor (or a strided view) to an input symbol.
-  template <class T, class O = Op>
-    requires is_input_op_v<O>
-  constexpr auto operator=(tensor<T> const& t) const {
-    return binding<O::name, T>{t.view()};
-  }
-  template <class T, class O = Op>
-    requires is_input_op_v<O>
-  constexpr auto operator=(tensor_view<T> const& t) const {
-    return binding<O::name, T>{t};
+  // `Q = q` binds a tensor (a strided view, or a backend's own tensor) to an input symbol.
+  template <class X, class O = Op>
+    requires(is_input_op_v<O> && concepts::bindable<X>)
+  constexpr auto operator=(X const& x) const {
+    return make_binding<O::name>(x);
   }
 };
 

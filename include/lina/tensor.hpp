@@ -2,7 +2,7 @@
 // tensor_view aliases caller memory with explicit strides (in elements), so the
 // [B,H,N,D] and [B,N,H,D] layouts bind without copies; tensor<T> owns a dense
 // buffer, contiguous [B,H,N,D] unless made `like` a view of another layout. Inputs bind to expression symbols by name:
-// `Q = q` makes a binding<"Q", T>.
+// `Q = q` makes a binding<"Q", tensor_view<T const>>.
 #pragma once
 
 #include <algorithm>
@@ -156,17 +156,38 @@ double max_abs_diff(A const& a, B const& b) {
   return m;
 }
 
-// `Q = q`: a tensor bound to the input symbol Q for one evaluation.
-template <fixed_string Name, class T>
+// `Q = q`: a tensor bound to the input symbol Q for one evaluation. View is
+// what the backend reads: tensor_view<T const> for host memory; a backend
+// with its own tensors (device memory) provides view_of(its tensor), found by
+// argument-dependent lookup, returning a view type with the same interface
+// (element_type_, data(), shape(), strides()). The DSL core never names it.
+template <fixed_string Name, class View>
 struct binding {
   static constexpr auto name = Name;
-  using value_type = std::remove_const_t<T>;
-  tensor_view<T const> view;
+  using view_type = View;
+  using value_type = std::remove_const_t<typename View::element_type_>;
+  View view;
 };
 
 template <class B>
 inline constexpr bool is_binding = false;
-template <fixed_string Name, class T>
-inline constexpr bool is_binding<binding<Name, T>> = true;
+template <fixed_string Name, class View>
+inline constexpr bool is_binding<binding<Name, View>> = true;
+
+namespace concepts {
+// Anything `Q = x` accepts: view_of(x) gives a rank-4 view.
+template <class X>
+concept bindable = requires(X const& x) {
+  typename decltype(view_of(x))::element_type_;
+  { view_of(x).shape() } -> std::convertible_to<shape4>;
+};
+}  // namespace concepts
+
+template <fixed_string Name, class X>
+  requires concepts::bindable<X>
+constexpr auto make_binding(X const& x) {
+  auto v = view_of(x);
+  return binding<Name, decltype(v)>{v};
+}
 
 }  // namespace lina

@@ -76,6 +76,18 @@ struct front<type_list<T, R...>> {
 template <class List>
 using front_t = typename front<List>::type;
 
+// The I-th type of List.
+template <std::size_t I, class List>
+struct type_at;
+template <class T, class... R>
+struct type_at<0, type_list<T, R...>> {
+  using type = T;
+};
+template <std::size_t I, class T, class... R>
+struct type_at<I, type_list<T, R...>> : type_at<I - 1, type_list<R...>> {};
+template <std::size_t I, class List>
+using type_at_t = typename type_at<I, List>::type;
+
 template <class T>
 inline constexpr bool always_false = false;
 

@@ -1,302 +1,160 @@
 // Evaluating an expression or a plan on the CPU.
 //
-// Each node is lowered by lower<Op> (the backend's dispatch table, one
-// specialisation per operation tag, as Eigen's evaluators); a node with no
-// lowering is a compile error naming it. Per-row matrix sequences are never
-// materialised: contract(A, prefix(B⊗C)) and its suffix form lower together
-// to one fused scan whose a x b state stays in cache. Batch x heads run in
-// parallel with OpenMP; each (batch, head) slice evaluates the tree into
-// per-slice temporaries.
+// The backend-neutral layer does the rest: bind() checks the inputs,
+// with_resolved_plan() picks every select's branch once per call, and
+// schedule_of<Plan> is the program to run. This file only walks that
+// program: per (batch, head) slice, each step writes into a destination (a
+// counted buffer, or the caller's output directly), reading its operands in
+// place (inputs and views of earlier results, never copies), and a result is
+// released after its last use. lower<Op> is the dispatch table, one
+// specialisation per operation tag (as Eigen's evaluators); a node with no
+// lowering is a compile error naming it. Batch x heads run in parallel with
+// OpenMP.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstddef>
-#include <cstring>
 #include <type_traits>
-#include <vector>
+#include <utility>
 
-#include "lina/cpu/bind.hpp"
+#include "lina/bind.hpp"
 #include "lina/cpu/kernels.hpp"
 #include "lina/cpu/matrix.hpp"
 #include "lina/cpu/state.hpp"
 #include "lina/node.hpp"
+#include "lina/schedule.hpp"
 #include "lina/tensor.hpp"
 
 namespace lina::cpu {
-
-// One (batch, head) slice of an evaluation. Node types listed in Shared are
-// evaluated once per slice and reused (the subtrees a backward plan's
-// gradients have in common, e.g. the recomputed forward pass).
-template <class Bound, class Shared = lina::detail::type_list<>>
-struct slice {
-  using T = typename Bound::value_type;
-  Bound const& in;
-  std::size_t b, h;
-  state<T>* st = nullptr;  // the running sums prefix scans start from and end with
-  mutable std::size_t next_scan = 0;  // prefix scans are numbered in evaluation order
-
-  struct cached {
-    void const* node;  // of a type in Shared, compared with same_value
-    std::size_t type;  // index of that type in Shared
-    matrix<T> value;
-  };
-  mutable std::vector<cached> cache{};
-
-  template <class N>
-  static constexpr std::size_t shared_index() {
-    return lina::detail::index_of_v<N, Shared>;
-  }
-  template <class N>
-  static constexpr bool shares() {
-    return shared_index<N>() < Shared::size;
-  }
-};
 
 template <class T>
 matrix<T> alias(matrix<T> const& m) {  // a view of m's elements, not owning them
   return view(m.data, m.rows, m.cols, m.rs, m.cs);
 }
 
+// lower<Op>::run(n, out, operands...): node n's result into `out`, sized by
+// the caller (rows contiguous), from its kids' values.
 template <class Op>
 struct lower {
   static_assert(lina::detail::always_false<Op>,
-                "lina::cpu cannot lower this node on its own (its op is in the instantiation of lower<> above); "
-                "per-row sequences (⊗, prefix, suffix) lower only as contract(A, prefix(B⊗C)) or "
-                "contract(A, suffix(B⊗C))");
-};
-
-template <class T, class N, class Ctx>
-matrix<T> eval(N const& n, Ctx const& ctx) {
-  if constexpr (Ctx::template shares<N>()) {
-    constexpr std::size_t type = Ctx::template shared_index<N>();
-    for (auto const& c : ctx.cache)
-      if (c.type == type && same_value(*static_cast<N const*>(c.node), n)) return alias(c.value);
-    ctx.cache.push_back({&n, type, lower<typename N::op_type>::template run<T>(n, ctx)});
-    return alias(ctx.cache.back().value);  // buffers do not move when the cache grows
-  } else {
-    return lower<typename N::op_type>::template run<T>(n, ctx);
-  }
-}
-
-template <fixed_string Name, class R, class C>
-struct lower<op::input<Name, R, C>> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const&, Ctx const& ctx) {
-    auto const& v = ctx.in.views[std::remove_cvref_t<decltype(ctx.in)>::template input_index<op::input<Name, R, C>>()];
-    auto const& s = v.strides();
-    T const* base = v.data() + static_cast<index>(ctx.b) * s[0] + static_cast<index>(ctx.h) * s[1];
-    return view(base, static_cast<index>(v.shape()[2]), static_cast<index>(v.shape()[3]), s[2], s[3]);
-  }
+                "lina::cpu cannot lower this node (its op is in the instantiation of lower<> above)");
 };
 
 template <class Map>
 struct lower<op::phi<Map>> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    if constexpr (N::arity == 2) {  // a parametric map reads its projection W
-      matrix<T> x = eval<T>(kid<0>(n), ctx);
-      return kernels::feature_map<Map>(x, eval<T>(kid<1>(n), ctx));
-    } else {
-      return kernels::feature_map<Map>(eval<T>(kid<0>(n), ctx));
-    }
+  template <class N, class T, class... W>
+  static void run(N const&, matrix<T>& out, matrix<T> const& x, W const&... w) {
+    kernels::feature_map<Map>(x, w..., out);  // a parametric map also reads its projection W
   }
 };
-
-template <>
-struct lower<op::transpose> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    return eval<T>(kid<0>(n), ctx).transposed();
-  }
-};
-
 template <>
 struct lower<op::product> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> a = eval<T>(kid<0>(n), ctx);
-    return kernels::gemm(a, eval<T>(kid<1>(n), ctx));
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> b) {
+    kernels::gemm(a, std::move(b), out);
   }
 };
-
 template <>
 struct lower<op::causal> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> m = writable(eval<T>(kid<0>(n), ctx));
-    kernels::causal_mask(m);
-    return m;
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& x) {
+    kernels::copy(x, out);
+    kernels::causal_mask(out);
   }
 };
-
 template <>
 struct lower<op::normalize> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> m = writable(eval<T>(kid<0>(n), ctx));
-    kernels::normalize_rows(m, static_cast<T>(n.op.eps));
-    return m;
+  template <class N, class T>
+  static void run(N const& n, matrix<T>& out, matrix<T> const& x) {
+    kernels::copy(x, out);
+    kernels::normalize_rows(out, static_cast<T>(n.op.eps));
   }
 };
-
 template <>
 struct lower<op::scale> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> m = writable(eval<T>(kid<0>(n), ctx));
+  template <class N, class T>
+  static void run(N const& n, matrix<T>& out, matrix<T> const& x) {
     T s = static_cast<T>(n.op.factor);
-    kernels::apply_inplace(m, [s](T x) { return s * x; });
-    return m;
+    kernels::map(x, out, [s](T v) { return s * v; });
   }
 };
-
 template <>
 struct lower<op::exp> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> m = writable(eval<T>(kid<0>(n), ctx));
-    kernels::apply_inplace(m, [](T x) { return std::exp(x); });
-    return m;
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& x) {
+    kernels::map(x, out, [](T v) { return std::exp(v); });
   }
 };
-
 template <>
 struct lower<op::append_ones> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    return kernels::append_ones(eval<T>(kid<0>(n), ctx));
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& x) {
+    kernels::append_ones(x, out);
   }
 };
-
 template <>
 struct lower<op::row_divide> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    return kernels::row_divide(eval<T>(kid<0>(n), ctx), static_cast<T>(n.op.eps));
+  template <class N, class T>
+  static void run(N const& n, matrix<T>& out, matrix<T> const& x) {
+    kernels::row_divide(x, out, static_cast<T>(n.op.eps));
   }
 };
-
-template <class K, std::size_t Threshold>
-struct lower<op::select<K, Threshold>> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    if (ctx.in.table.template get<K>() < Threshold) return eval<T>(kid<0>(n), ctx);
-    return eval<T>(kid<1>(n), ctx);
+// contract(A, prefix(B⊗C)) or its suffix form, one fused scan: out_i = A_iᵀ S_i,
+// S_i the running sum of B_j C_jᵀ, starting from and leaving `sums` (a x b).
+template <>
+struct lower<op::contract_rows> {
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> const& b, matrix<T> c, T* sums) {
+    kernels::scan_contract(a, b, std::move(c), out, sums, sched::fused_scan_parts<N>::reverse);
   }
 };
 
 // ---- backward ops ----
 template <class Map>
 struct lower<op::phi_vjp<Map>> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> x = eval<T>(kid<0>(n), ctx);
-    if constexpr (N::arity == 3) {
-      matrix<T> w = eval<T>(kid<1>(n), ctx);
-      return kernels::feature_map_vjp<Map, false>(x, w, eval<T>(kid<2>(n), ctx));
-    } else {
-      return kernels::feature_map_vjp<Map>(x, eval<T>(kid<1>(n), ctx));
-    }
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& g) {
+    kernels::feature_map_vjp<Map>(x, g, out);
+  }
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w, matrix<T> const& g) {
+    kernels::feature_map_vjp<Map, false>(x, w, g, out);
   }
 };
-
 template <class Map>
 struct lower<op::phi_param_vjp<Map>> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> x = eval<T>(kid<0>(n), ctx);
-    matrix<T> w = eval<T>(kid<1>(n), ctx);
-    return kernels::feature_map_vjp<Map, true>(x, w, eval<T>(kid<2>(n), ctx));
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w, matrix<T> const& g) {
+    kernels::feature_map_vjp<Map, true>(x, w, g, out);
   }
 };
-
 template <>
 struct lower<op::normalize_vjp> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> s = eval<T>(kid<0>(n), ctx);
-    return kernels::normalize_vjp(s, eval<T>(kid<1>(n), ctx), static_cast<T>(n.op.eps));
+  template <class N, class T>
+  static void run(N const& n, matrix<T>& out, matrix<T> const& s, matrix<T> const& g) {
+    kernels::normalize_vjp(s, g, out, static_cast<T>(n.op.eps));
   }
 };
-
 template <>
 struct lower<op::row_divide_vjp> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> y = eval<T>(kid<0>(n), ctx);
-    return kernels::row_divide_vjp(y, eval<T>(kid<1>(n), ctx), static_cast<T>(n.op.eps));
+  template <class N, class T>
+  static void run(N const& n, matrix<T>& out, matrix<T> const& y, matrix<T> const& g) {
+    kernels::row_divide_vjp(y, g, out, static_cast<T>(n.op.eps));
   }
 };
-
 template <>
 struct lower<op::hadamard> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> a = writable(eval<T>(kid<0>(n), ctx));
-    kernels::combine_inplace(a, eval<T>(kid<1>(n), ctx), [](T x, T y) { return x * y; });
-    return a;
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> const& b) {
+    kernels::zip(a, b, out, [](T x, T y) { return x * y; });
   }
 };
-
 template <>
 struct lower<op::add> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> a = writable(eval<T>(kid<0>(n), ctx));
-    kernels::combine_inplace(a, eval<T>(kid<1>(n), ctx), [](T x, T y) { return x + y; });
-    return a;
-  }
-};
-
-template <>
-struct lower<op::drop_last> {  // a view of the same elements
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    matrix<T> m = eval<T>(kid<0>(n), ctx);
-    m.cols -= 1;
-    return m;
-  }
-};
-
-namespace detail {
-template <class S>
-struct fused_scan : std::false_type {};
-template <class B, class C>
-struct fused_scan<node<op::prefix_scan, node<op::outer_rows, B, C>>> : std::true_type {
-  static constexpr bool reverse = false;
-};
-template <class B, class C>
-struct fused_scan<node<op::suffix_scan, node<op::outer_rows, B, C>>> : std::true_type {
-  static constexpr bool reverse = true;
-};
-}  // namespace detail
-
-// contract(A, prefix(B⊗C)): out_i = A_i^T sum_{j<=i} B_j C_j^T in one pass.
-template <>
-struct lower<op::contract_rows> {
-  template <class T, class N, class Ctx>
-  static matrix<T> run(N const& n, Ctx const& ctx) {
-    using S = std::remove_cvref_t<decltype(kid<1>(n))>;
-    static_assert(detail::fused_scan<S>::value,
-                  "lina::cpu: contract(A, S) lowers only when S is prefix(B⊗C) or suffix(B⊗C)");
-    constexpr bool reverse = detail::fused_scan<S>::reverse;
-    std::size_t k = reverse ? 0 : ctx.next_scan++;  // numbered before the kids, in preorder
-    auto const& outer = kid<0>(kid<1>(n));
-    matrix<T> a = eval<T>(kid<0>(n), ctx);
-    matrix<T> b = eval<T>(kid<0>(outer), ctx);
-    matrix<T> c = eval<T>(kid<1>(outer), ctx);
-    matrix<T> out = allocate<T>(b.rows, c.cols);
-    buffer<T> local;
-    T* sums = nullptr;
-    if (!reverse && ctx.st) {
-      sums = ctx.st->at(k, ctx.b, ctx.h);  // carried across evaluations
-    } else {
-      local = buffer<T>(static_cast<std::size_t>(b.cols * c.cols));
-      std::fill_n(local.get(), local.size(), T(0));
-      sums = local.get();
-    }
-    kernels::scan_contract(a, b, std::move(c), out, sums, reverse);
-    return out;
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> const& b) {
+    kernels::zip(a, b, out, [](T x, T y) { return x + y; });
   }
 };
 
@@ -317,21 +175,161 @@ void store(matrix<T> const& m, tensor_view<T> out, std::size_t b, std::size_t h)
   for (index i = 0; i < m.rows; ++i)
     for (index j = 0; j < m.cols; ++j) out(b, h, static_cast<std::size_t>(i), static_cast<std::size_t>(j)) = m(i, j);
 }
+// Slice [b, h] of an output as a matrix.
+template <class T>
+matrix<T> slice_of(tensor_view<T> out, std::size_t b, std::size_t h) {
+  auto const& s = out.strides();
+  T* base = out.data() + static_cast<index>(b) * s[0] + static_cast<index>(h) * s[1];
+  return view<T>(base, static_cast<index>(out.shape()[2]), static_cast<index>(out.shape()[3]), s[2], s[3]);
+}
 
-template <class T, class Plan, class Bound>
-void evaluate_slices(Plan const& plan, Bound const& in, tensor_view<T> out, state<T>* st = nullptr) {
+// One select-free plan's schedule, run slice by slice into `outs` (one
+// output tensor per schedule output).
+template <class T, class Plan, class Bound, std::size_t Outputs>
+class program {
+  using S = schedule_of<Plan>;
+  static constexpr std::size_t steps = S::size;
+
+ public:
+  program(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st)
+      : plan_(plan), in_(in), outs_(outs), st_(st) {
+    static_assert(S::outputs::size == Outputs, "lina::cpu: one output tensor per output of the schedule");
+    // Same-typed steps with values: shared when their values are equal (once per call).
+    [&]<std::size_t... J>(std::index_sequence<J...>) {
+      ((share_[J] = [&] {
+         if constexpr (S::twin[J] != sched::none)
+           return same_value(S::template node_at<S::twin[J]>(plan_), S::template node_at<J>(plan_));
+         else
+           return false;
+       }()),
+       ...);
+    }(std::make_index_sequence<steps>{});
+  }
+
+  void run(std::size_t b, std::size_t h) const {
+    std::array<matrix<T>, steps + 1> slot{};
+    std::array<bool, Outputs> direct{};
+    [&]<std::size_t... J>(std::index_sequence<J...>) { (step<J>(slot, direct, b, h), ...); }(
+        std::make_index_sequence<steps>{});
+    [&]<class... O>(lina::detail::type_list<O...>) {
+      std::size_t k = 0;
+      ((direct[k] ? void() : store(operand<O>(slot, b, h), outs_[k], b, h), ++k), ...);
+    }(typename S::outputs{});
+  }
+
+ private:
+  // An operand: a bound input's slice, an earlier result, or a view of either.
+  template <class O>
+  matrix<T> operand(std::array<matrix<T>, steps + 1> const& slot, std::size_t b, std::size_t h) const {
+    if constexpr (requires { typename O::input; }) {
+      auto const& v = in_.views[Bound::template input_index<typename O::input>()];
+      auto const& s = v.strides();
+      T const* base = v.data() + static_cast<index>(b) * s[0] + static_cast<index>(h) * s[1];
+      return view(base, static_cast<index>(v.shape()[2]), static_cast<index>(v.shape()[3]), s[2], s[3]);
+    } else if constexpr (requires { O::step; }) {
+      return alias(slot[O::step]);
+    } else if constexpr (std::is_same_v<O, sched::transposed_operand<typename O::of>>) {
+      return operand<typename O::of>(slot, b, h).transposed();
+    } else {
+      matrix<T> m = operand<typename O::of>(slot, b, h);
+      m.cols -= 1;
+      return m;
+    }
+  }
+
+  // Output k when it is step J's result and the first output that is, else Outputs.
+  template <std::size_t J>
+  static constexpr std::size_t output_of() {
+    return []<class... O>(lina::detail::type_list<O...>) {
+      constexpr std::array<bool, sizeof...(O) + 1> hit{std::is_same_v<O, sched::step_operand<J>>..., true};
+      std::size_t k = 0;
+      while (!hit[k]) ++k;
+      return k;
+    }(typename S::outputs{});
+  }
+
+  template <std::size_t J>
+  void step(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, std::size_t b,
+            std::size_t h) const {
+    using N = typename S::template node_type<J>;
+    if constexpr (S::twin[J] != sched::none) {
+      if (share_[J]) {
+        slot[J] = alias(slot[S::twin[J]]);
+        release<J>(slot);
+        return;
+      }
+    }
+    N const& n = S::template node_at<J>(plan_);
+    index rows = static_cast<index>(N::shape::rows::extent(in_.table));
+    index cols = static_cast<index>(N::shape::cols::extent(in_.table));
+    constexpr std::size_t k = output_of<J>();
+    if constexpr (k < Outputs) {  // straight into the caller's output, when its rows are contiguous
+      matrix<T> out = slice_of(outs_[k], b, h);
+      if (out.cs == 1 || cols <= 1) {
+        out.cs = 1;
+        slot[J] = std::move(out);
+        direct[k] = true;
+      }
+    }
+    if (!direct_of<J, k>(direct)) slot[J] = allocate<T>(rows, cols);
+    [&]<class... O>(lina::detail::type_list<O...>) {
+      if constexpr (S::template is_scan<J>) {
+        matrix<T> bm = operand<lina::detail::type_at_t<1, typename S::template operands<J>>>(slot, b, h);
+        matrix<T> cm = operand<lina::detail::type_at_t<2, typename S::template operands<J>>>(slot, b, h);
+        buffer<T> local;
+        T* sums;
+        if (S::scan_index[J] != sched::none && st_) {
+          sums = st_->at(S::scan_index[J], b, h);  // carried across evaluations
+        } else {
+          local = buffer<T>(static_cast<std::size_t>(bm.cols * cm.cols));
+          std::fill_n(local.get(), local.size(), T(0));
+          sums = local.get();
+        }
+        lower<typename N::op_type>::run(n, slot[J], operand<lina::detail::type_at_t<0, typename S::template operands<J>>>(slot, b, h),
+                                        bm, std::move(cm), sums);
+      } else {
+        lower<typename N::op_type>::run(n, slot[J], operand<O>(slot, b, h)...);
+      }
+    }(typename S::template operands<J>{});
+    release<J>(slot);
+  }
+
+  template <std::size_t J, std::size_t K>
+  static bool direct_of(std::array<bool, Outputs> const& direct) {
+    if constexpr (K < Outputs)
+      return direct[K];
+    else
+      return false;
+  }
+
+  // Release every result whose last reader was step J.
+  template <std::size_t J>
+  static void release(std::array<matrix<T>, steps + 1>& slot) {
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((S::last_use[I] == J ? void(slot[I] = matrix<T>{}) : void()), ...);
+    }(std::make_index_sequence<J + 1>{});
+  }
+
+  Plan const& plan_;
+  Bound const& in_;
+  std::array<tensor_view<T>, Outputs> outs_;
+  state<T>* st_;
+  std::array<bool, steps + 1> share_{};
+};
+
+// Run a select-free plan over every (batch, head) slice.
+template <class T, class Plan, class Bound, std::size_t Outputs>
+void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st = nullptr) {
+  program<T, Plan, Bound, Outputs> prog(plan, in, outs, st);
   long total = static_cast<long>(in.batch * in.heads);
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(in))
-  for (long bh = 0; bh < total; ++bh) {
-    slice<Bound> ctx{in, static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads, st};
-    store(eval<T>(plan, ctx), out, ctx.b, ctx.h);
-  }
+  for (long bh = 0; bh < total; ++bh)
+    prog.run(static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads);
 }
-template <class Plan, class Bound>
-shape4 result_shape(Bound const& in) {
-  using S = typename Plan::shape;
-  return {in.batch, in.heads, static_cast<std::size_t>(S::rows::extent(in.table)),
-          static_cast<std::size_t>(S::cols::extent(in.table))};
+
+template <class T, class Plan, class Bound>
+void evaluate_slices(Plan const& plan, Bound const& in, tensor_view<T> out) {
+  with_resolved_plan(plan, in.table, [&](auto const& p) { run_slices<T>(p, in, std::array{out}); });
 }
 }  // namespace detail
 
@@ -341,8 +339,8 @@ template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto evaluate(Plan const& plan, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
-  using T = typename decltype(in.views)::value_type::element_type_;
-  tensor<T> out(detail::result_shape<Plan>(in));
+  using T = typename decltype(in)::value_type;
+  tensor<T> out(result_shape<Plan>(in));
   detail::evaluate_slices<T>(plan, in, out.view());
   return out;
 }
@@ -352,7 +350,7 @@ template <class Plan, class T, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 void evaluate_into(Plan const& plan, tensor_view<T> out, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
-  shape4 want = detail::result_shape<Plan>(in);
+  shape4 want = result_shape<Plan>(in);
   static constexpr char const* names[] = {"B (batch)", "H (heads)", "rows", "cols"};
   for (int d = 0; d < 4; ++d)
     if (out.shape()[d] != want[d]) throw shape_error("out", names[d], out.shape()[d], want[d], "of the plan's result");

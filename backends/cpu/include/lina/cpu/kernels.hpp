@@ -1,6 +1,7 @@
 // The CPU backend's loops: one function per plan operation, on per-(batch,
-// head) matrices. Straightforward and correct first; the scan keeps its
-// a x b state in cache and touches each row once.
+// head) matrices, each writing into a destination `out` the caller sized
+// (rows contiguous: out.cs == 1, any row stride). Straightforward and correct
+// first; the scan keeps its a x b state in cache and touches each row once.
 #pragma once
 
 #include <cmath>
@@ -18,15 +19,14 @@ matrix<T> rows_contiguous(matrix<T>&& m) {
   return writable(std::move(m));
 }
 
-// C = A B. B's rows are made contiguous, then four rows of C at a time
+// out = A B. B's rows are made contiguous, then four rows of C at a time
 // accumulate a_ik * B_k (each B row loaded once per four C rows).
 template <class T>
-matrix<T> gemm(matrix<T> const& a, matrix<T>&& b_in) {
+void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out) {
   matrix<T> b = rows_contiguous(std::move(b_in));
   index r = a.rows, k = a.cols, c = b.cols;
-  matrix<T> out = allocate<T>(r, c);
-  if (r * c == 0) return out;
-  std::memset(out.row_mut(0), 0, sizeof(T) * static_cast<std::size_t>(r * c));
+  if (r * c == 0) return;
+  for (index i = 0; i < r; ++i) std::fill_n(out.row_mut(i), c, T(0));
   index i = 0;
   for (; i + 4 <= r; i += 4) {
     T* c0 = out.row_mut(i);
@@ -55,7 +55,6 @@ matrix<T> gemm(matrix<T> const& a, matrix<T>&& b_in) {
       for (index j = 0; j < c; ++j) ci[j] += ai * bp[j];
     }
   }
-  return out;
 }
 
 // Row i of `out` = A_i^T S_i with S_i the running sum of B_j C_j^T over
@@ -87,23 +86,19 @@ void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c_in, mat
 }
 
 template <class Map, class T>
-matrix<T> feature_map(matrix<T> const& x) {
+void feature_map(matrix<T> const& x, matrix<T>& out) {
   if constexpr (concepts::elementwise_map<Map>) {
-    matrix<T> out = allocate<T>(x.rows, x.cols);
     for (index i = 0; i < x.rows; ++i) {
       T* o = out.row_mut(i);
       for (index j = 0; j < x.cols; ++j) o[j] = Map::value(x(i, j));
     }
-    return out;
   } else {
-    index d = x.cols, cdim = static_cast<index>(Map::features(static_cast<std::size_t>(d)));
-    matrix<T> out = allocate<T>(x.rows, cdim);
+    index d = x.cols;
     buffer<T> row(static_cast<std::size_t>(d));
     for (index i = 0; i < x.rows; ++i) {
       for (index j = 0; j < d; ++j) row.get()[j] = x(i, j);
       Map::apply(static_cast<T const*>(row.get()), static_cast<std::size_t>(d), out.row_mut(i));
     }
-    return out;
   }
 }
 
@@ -115,16 +110,22 @@ void copy_row(matrix<T> const& x, index i, T* to) {
 
 // A parametric map: every row of x with the projection w (d x m).
 template <class Map, class T>
-matrix<T> feature_map(matrix<T> const& x, matrix<T> const& w) {
+void feature_map(matrix<T> const& x, matrix<T> const& w, matrix<T>& out) {
   std::size_t d = static_cast<std::size_t>(x.cols), m = static_cast<std::size_t>(w.cols);
   matrix<T> wc = writable(view(w.data, w.rows, w.cols, w.rs, w.cs));  // contiguous d x m
-  matrix<T> out = allocate<T>(x.rows, static_cast<index>(Map::features(m)));
   buffer<T> row(d);
   for (index i = 0; i < x.rows; ++i) {
     copy_row(x, i, row.get());
     Map::apply(static_cast<T const*>(row.get()), d, wc.data, m, out.row_mut(i));
   }
-  return out;
+}
+
+template <class T>
+void copy(matrix<T> const& x, matrix<T>& out) {
+  for (index i = 0; i < x.rows; ++i) {
+    T* o = out.row_mut(i);
+    for (index j = 0; j < x.cols; ++j) o[j] = x(i, j);
+  }
 }
 
 template <class T>
@@ -133,17 +134,22 @@ void causal_mask(matrix<T>& m) {
     for (index j = i + 1; j < m.cols; ++j) m.at_mut(i, j) = T(0);
 }
 
+// out_ij = f(x_ij)
 template <class T, class F>
-void apply_inplace(matrix<T>& m, F f) {
-  for (index i = 0; i < m.rows; ++i)
-    for (index j = 0; j < m.cols; ++j) m.at_mut(i, j) = f(m(i, j));
+void map(matrix<T> const& x, matrix<T>& out, F f) {
+  for (index i = 0; i < x.rows; ++i) {
+    T* o = out.row_mut(i);
+    for (index j = 0; j < x.cols; ++j) o[j] = f(x(i, j));
+  }
 }
 
-// a_ij = f(a_ij, b_ij), in place.
+// out_ij = f(a_ij, b_ij)
 template <class T, class F>
-void combine_inplace(matrix<T>& a, matrix<T> const& b, F f) {
-  for (index i = 0; i < a.rows; ++i)
-    for (index j = 0; j < a.cols; ++j) a.at_mut(i, j) = f(a(i, j), b(i, j));
+void zip(matrix<T> const& a, matrix<T> const& b, matrix<T>& out, F f) {
+  for (index i = 0; i < a.rows; ++i) {
+    T* o = out.row_mut(i);
+    for (index j = 0; j < a.cols; ++j) o[j] = f(a(i, j), b(i, j));
+  }
 }
 
 // S_ij / (sum_k S_ik + eps), in place.
@@ -159,35 +165,30 @@ void normalize_rows(matrix<T>& m, T eps) {
 
 // [X | 1]
 template <class T>
-matrix<T> append_ones(matrix<T> const& x) {
-  matrix<T> out = allocate<T>(x.rows, x.cols + 1);
+void append_ones(matrix<T> const& x, matrix<T>& out) {
   for (index i = 0; i < x.rows; ++i) {
     T* o = out.row_mut(i);
     for (index j = 0; j < x.cols; ++j) o[j] = x(i, j);
     o[x.cols] = T(1);
   }
-  return out;
 }
 
 // X[:, :-1] / (X[:, -1] + eps)
 template <class T>
-matrix<T> row_divide(matrix<T> const& x, T eps) {
+void row_divide(matrix<T> const& x, matrix<T>& out, T eps) {
   index m = x.cols - 1;
-  matrix<T> out = allocate<T>(x.rows, m);
   for (index i = 0; i < x.rows; ++i) {
     T den = x(i, m) + eps;
     T* o = out.row_mut(i);
     for (index j = 0; j < m; ++j) o[j] = x(i, j) / den;
   }
-  return out;
 }
 
 // ---- backward ---------------------------------------------------------------
 
 // J_φ(X_i)^T G_i for every row (φ'(X) ⊙ G for an element-wise map).
 template <class Map, class T>
-matrix<T> feature_map_vjp(matrix<T> const& x, matrix<T> const& g) {
-  matrix<T> out = allocate<T>(x.rows, x.cols);
+void feature_map_vjp(matrix<T> const& x, matrix<T> const& g, matrix<T>& out) {
   if constexpr (concepts::elementwise_map<Map>) {
     for (index i = 0; i < x.rows; ++i) {
       T* o = out.row_mut(i);
@@ -202,16 +203,14 @@ matrix<T> feature_map_vjp(matrix<T> const& x, matrix<T> const& g) {
                out.row_mut(i));
     }
   }
-  return out;
 }
 
 // A parametric map's row-wise adjoints: dx (Param = false, d columns) or the
 // h of ∂L/∂W = Σ_i x_i h_iᵀ (Param = true, m columns).
 template <class Map, bool Param, class T>
-matrix<T> feature_map_vjp(matrix<T> const& x, matrix<T> const& w, matrix<T> const& g) {
+void feature_map_vjp(matrix<T> const& x, matrix<T> const& w, matrix<T> const& g, matrix<T>& out) {
   std::size_t d = static_cast<std::size_t>(x.cols), m = static_cast<std::size_t>(w.cols);
   matrix<T> wc = writable(view(w.data, w.rows, w.cols, w.rs, w.cs));
-  matrix<T> out = allocate<T>(x.rows, static_cast<index>(Param ? m : d));
   buffer<T> xr(d), gr(static_cast<std::size_t>(g.cols));
   for (index i = 0; i < x.rows; ++i) {
     copy_row(x, i, xr.get());
@@ -221,13 +220,11 @@ matrix<T> feature_map_vjp(matrix<T> const& x, matrix<T> const& w, matrix<T> cons
     else
       Map::vjp(static_cast<T const*>(xr.get()), d, wc.data, m, static_cast<T const*>(gr.get()), out.row_mut(i));
   }
-  return out;
 }
 
 // The adjoint of normalize(S): G_ij / d_i - (sum_k G_ik S_ik) / d_i^2, d_i = sum_k S_ik + eps.
 template <class T>
-matrix<T> normalize_vjp(matrix<T> const& s, matrix<T> const& g, T eps) {
-  matrix<T> out = allocate<T>(s.rows, s.cols);
+void normalize_vjp(matrix<T> const& s, matrix<T> const& g, matrix<T>& out, T eps) {
   for (index i = 0; i < s.rows; ++i) {
     T sum = 0, dot = 0;
     for (index j = 0; j < s.cols; ++j) {
@@ -238,15 +235,13 @@ matrix<T> normalize_vjp(matrix<T> const& s, matrix<T> const& g, T eps) {
     T* o = out.row_mut(i);
     for (index j = 0; j < s.cols; ++j) o[j] = g(i, j) / den - dot / (den * den);
   }
-  return out;
 }
 
 // The adjoint of row_divide(Y): G_e / d for the leading columns and
 // -sum_e G_e Y_e / d^2 for the last, d = Y_last + eps.
 template <class T>
-matrix<T> row_divide_vjp(matrix<T> const& y, matrix<T> const& g, T eps) {
+void row_divide_vjp(matrix<T> const& y, matrix<T> const& g, matrix<T>& out, T eps) {
   index m = y.cols - 1;
-  matrix<T> out = allocate<T>(y.rows, y.cols);
   for (index i = 0; i < y.rows; ++i) {
     T den = y(i, m) + eps;
     T dot = 0;
@@ -257,7 +252,6 @@ matrix<T> row_divide_vjp(matrix<T> const& y, matrix<T> const& g, T eps) {
     }
     o[m] = -dot / (den * den);
   }
-  return out;
 }
 
 }  // namespace lina::cpu::kernels

@@ -1,41 +1,24 @@
-// The state of a causal linear plan: the running sums of its prefix scans.
-//
-// For normalize(causal(φQ·φKᵀ))·V the plan has one scan, over φ(K)⊗[V|1], so
-// the state is one C x (M+1) matrix per (batch, head): [s | z], the paper's
-// attention memory s = Σ φ(k_j) v_jᵀ with the normaliser z = Σ φ(k_j) as its
-// last column. A state is a value: copy it to save it, assign it back (or
-// set_state) to restore it; it remembers the plan it belongs to.
+// cpu::state: a plan's running sums in host memory (what they are and the
+// checks that a state fits an evaluation: lina/state.hpp). A state is a value:
+// copy it to save it, assign it back (or set_state) to restore it; it
+// remembers the plan it belongs to.
 #pragma once
 
-#include <array>
+#include <algorithm>
 #include <cstddef>
-#include <string>
-#include <typeinfo>
 #include <vector>
 
-#include "lina/errors.hpp"
+#include "lina/state.hpp"
 #include "lina/tensor.hpp"
 
 namespace lina::cpu {
 
 template <class T>
-class state {
+class state : public state_info {
  public:
   state() = default;
-  state(std::type_info const& plan, std::string plan_text, std::size_t batch, std::size_t heads, std::size_t scans)
-      : plan_(&plan), plan_text_(std::move(plan_text)), batch_(batch), heads_(heads), scans_(scans) {}
-
-  std::size_t batch() const noexcept { return batch_; }
-  std::size_t heads() const noexcept { return heads_; }
-  std::size_t scans() const noexcept { return scans_.size(); }
-  // Sized (and zero) once the extents are known, at the first evaluation.
-  bool sized() const noexcept { return !scans_.empty() && !scans_[0].data.empty(); }
-  std::string const& plan() const noexcept { return plan_text_; }
-  // Made for (or by a first evaluation of) no plan yet.
-  bool unbound() const noexcept { return plan_ == nullptr; }
-  // Does this state belong to the plan of this type?
-  bool belongs_to(std::type_info const& plan) const noexcept { return plan_ && *plan_ == plan; }
-  bool same_plan(state const& o) const noexcept { return plan_ && o.plan_ && *plan_ == *o.plan_; }
+  template <class L>
+  state(L const& plan, std::size_t batch, std::size_t heads) : state_info(plan, batch, heads), sums_(scans()) {}
 
   // Scan k's running sums as a [B, H, a, b] tensor (for attention: [B, H, C, M+1],
   // the normaliser z in the last column).
@@ -43,31 +26,26 @@ class state {
   tensor_view<T const> operator[](std::size_t k) const { return const_cast<state*>(this)->view(k); }
 
   void reset() {
-    for (auto& s : scans_) std::fill(s.data.begin(), s.data.end(), T(0));
+    for (auto& s : sums_) std::fill(s.begin(), s.end(), T(0));
   }
 
-  // Internals for the backend.
-  struct scan {
-    std::size_t a = 0, b = 0;
-    std::vector<T> data;
-  };
-  std::vector<scan>& scan_data() noexcept { return scans_; }
-  std::vector<std::size_t>& extents() noexcept { return extents_; }
+  // For the backend: check the state against an evaluation (sizing it at the
+  // first), then the running sums of scan k for slice (b, h).
+  template <class L, class Bound>
+  void prepare(L const& plan, Bound const& in) {
+    if (!state_info::prepare(plan, in)) return;
+    sums_.assign(scans(), {});
+    for (std::size_t k = 0; k < scans(); ++k) sums_[k].assign(batch() * heads() * scan(k).a * scan(k).b, T(0));
+  }
   T* at(std::size_t k, std::size_t b, std::size_t h) {
-    auto& s = scans_[k];
-    return s.data.data() + (b * heads_ + h) * s.a * s.b;
+    return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
   }
 
  private:
   tensor_view<T> view(std::size_t k) {
-    auto& s = scans_.at(k);
-    return {s.data.data(), {batch_, heads_, s.a, s.b}};
+    return {sums_.at(k).data(), {batch(), heads(), scan(k).a, scan(k).b}};
   }
-  std::type_info const* plan_ = nullptr;  // compared by value: equal types, equal plans
-  std::string plan_text_;
-  std::size_t batch_ = 0, heads_ = 0;
-  std::vector<scan> scans_;
-  std::vector<std::size_t> extents_;  // of every dimension, fixed at the first evaluation
+  std::vector<std::vector<T>> sums_;
 };
 
 }  // namespace lina::cpu

@@ -1,8 +1,10 @@
-// Checking what is bound to a plan's inputs: statically (every input bound
-// exactly once, no stray symbol, one element type) and at run time (batch,
-// heads and every named dimension agree across inputs and with static
-// extents; a disagreement throws lina::shape_error naming the symbol, the
-// dimension and both extents).
+// Checking what is bound to a plan's inputs, for every backend: statically
+// (every input bound exactly once, no stray symbol, one element type, one kind
+// of view) and at run time (batch, heads and every named dimension agree
+// across inputs and with static extents; a disagreement throws
+// lina::shape_error naming the symbol, the dimension and both extents). The
+// result, bound_inputs, is what a backend evaluates from: one view per input
+// and the extent table that resolves selects and sizes results.
 #pragma once
 
 #include <array>
@@ -42,9 +44,14 @@ struct binding_element_types {
   static_assert(Same, "lina: all bound tensors must have the same element type (all float or all double)");
   static constexpr bool ok = Same;
 };
+template <bool Same>
+struct binding_view_types {
+  static_assert(Same,
+                "lina: all bound tensors must live in the same kind of memory (all host tensors, or all of one "
+                "backend's device tensors)");
+  static constexpr bool ok = Same;
+};
 }  // namespace diagnose
-
-namespace cpu {
 
 // Extents of the named dimensions of one evaluation, looked up by type.
 template <class Dims>
@@ -70,12 +77,13 @@ struct extent_table<lina::detail::type_list<D...>> {
 // the order of inputs_of<Plan>), batch and heads, and the extent table.
 // Keyed on the input and dimension lists, not on the plan: this type is part
 // of every lowering's instantiation, so it is kept short.
-template <class Inputs, class Dims, class T>
+template <class Inputs, class Dims, class View>
 struct bound_inputs {
-  using value_type = T;
+  using view_type = View;
+  using value_type = std::remove_const_t<typename View::element_type_>;
   using inputs = Inputs;
   using table_type = extent_table<Dims>;
-  std::array<tensor_view<T const>, inputs::size> views;
+  std::array<View, inputs::size> views;
   std::size_t batch = 0, heads = 0;
   table_type table;
 
@@ -128,11 +136,15 @@ template <class Plan, class... B>
 auto bind(B const&... bs) {
   using inputs = inputs_of<Plan>;
   static_assert(sizeof...(B) > 0, "lina: evaluate needs the plan's inputs bound, e.g. Q = q, K = k, V = v");
-  using T = typename std::tuple_element_t<0, std::tuple<B...>>::value_type;
+  using first_binding = std::tuple_element_t<0, std::tuple<B...>>;
+  using T = typename first_binding::value_type;
+  using View = typename first_binding::view_type;
   static_assert(diagnose::binding_element_types<(std::is_same_v<T, typename B::value_type> && ...)>::ok || true);
+  static_assert(!(std::is_same_v<T, typename B::value_type> && ...) ||
+                diagnose::binding_view_types<(std::is_same_v<View, typename B::view_type> && ...)>::ok || true);
   static_assert((diagnose::binding_symbol<B::name, detail::names_an_input<B::name, inputs>::value>::ok && ...) || true);
 
-  using bound_type = bound_inputs<inputs, dims_of<Plan>, T>;
+  using bound_type = bound_inputs<inputs, dims_of<Plan>, View>;
   bound_type r;
   bool first = true;
   std::string first_symbol;
@@ -143,8 +155,8 @@ auto bind(B const&... bs) {
       constexpr std::size_t pos = detail::binding_position<In::name, B...>();
       if constexpr (pos < sizeof...(B)) {
         auto const& bound = std::get<pos>(std::forward_as_tuple(bs...));
-        tensor_view<T const> v;
-        if constexpr (std::is_same_v<decltype(bound.view), tensor_view<T const>>) v = bound.view;  // else: diagnosed above
+        View v;
+        if constexpr (std::is_same_v<decltype(bound.view), View>) v = bound.view;  // else: diagnosed above
         std::string symbol(In::name.view());
         if (first) {
           r.batch = v.shape()[0];
@@ -166,5 +178,12 @@ auto bind(B const&... bs) {
   return r;
 }
 
-}  // namespace cpu
+// The shape [B, H, rows, cols] of plan P's result for these bindings.
+template <class P, class Bound>
+shape4 result_shape(Bound const& in) {
+  using S = typename P::shape;
+  return {in.batch, in.heads, static_cast<std::size_t>(S::rows::extent(in.table)),
+          static_cast<std::size_t>(S::cols::extent(in.table))};
+}
+
 }  // namespace lina

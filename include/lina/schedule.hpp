@@ -1,0 +1,457 @@
+// The schedule of a plan: what every backend walks.
+//
+// A plan is a tree; a backend wants a flat program. schedule_of<Plan> is that
+// program, computed at compile time from the plan's type:
+//
+//   - steps in evaluation order (kids before parents), one per node that
+//     computes something. Inputs and views (transpose, dropcol) are not steps:
+//     they are operands, read in place;
+//   - fused groups: contract(A, prefix(B⊗C)) and its suffix form are one step
+//     with operands A, B, C (per-row sequences are never materialised);
+//   - common subexpressions: a subtree that occurs twice is one step when its
+//     type proves the two equal (no op in it carries a value); same-typed
+//     subtrees with values (an eps, a scale factor) get their own steps, each
+//     naming its earlier `twin`, and the backend shares them when
+//     same_value() says so at run time;
+//   - scan indices: each prefix-scan step knows its place in the plan's state
+//     (the scan's running sums), fixed here, from the type;
+//   - last uses: after step j, the results no later step or output reads can be
+//     released;
+//   - outputs: the operands that are the plan's results (a bundle of gradients
+//     has several).
+//
+// Run-time choices (select) never reach a schedule: resolve_selects() picks
+// the branch of every select once per call, on the host, and hands the
+// select-free plan on (with_resolved_plan).
+#pragma once
+
+#include <array>
+#include <boost/hana/at.hpp>
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+
+#include "lina/node.hpp"
+
+namespace lina {
+
+namespace sched {
+
+using detail::concat_lists;
+using detail::type_list;
+
+// ---- paths: where a node sits in the plan ---------------------------------------
+template <class Path, std::size_t... J>
+struct extend;
+template <std::size_t... I, std::size_t... J>
+struct extend<std::index_sequence<I...>, J...> {
+  using type = std::index_sequence<I..., J...>;
+};
+template <class Path, std::size_t... J>
+using extend_t = typename extend<Path, J...>::type;
+
+template <class N>
+constexpr auto const& at_path(N const& n, std::index_sequence<>) {
+  return n;
+}
+template <class N, std::size_t I, std::size_t... R>
+constexpr auto const& at_path(N const& n, std::index_sequence<I, R...>) {
+  return at_path(kid<I>(n), std::index_sequence<R...>{});
+}
+
+// ---- what a node is to a schedule --------------------------------------------------
+enum class role { input, view, scan, compute, bundle, select };
+
+template <class N>
+struct fused_scan_parts {
+  static constexpr bool fused = false;
+};
+template <class A, class B, class C>
+struct fused_scan_parts<node<op::contract_rows, A, node<op::prefix_scan, node<op::outer_rows, B, C>>>> {
+  static constexpr bool fused = true;
+  static constexpr bool reverse = false;
+};
+template <class A, class B, class C>
+struct fused_scan_parts<node<op::contract_rows, A, node<op::suffix_scan, node<op::outer_rows, B, C>>>> {
+  static constexpr bool fused = true;
+  static constexpr bool reverse = true;
+};
+
+namespace diagnose {
+template <bool Fused>
+struct scan_group {
+  static_assert(Fused,
+                "lina: a per-row sequence (⊗, prefix, suffix) is evaluated only as contract(A, prefix(B⊗C)) or "
+                "contract(A, suffix(B⊗C)); this plan uses one elsewhere");
+  static constexpr bool ok = Fused;
+};
+}  // namespace diagnose
+
+template <class N>
+constexpr role role_of() {
+  using Op = typename N::op_type;
+  if constexpr (is_input_op_v<Op>)
+    return role::input;
+  else if constexpr (std::is_same_v<Op, op::transpose> || std::is_same_v<Op, op::drop_last>)
+    return role::view;
+  else if constexpr (std::is_same_v<Op, op::contract_rows>)
+    return diagnose::scan_group<fused_scan_parts<N>::fused>::ok ? role::scan : role::compute;
+  else if constexpr (std::is_same_v<Op, op::bundle>)
+    return role::bundle;
+  else if constexpr (is_select_op<Op>)
+    return role::select;
+  else
+    return role::compute;
+}
+
+// No op in N carries a value: two subtrees of N's type are the same computation.
+template <class N>
+constexpr bool value_free() {
+  bool free = true;
+  detail::visit_types<N>([&]<class X>() { free = free && std::is_empty_v<typename X::op_type>; });
+  return free;
+}
+
+// ---- occurrences: (path, node) of every computing node, kids first ------------
+template <class Path, class N>
+struct occurrence {
+  using path = Path;
+  using node_type = N;
+};
+
+template <class N, class Path>
+struct occurrences;
+
+template <class N, class Path, class Kids>
+struct kid_occurrences;
+template <class N, class Path, std::size_t... I>
+struct kid_occurrences<N, Path, std::index_sequence<I...>> {
+  using type = typename concat_lists<
+      typename occurrences<std::remove_cvref_t<decltype(kid<I>(std::declval<N>()))>, extend_t<Path, I>>::type...>::type;
+};
+
+template <class N, class Path>
+struct occurrences {
+  static constexpr role r = role_of<N>();
+  static_assert(r != role::select,
+                "lina: a plan reaches a schedule only with its selects resolved (with_resolved_plan)");
+  template <class K, std::size_t... I>
+  using at = occurrences<K, extend_t<Path, I...>>;
+  static auto pick() {
+    if constexpr (r == role::input) {
+      return type_list<>{};
+    } else if constexpr (r == role::view) {
+      return typename kid_occurrences<N, Path, std::make_index_sequence<N::arity>>::type{};
+    } else if constexpr (r == role::scan) {
+      using A = std::remove_cvref_t<decltype(kid<0>(std::declval<N>()))>;
+      using outer = std::remove_cvref_t<decltype(kid<0>(kid<1>(std::declval<N>())))>;
+      using B = std::remove_cvref_t<decltype(kid<0>(std::declval<outer>()))>;
+      using C = std::remove_cvref_t<decltype(kid<1>(std::declval<outer>()))>;
+      return typename concat_lists<typename at<A, 0>::type, typename at<B, 1, 0, 0>::type,
+                                   typename at<C, 1, 0, 1>::type, type_list<occurrence<Path, N>>>::type{};
+    } else if constexpr (r == role::bundle) {  // its outputs; kid 0 only binds inputs
+      return []<std::size_t... I>(std::index_sequence<I...>) {
+        return typename concat_lists<typename at<std::remove_cvref_t<decltype(kid<I + 1>(std::declval<N>()))>,
+                                                 I + 1>::type...>::type{};
+      }(std::make_index_sequence<N::arity - 1>{});
+    } else {
+      return typename concat_lists<typename kid_occurrences<N, Path, std::make_index_sequence<N::arity>>::type,
+                                   type_list<occurrence<Path, N>>>::type{};
+    }
+  }
+  using type = decltype(pick());
+};
+
+// Drop an occurrence whose node type is value-free and already scheduled.
+template <class Done, class Rest>
+struct dedupe;
+template <class Done>
+struct dedupe<Done, type_list<>> {
+  using type = Done;
+};
+template <class... D, class O, class... R>
+struct dedupe<type_list<D...>, type_list<O, R...>> {
+  static constexpr bool repeat =
+      value_free<typename O::node_type>() && (std::is_same_v<typename D::node_type, typename O::node_type> || ...);
+  using type = typename dedupe<std::conditional_t<repeat, type_list<D...>, type_list<D..., O>>, type_list<R...>>::type;
+};
+
+// ---- operands: where a step reads a kid ------------------------------------------
+template <class In>
+struct input_operand {  // a bound input (In: its op type)
+  using input = In;
+};
+template <std::size_t Step>
+struct step_operand {  // the result of an earlier step
+  static constexpr std::size_t step = Step;
+};
+template <class Of>
+struct transposed_operand {
+  using of = Of;
+};
+template <class Of>
+struct without_last_operand {  // dropcol: all but the last column
+  using of = Of;
+};
+
+inline constexpr std::size_t none = static_cast<std::size_t>(-1);
+
+template <class Steps, class Path, class K>
+constexpr std::size_t step_index() {
+  return []<class... S>(type_list<S...>) {
+    constexpr std::array<bool, sizeof...(S) + 1> hit{
+        (std::is_same_v<typename S::node_type, K> && (value_free<K>() || std::is_same_v<typename S::path, Path>))...,
+        true};
+    std::size_t i = 0;
+    while (!hit[i]) ++i;
+    return i;
+  }(Steps{});
+}
+
+template <class Steps, class K, class Path>
+struct operand_of {
+  static auto pick() {
+    using Op = typename K::op_type;
+    if constexpr (is_input_op_v<Op>)
+      return input_operand<Op>{};
+    else if constexpr (std::is_same_v<Op, op::transpose>)
+      return transposed_operand<typename operand_of<Steps, std::remove_cvref_t<decltype(kid<0>(std::declval<K>()))>,
+                                                    extend_t<Path, 0>>::type>{};
+    else if constexpr (std::is_same_v<Op, op::drop_last>)
+      return without_last_operand<typename operand_of<Steps, std::remove_cvref_t<decltype(kid<0>(std::declval<K>()))>,
+                                                      extend_t<Path, 0>>::type>{};
+    else
+      return step_operand<step_index<Steps, Path, K>()>{};
+  }
+  using type = decltype(pick());
+};
+
+// The steps an operand reads (through views).
+template <class O>
+struct reads {
+  static constexpr std::size_t step = none;
+};
+template <std::size_t S>
+struct reads<step_operand<S>> {
+  static constexpr std::size_t step = S;
+};
+template <class Of>
+struct reads<transposed_operand<Of>> : reads<Of> {};
+template <class Of>
+struct reads<without_last_operand<Of>> : reads<Of> {};
+
+// The operands of one step: its kids, or A, B, C of a fused scan.
+template <class Steps, class O>
+struct step_operands {
+  using N = typename O::node_type;
+  using P = typename O::path;
+  static auto pick() {
+    if constexpr (role_of<N>() == role::scan) {
+      using A = std::remove_cvref_t<decltype(kid<0>(std::declval<N>()))>;
+      using outer = std::remove_cvref_t<decltype(kid<0>(kid<1>(std::declval<N>())))>;
+      using B = std::remove_cvref_t<decltype(kid<0>(std::declval<outer>()))>;
+      using C = std::remove_cvref_t<decltype(kid<1>(std::declval<outer>()))>;
+      return type_list<typename operand_of<Steps, A, extend_t<P, 0>>::type,
+                       typename operand_of<Steps, B, extend_t<P, 1, 0, 0>>::type,
+                       typename operand_of<Steps, C, extend_t<P, 1, 0, 1>>::type>{};
+    } else {
+      return []<std::size_t... I>(std::index_sequence<I...>) {
+        return type_list<typename operand_of<Steps, std::remove_cvref_t<decltype(kid<I>(std::declval<N>()))>,
+                                             extend_t<P, I>>::type...>{};
+      }(std::make_index_sequence<N::arity>{});
+    }
+  }
+  using type = decltype(pick());
+};
+
+template <class Steps, class Root>
+struct outputs_of {
+  static auto pick() {
+    if constexpr (role_of<Root>() == role::bundle)
+      return []<std::size_t... I>(std::index_sequence<I...>) {
+        return type_list<typename operand_of<Steps, std::remove_cvref_t<decltype(kid<I + 1>(std::declval<Root>()))>,
+                                             std::index_sequence<I + 1>>::type...>{};
+      }(std::make_index_sequence<Root::arity - 1>{});
+    else
+      return type_list<typename operand_of<Steps, Root, std::index_sequence<>>::type>{};
+  }
+  using type = decltype(pick());
+};
+
+}  // namespace sched
+
+// The schedule of a select-free plan (see the top of this file).
+template <class Plan>
+struct schedule_of {
+  using steps = typename sched::dedupe<detail::type_list<>,
+                                       typename sched::occurrences<Plan, std::index_sequence<>>::type>::type;
+  static constexpr std::size_t size = steps::size;
+
+  template <std::size_t J>
+  using step = detail::type_at_t<J, steps>;
+  template <std::size_t J>
+  using node_type = typename step<J>::node_type;
+  template <std::size_t J>
+  using operands = typename sched::step_operands<steps, step<J>>::type;
+  using outputs = typename sched::outputs_of<steps, Plan>::type;
+
+  template <std::size_t J>
+  static constexpr bool is_scan = sched::role_of<node_type<J>>() == sched::role::scan;
+  template <std::size_t J>
+  static constexpr bool is_prefix_scan = [] {
+    if constexpr (is_scan<J>)
+      return !sched::fused_scan_parts<node_type<J>>::reverse;
+    else
+      return false;
+  }();
+
+  // The node of step J within the plan value.
+  template <std::size_t J>
+  static constexpr auto const& node_at(Plan const& p) {
+    return sched::at_path(p, typename step<J>::path{});
+  }
+
+  // An earlier step of the same type, with values that may or may not equal
+  // J's (compared at run time); none for scans, whose running sums are state.
+  template <std::size_t J, std::size_t... K>
+  static constexpr std::size_t twin_of(std::index_sequence<K...>) {
+    if constexpr (is_scan<J>) {
+      return sched::none;
+    } else {
+      constexpr std::array<bool, sizeof...(K) + 1> same{std::is_same_v<node_type<K>, node_type<J>>..., true};
+      std::size_t k = 0;
+      while (!same[k]) ++k;
+      return k == sizeof...(K) ? sched::none : k;
+    }
+  }
+  template <std::size_t... J>
+  static constexpr std::array<std::size_t, size + 1> twins(std::index_sequence<J...>) {
+    return {twin_of<J>(std::make_index_sequence<J>{})..., sched::none};
+  }
+  static constexpr std::array<std::size_t, size + 1> twin = twins(std::make_index_sequence<size>{});
+
+  // The position of each prefix scan's running sums in the plan's state.
+  template <std::size_t... J>
+  static constexpr std::array<std::size_t, size + 1> scan_indices(std::index_sequence<J...>) {
+    std::array<std::size_t, size + 1> s{};
+    s.fill(sched::none);
+    std::size_t k = 0;
+    ((is_prefix_scan<J> ? void(s[J] = k++) : void()), ...);
+    return s;
+  }
+  static constexpr std::array<std::size_t, size + 1> scan_index = scan_indices(std::make_index_sequence<size>{});
+  static constexpr std::size_t prefix_scans = [] {
+    std::size_t k = 0;
+    for (std::size_t j = 0; j < size; ++j) k += scan_index[j] != sched::none;
+    return k;
+  }();
+
+  // The last step that reads each step's result (size: an output, read at the
+  // end); a twin lives as long as the steps that may share it.
+  template <class... O>
+  static constexpr void note_reads(std::array<std::size_t, size + 1>& u, std::size_t at, detail::type_list<O...>) {
+    ((sched::reads<O>::step != sched::none && u[sched::reads<O>::step] < at ? void(u[sched::reads<O>::step] = at)
+                                                                            : void()),
+     ...);
+  }
+  template <std::size_t... J>
+  static constexpr std::array<std::size_t, size + 1> last_uses(std::index_sequence<J...>) {
+    std::array<std::size_t, size + 1> u{};
+    (note_reads(u, J, operands<J>{}), ...);
+    note_reads(u, size, outputs{});
+    for (std::size_t j = size; j-- > 0;)
+      if (twin[j] != sched::none && u[twin[j]] < u[j]) u[twin[j]] = u[j];
+    return u;
+  }
+  static constexpr std::array<std::size_t, size + 1> last_use = last_uses(std::make_index_sequence<size>{});
+};
+
+// The plan's prefix-scan nodes in the order of its state (the schedule's order).
+namespace sched {
+template <class Plan, class J>
+struct state_scans_impl;
+template <class Plan, std::size_t... J>
+struct state_scans_impl<Plan, std::index_sequence<J...>> {
+  using S = schedule_of<Plan>;
+  template <std::size_t I>
+  using scan_node = std::remove_cvref_t<decltype(kid<1>(std::declval<typename S::template node_type<I>>()))>;
+  template <std::size_t I>
+  static auto pick() {
+    if constexpr (S::template is_prefix_scan<I>)
+      return type_list<scan_node<I>>{};
+    else
+      return type_list<>{};
+  }
+  using type = typename concat_lists<decltype(pick<J>())...>::type;
+};
+}  // namespace sched
+template <class Plan>
+using state_scans =
+    typename sched::state_scans_impl<Plan, std::make_index_sequence<schedule_of<Plan>::size>>::type;
+
+// ---- resolving run-time choices ------------------------------------------------------
+// The distinct run-time choices of a plan: each (dimension, threshold) once,
+// since every select with the same key and threshold takes the same branch.
+template <class N>
+struct selects_of {
+  template <class Acc, class X>
+  struct step {
+    using type = std::conditional_t<is_select_op<typename X::op_type>,
+                                    typename detail::add_unique<Acc, typename X::op_type>::type, Acc>;
+  };
+  template <class Acc, class Rest>
+  struct fold;
+  template <class Acc>
+  struct fold<Acc, detail::type_list<>> {
+    using type = Acc;
+  };
+  template <class Acc, class X, class... R>
+  struct fold<Acc, detail::type_list<X, R...>> {
+    using type = typename fold<typename step<Acc, X>::type, detail::type_list<R...>>::type;
+  };
+  using type = typename fold<detail::type_list<>, typename detail::all_nodes<std::remove_cvref_t<N>>::type>::type;
+};
+
+namespace sched {
+// The plan with every select replaced by its branch under `Mask` (bit i set:
+// select i of Selects takes its first, short-sequence branch).
+template <class Selects, std::size_t Mask, class N>
+constexpr auto resolve(N const& n) {
+  using Op = typename N::op_type;
+  if constexpr (is_select_op<Op>) {
+    constexpr std::size_t bit = detail::index_of_v<Op, Selects>;
+    if constexpr ((Mask >> bit) & 1u)
+      return resolve<Selects, Mask>(kid<0>(n));
+    else
+      return resolve<Selects, Mask>(kid<1>(n));
+  } else {
+    return hana::unpack(n.kids, [&](auto const&... k) { return make_node(n.op, resolve<Selects, Mask>(k)...); });
+  }
+}
+template <class Selects, std::size_t Mask, class N, class F>
+decltype(auto) dispatch(std::size_t mask, N const& n, F&& f) {
+  if constexpr (Mask + 1 == (std::size_t(1) << Selects::size)) {
+    return f(resolve<Selects, Mask>(n));
+  } else {
+    if (mask == Mask) return f(resolve<Selects, Mask>(n));
+    return dispatch<Selects, Mask + 1>(mask, n, f);
+  }
+}
+}  // namespace sched
+
+// f(plan with every select resolved for these extents): one decision per
+// distinct choice, made once per call on the host; kernels never see a select.
+// `table` is an extent source (`template <class D> get()`).
+template <class N, class Table, class F>
+decltype(auto) with_resolved_plan(N const& n, Table const& table, F&& f) {
+  using selects = typename selects_of<N>::type;
+  static_assert(selects::size <= 4, "lina: a plan with more than four distinct run-time choices");
+  std::size_t mask = 0;
+  [&]<class... S>(detail::type_list<S...>) {
+    std::size_t bit = 0;
+    ((mask |= (table.template get<typename S::key>() < S::threshold ? std::size_t(1) : 0) << bit++), ...);
+  }(selects{});
+  return sched::dispatch<selects, 0>(mask, n, f);
+}
+
+}  // namespace lina
