@@ -198,11 +198,16 @@ TEST_CASE("the sequence dimension comes from the structure, not from counting na
   constexpr auto favor_full = normalize(phi<favor>(Qf, Wf) * transpose(phi<favor>(Kf, Wf))) * Vf;
   CHECK(std::is_same_v<sequence_dim<decltype(favor_full)>, N_t>);
   CHECK(has_select<decltype(compile(favor_full))>());
-  // Written in linear order there is no similarity; the inputs' rows say N.
+  // Written in linear order there is no similarity; φKᵀ·V sums over N.
   constexpr auto elu_linear = phi<elu_plus_one>(Qf) * (transpose(phi<elu_plus_one>(Kf)) * Vf);
   CHECK(std::is_same_v<sequence_dim<decltype(elu_linear)>, N_t>);
-  // With W (D x F) among the inputs and no similarity, the user names it.
   constexpr auto favor_linear = phi<favor>(Qf, Wf) * (transpose(phi<favor>(Kf, Wf)) * Vf);
-  CHECK(std::is_void_v<sequence_dim<decltype(favor_linear)>>);
-  CHECK(has_square<decltype(compile<order::quadratic>(favor_linear, N)), N_t>());
+  CHECK(std::is_same_v<sequence_dim<decltype(favor_linear)>, N_t>);
+  CHECK(has_square<decltype(compile<order::quadratic>(favor_linear)), N_t>());
+  // Two sums over different token dimensions: the user names the sequence.
+  constexpr auto L = dim<"L">;
+  constexpr auto C = input<"C">(L, Dd);
+  constexpr auto E = input<"E">(L, P64);
+  constexpr auto two_sums = transpose(Qf) * Vf * transpose(C) * E;
+  CHECK(std::is_void_v<sequence_dim<decltype(two_sums)>>);
 }

@@ -140,8 +140,9 @@ auto bind(B const&... bs) {
   using T = typename first_binding::value_type;
   using View = typename first_binding::view_type;
   static_assert(diagnose::binding_element_types<(std::is_same_v<T, typename B::value_type> && ...)>::ok || true);
-  static_assert(!(std::is_same_v<T, typename B::value_type> && ...) ||
-                diagnose::binding_view_types<(std::is_same_v<View, typename B::view_type> && ...)>::ok || true);
+  static_assert(diagnose::binding_view_types<!(std::is_same_v<T, typename B::value_type> && ...) ||
+                                             (std::is_same_v<View, typename B::view_type> && ...)>::ok ||
+                true);  // one error at a time: the element types first
   static_assert((diagnose::binding_symbol<B::name, detail::names_an_input<B::name, inputs>::value>::ok && ...) || true);
 
   using bound_type = bound_inputs<inputs, dims_of<Plan>, View>;

@@ -214,34 +214,61 @@ inline constexpr auto ordering_rules = hana::make_tuple(rule(any_node<op::chain>
 
 namespace detail {
 // The sequence dimension, found from the expression's structure (never by
-// counting how often a dimension is named):
-//   1. the dimension a causal mask runs over;
-//   2. else the dimension X of a square similarity: a product of shape X x X
-//      that contracts another dimension, X being the rows of an input (tokens
-//      are rows: Q(N,D)·K(N,D)ᵀ is N x N);
-//   3. else the rows of the inputs, when all inputs have the same rows.
-// Where none of these gives one dimension, the user names it:
-// compile(e, N). The cost model varies this dimension; an N x N matrix is
-// one whose rows and columns are both this dimension.
-// Per node type X: the dimensions X contributes under each rule.
-template <class X, class InputRows>
+// counting how often a dimension is named). Tokens are the rows of inputs
+// (Q(N,D): N tokens of D features); `token_axes` follows which axes of each
+// node still run over tokens (transpose swaps them, φ keeps the rows, a
+// product keeps A's rows and B's columns). The sequence is
+//   1. the dimension a causal mask runs over; else
+//   2. the dimension of a similarity: a product whose rows and columns both
+//      run over tokens (φQ·φKᵀ, N x N); else
+//   3. the dimension a product sums over tokens (φKᵀ·V sums over N); else
+//   4. the rows of the inputs, when all inputs have the same rows.
+// Where these give no single dimension, the user names it: compile(e, N).
+// The cost model varies this dimension; an N x N matrix is one whose rows
+// and columns are both this dimension.
+template <class N>
+struct token_axes {  // ops that keep their kid's axes (causal, normalize, scale, exp)
+  static constexpr bool rows = token_axes<std::remove_cvref_t<decltype(kid<0>(std::declval<N>()))>>::rows;
+  static constexpr bool cols = token_axes<std::remove_cvref_t<decltype(kid<0>(std::declval<N>()))>>::cols;
+};
+template <fixed_string Name, class R, class C>
+struct token_axes<node<op::input<Name, R, C>>> {
+  static constexpr bool rows = true, cols = false;
+};
+template <class X>
+struct token_axes<node<op::transpose, X>> {
+  static constexpr bool rows = token_axes<X>::cols, cols = token_axes<X>::rows;
+};
+template <class Map, class X, class... W>
+struct token_axes<node<op::phi<Map>, X, W...>> {
+  static constexpr bool rows = token_axes<X>::rows, cols = false;
+};
+template <class A, class B>
+struct token_axes<node<op::product, A, B>> {
+  static constexpr bool rows = token_axes<A>::rows, cols = token_axes<B>::cols;
+};
+
+// Per node type X: the dimensions X contributes under rules 1, 2 and 3.
+template <class X>
 struct sequence_evidence {
   using causal = type_list<>;
-  using square = type_list<>;
+  using similarity = type_list<>;
+  using summed = type_list<>;
 };
-template <class... K, class InputRows>
-struct sequence_evidence<node<op::causal, K...>, InputRows> {
-  using causal = type_list<typename node<op::causal, K...>::shape::rows>;
-  using square = type_list<>;
+template <class K>
+struct sequence_evidence<node<op::causal, K>> {
+  using causal = type_list<typename K::shape::rows>;
+  using similarity = type_list<>;
+  using summed = type_list<>;
 };
-template <class A, class B, class InputRows>
-struct sequence_evidence<node<op::product, A, B>, InputRows> {
+template <class A, class B>
+struct sequence_evidence<node<op::product, A, B>> {
   using S = typename node<op::product, A, B>::shape;
-  static constexpr bool similarity = std::is_same_v<typename S::rows, typename S::cols> &&
-                                     !std::is_same_v<typename A::shape::cols, typename S::rows> &&
-                                     contains<InputRows, typename S::rows>::value;
+  static constexpr bool square = token_axes<A>::rows && token_axes<B>::cols && std::is_same_v<typename S::rows, typename S::cols>;
+  static constexpr bool sums = token_axes<A>::cols && token_axes<B>::rows;
   using causal = type_list<>;
-  using square = std::conditional_t<similarity, type_list<typename S::rows>, type_list<>>;
+  using similarity = std::conditional_t<square, type_list<typename S::rows>, type_list<>>;
+  using summed = std::conditional_t<sums, type_list<typename A::shape::cols>, type_list<>>;
 };
 
 template <class Inputs>
@@ -255,12 +282,14 @@ template <class Nodes, class InputRows>
 struct sequence_candidates_impl;
 template <class... X, class InputRows>
 struct sequence_candidates_impl<type_list<X...>, InputRows> {
-  using causal = typename merge_unique<type_list<>, typename concat_lists<
-      typename sequence_evidence<X, InputRows>::causal...>::type>::type;
-  using square = typename merge_unique<type_list<>, typename concat_lists<
-      typename sequence_evidence<X, InputRows>::square...>::type>::type;
-  using type = std::conditional_t<(causal::size > 0), causal,
-                                  std::conditional_t<(square::size > 0), square, InputRows>>;
+  template <class... L>
+  using distinct = typename merge_unique<type_list<>, typename concat_lists<L...>::type>::type;
+  using causal = distinct<typename sequence_evidence<X>::causal...>;
+  using similarity = distinct<typename sequence_evidence<X>::similarity...>;
+  using summed = distinct<typename sequence_evidence<X>::summed...>;
+  using type = std::conditional_t<
+      (causal::size > 0), causal,
+      std::conditional_t<(similarity::size > 0), similarity, std::conditional_t<(summed::size > 0), summed, InputRows>>>;
 };
 
 template <class E>
@@ -275,8 +304,8 @@ template <std::size_t Candidates>
 struct sequence_dimension {
   static_assert(Candidates == 1,
                 "lina: compile(e): the sequence dimension cannot be told from the expression's structure (no "
-                "causal mask, no square similarity, inputs with different rows, or several masks over different "
-                "dimensions); name it: compile(e, N)");
+                "causal mask, similarity or sum over tokens names exactly one dimension, and the inputs' rows "
+                "differ); name it: compile(e, N)");
   static constexpr bool ok = Candidates == 1;
 };
 }  // namespace diagnose

@@ -31,15 +31,14 @@ struct cost_estimate {
   }
 };
 
-// The default model. A different model is any struct with the same members,
-// passed as compile<order::automatic, my_model>(e).
-struct default_cost_model {
+// A cost model turns a plan's counts into one weight to minimise. The DSL
+// core decides with the plain count below; each backend calibrates its own
+// (cpu::cost_model, measured on the CPU) and is chosen with
+// compile<order::automatic, Model>(e). A model is any struct with these members.
+struct counting_cost_model {
   // Decisions are made for fp32 elements.
   static constexpr double bytes_per_element = 4;
-  // One byte of intermediate written costs as much as this many flops. The
-  // quadratic order streams its N x N similarity through memory twice, which
-  // is what moves the crossover; value from the measured crossover of
-  // examples/orderings (docs/benchmarks.md).
+  // One byte of intermediate written weighs as much as this many flops.
   static constexpr double flops_per_byte = 1;
   // Dynamic dimensions other than the sequence length are assumed to have this
   // extent when the order is decided (make them static for exact decisions).
@@ -47,6 +46,8 @@ struct default_cost_model {
 
   static constexpr double weight(cost_estimate c) { return c.flops + flops_per_byte * c.bytes; }
 };
+// What compile(e) uses when no model is named.
+using default_cost_model = counting_cost_model;
 
 namespace detail {
 

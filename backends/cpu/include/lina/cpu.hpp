@@ -2,7 +2,7 @@
 // lina::cpu::gradient(plan, dout, Q = q, ...).
 #pragma once
 
-#include "lina/bind.hpp"
+#include "lina/cpu/cost_model.hpp"
 #include "lina/cpu/evaluate.hpp"
 #include "lina/cpu/gradient.hpp"
 #include "lina/cpu/kernels.hpp"

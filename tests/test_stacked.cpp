@@ -1,0 +1,150 @@
+// Stacked layers: the first layer's output feeds the second layer's feature
+// map, so one scan's operand holds another scan. The plan has two states; each
+// must be found by its place in the schedule (it once came from a run-time
+// counter that disagreed with the type-level order and overflowed the heap).
+// Stateless, chained in uneven blocks, token by token, and differentiated,
+// against the same stack evaluated as written.
+#include <doctest/doctest.h>
+
+#include <lina/cpu.hpp>
+#include <lina/lina.hpp>
+
+#include "support.hpp"
+
+using namespace lina;
+
+namespace {
+
+constexpr auto N = dim<"N">;
+constexpr auto D = dim<"D">;
+constexpr auto M = dim<"M">;
+constexpr auto Q = input<"Q">(N, D);
+constexpr auto K = input<"K">(N, D);
+constexpr auto V = input<"V">(N, D);  // layer 1's output is layer 2's query: N x D
+constexpr auto K2 = input<"K2">(N, D);
+constexpr auto V2 = input<"V2">(N, M);
+constexpr auto layer1 = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+constexpr auto layer2 = normalize(causal(phi<poly2>(layer1) * transpose(phi<poly2>(K2)))) * V2;
+// The same stack with positive features on both layers: poly2's features are
+// signed, so its linear form sums terms that cancel to (q·k)² and is less
+// accurate than the quadratic form where q·k is small (that is the math, not
+// the plan); accuracy against the stack as written is checked on this one.
+constexpr auto layer2_elu = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2;
+using N_t = std::remove_cvref_t<decltype(N)>;
+
+template <class T>
+tensor_view<T const> tokens(tensor<T> const& t, std::size_t from, std::size_t to) {
+  auto s = t.shape();
+  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
+}
+
+// The linear plan's state: layer 1's scan (C = D, M+1 = D+1) first, then
+// layer 2's (C = D(D+1)/2, M+1), in the order of the schedule.
+using linear_plan = decltype(compile<order::linear>(layer2));
+static_assert(state_scans<linear_plan>::size == 2);
+static_assert(std::is_same_v<typename lina::detail::type_at_t<0, state_scans<linear_plan>>::shape::a,
+                             std::remove_cvref_t<decltype(D)>>);
+static_assert(std::is_same_v<typename lina::detail::type_at_t<1, state_scans<linear_plan>>::shape::a,
+                             feature_dim<poly2, std::remove_cvref_t<decltype(D)>>>);
+
+struct inputs {
+  tensor<double> q, k, v, k2, v2;
+};
+inputs random_inputs(test::rng& r, std::size_t b, std::size_t h, std::size_t n, std::size_t d, std::size_t m) {
+  auto one = [&](std::size_t cols) { return tensor<double>::random({b, h, n, cols}, r.next()); };
+  return {one(d), one(d), one(d), one(d), one(m)};
+}
+
+template <class T>
+tensor<T> as(tensor<double> const& x) {
+  return test::cast<T>(x);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("stacked layers: stateless, chained blocks and steps agree with the stack as written", T, float,
+                   double) {
+  test::rng r{31};
+  for (int trial = 0; trial < 4; ++trial) {
+    std::size_t b = r.in(1, 2), h = r.in(1, 3), n = r.in(1, 90), d = r.in(1, 5), m = r.in(1, 4);
+    auto in = random_inputs(r, b, h, n, d, m);
+    auto q = as<T>(in.q), k = as<T>(in.k), v = as<T>(in.v), k2 = as<T>(in.k2), v2 = as<T>(in.v2);
+    CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    auto ref = cpu::evaluate(layer2_elu, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
+    double bound = test::rounding_bound<T>(double(n * d * d), 1 + test::max_abs(ref));
+    CHECK(max_abs_diff(cpu::evaluate(compile<order::linear>(layer2_elu), Q = q, K = k, V = v, K2 = k2, V2 = v2), ref) <=
+          bound);
+    CHECK(max_abs_diff(cpu::evaluate(compile(layer2_elu), Q = q, K = k, V = v, K2 = k2, V2 = v2), ref) <= bound);
+
+    // poly2 on top: both orders agree in double (within poly2's own conditioning)
+    auto once = cpu::evaluate(compile<order::linear>(layer2), Q = q, K = k, V = v, K2 = k2, V2 = v2);
+    auto written = cpu::evaluate(layer2, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
+    auto linear = cpu::evaluate(compile<order::linear>(layer2), Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
+    CHECK(max_abs_diff(linear, written) <= 1e-9 * (1 + test::max_abs(written)));
+
+    // uneven blocks carry both states: the same numbers as one linear evaluation
+    cpu::state<T> st;
+    for (std::size_t at = 0; at < n;) {
+      std::size_t to = std::min(n, at + r.in(1, 30));
+      auto y = cpu::evaluate(compile(layer2), st, Q = tokens(q, at, to), K = tokens(k, at, to), V = tokens(v, at, to),
+                             K2 = tokens(k2, at, to), V2 = tokens(v2, at, to));
+      CHECK(max_abs_diff(y, tokens(once, at, to)) == 0);
+      at = to;
+    }
+    REQUIRE(st.scans() == 2);
+    CHECK(st[0].shape() == shape4{b, h, d, d + 1});
+    CHECK(st[1].shape() == shape4{b, h, d * (d + 1) / 2, m + 1});
+
+    // token by token
+    auto rnn = cpu::recurrent<T>(compile(layer2), b, h);
+    double step_err = 0;
+    for (std::size_t t = 0; t < n; ++t) {
+      auto y = rnn.step(Q = tokens(q, t, t + 1), K = tokens(k, t, t + 1), V = tokens(v, t, t + 1),
+                        K2 = tokens(k2, t, t + 1), V2 = tokens(v2, t, t + 1));
+      step_err = std::max(step_err, max_abs_diff(y, tokens(once, t, t + 1)));
+    }
+    CHECK(step_err == 0);
+  }
+}
+
+TEST_CASE("stacked layers: gradients of the linear plan equal those of the stack as written") {
+  test::rng r{32};
+  for (int trial = 0; trial < 3; ++trial) {
+    std::size_t b = r.in(1, 2), h = r.in(1, 2), n = r.in(1, 40), d = r.in(1, 4), m = r.in(1, 3);
+    auto in = random_inputs(r, b, h, n, d, m);
+    auto dout = tensor<double>::random({b, h, n, m}, r.next());
+    auto lin = cpu::gradient(compile<order::linear>(layer2), dout, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
+    auto ref = cpu::gradient(layer2, dout, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
+    CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    CHECK(max_abs_diff(lin[Q], ref[Q]) <= 1e-10 * (1 + test::max_abs(ref[Q])));
+    CHECK(max_abs_diff(lin[K], ref[K]) <= 1e-10 * (1 + test::max_abs(ref[K])));
+    CHECK(max_abs_diff(lin[V], ref[V]) <= 1e-10 * (1 + test::max_abs(ref[V])));
+    CHECK(max_abs_diff(lin[K2], ref[K2]) <= 1e-10 * (1 + test::max_abs(ref[K2])));
+    CHECK(max_abs_diff(lin[V2], ref[V2]) <= 1e-10 * (1 + test::max_abs(ref[V2])));
+  }
+}
+
+TEST_CASE("stacked layers: a central difference confirms the gradient of the first layer's query") {
+  test::rng r{33};
+  std::size_t b = 1, h = 2, n = 9, d = 3, m = 2;
+  auto in = random_inputs(r, b, h, n, d, m);
+  auto dout = tensor<double>::random({b, h, n, m}, r.next());
+  auto g = cpu::gradient(compile<order::linear>(layer2), dout, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
+  auto loss = [&] {
+    auto out = cpu::evaluate(layer2, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
+    double s = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) s += out.data()[i] * dout.data()[i];
+    return s;
+  };
+  for (std::size_t i = 0; i < in.q.size(); ++i) {
+    double keep = in.q.data()[i];
+    in.q.data()[i] = keep + 1e-6;
+    double up = loss();
+    in.q.data()[i] = keep - 1e-6;
+    double down = loss();
+    in.q.data()[i] = keep;
+    double fd = (up - down) / 2e-6;
+    CAPTURE(i);
+    CHECK(std::abs(fd - g[Q].data()[i]) <= 1e-6 * (1 + std::abs(fd)));
+  }
+}
