@@ -4,13 +4,14 @@
 // Rates count 4 N da db flops (the state update and the contraction, a
 // multiply-add being 2 flops).
 //
-//   scan_kernel [--n 4096] [--reps 20]
+//   scan_kernel [--n 4096] [--reps 20] [--da D --db E]   (one size instead of the three)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <lina/cpu/kernels.hpp>
+#include <utility>
 #include <vector>
 
 using namespace lina::cpu;
@@ -91,19 +92,23 @@ void row(idx n, idx da, idx db, bool reverse, int reps) {
 int main(int argc, char** argv) {
   idx n = 4096;
   int reps = 20;
+  idx da = 0, db = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--n")) n = std::atol(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--da")) da = std::atol(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--db")) db = std::atol(argv[i + 1]);
     else {
-      std::fprintf(stderr, "usage: scan_kernel [--n 4096] [--reps 20]\n");
+      std::fprintf(stderr, "usage: scan_kernel [--n 4096] [--reps 20] [--da D --db E]\n");
       return 2;
     }
   }
   std::printf("N = %td, best of %d; chunk = %td rows\n", n, reps, kernels::scan_chunk_rows);
   std::printf("type   dir       da   db |   old ms  GFLOP/s |   new ms  GFLOP/s | speedup\n");
-  idx const sizes[][2] = {{64, 65}, {32, 33}, {128, 129}};
+  std::vector<std::pair<idx, idx>> sizes = {{64, 65}, {32, 33}, {128, 129}};
+  if (da > 0 && db > 0) sizes = {{da, db}};
   for (bool reverse : {false, true})
-    for (auto const& s : sizes) row<float>(n, s[0], s[1], reverse, reps);
+    for (auto const& [sa, sb] : sizes) row<float>(n, sa, sb, reverse, reps);
   for (bool reverse : {false, true})
-    for (auto const& s : sizes) row<double>(n, s[0], s[1], reverse, reps);
+    for (auto const& [sa, sb] : sizes) row<double>(n, sa, sb, reverse, reps);
 }

@@ -10,7 +10,10 @@
 namespace lina::cpu::simd {
 
 #if defined(__GNUC__) || defined(__clang__)
-#if defined(__AVX512F__)
+#if defined(LINA_SIMD_BYTES)
+inline constexpr int bytes = LINA_SIMD_BYTES;
+inline constexpr int registers = 32;
+#elif defined(__AVX512F__)
 inline constexpr int bytes = 64;
 inline constexpr int registers = 32;
 #elif defined(__AVX__)
