@@ -179,28 +179,36 @@ TEST_CASE("scan_contract: long sums in float stay as accurate as the row-by-row 
   reference ref = reference_scan(a, b, c, std::vector<double>(static_cast<std::size_t>(da * db)), false);
 
   // the row-by-row scan in float
-  std::vector<float> s(static_cast<std::size_t>(da * db)), o(static_cast<std::size_t>(db));
-  double old_err = 0;
+  std::vector<float> s(static_cast<std::size_t>(da * db));
+  double old_max = 0, old_sum = 0;
   for (idx i = 0; i < n; ++i) {
     for (idx p = 0; p < da; ++p)
       for (idx q = 0; q < db; ++q) s[static_cast<std::size_t>(p * db + q)] += b(i, p) * c(i, q);
     for (idx q = 0; q < db; ++q) {
       float acc = 0;
       for (idx p = 0; p < da; ++p) acc += a(i, p) * s[static_cast<std::size_t>(p * db + q)];
-      old_err = std::max(old_err, std::abs(double(acc) - ref.out[static_cast<std::size_t>(i * db + q)]) /
-                                      ref.out[static_cast<std::size_t>(i * db + q)]);
+      double want = ref.out[static_cast<std::size_t>(i * db + q)], err = std::abs(double(acc) - want) / want;
+      old_max = std::max(old_max, err);
+      old_sum += err;
     }
   }
   std::vector<float> state(static_cast<std::size_t>(da * db));
   matrix<float> out = cpu::allocate<float>(n, db);
   cpu::kernels::scan_contract(a, b, cpu::view<float>(cv.data(), n, db, db, 1), out, state.data(), false);
-  double new_err = 0;
+  double new_max = 0, new_sum = 0;
   for (idx i = 0; i < n; ++i)
-    for (idx q = 0; q < db; ++q)
-      new_err = std::max(new_err, std::abs(double(out(i, q)) - ref.out[static_cast<std::size_t>(i * db + q)]) /
-                                      ref.out[static_cast<std::size_t>(i * db + q)]);
-  MESSAGE("relative error: row by row " << old_err << ", scan_contract " << new_err);
-  CHECK(new_err <= old_err * 1.01);
+    for (idx q = 0; q < db; ++q) {
+      double want = ref.out[static_cast<std::size_t>(i * db + q)], err = std::abs(double(out(i, q)) - want) / want;
+      new_max = std::max(new_max, err);
+      new_sum += err;
+    }
+  double count = double(n * db);
+  MESSAGE("relative error, largest and mean: row by row " << old_max << ", " << old_sum / count << "; scan_contract "
+                                                          << new_max << ", " << new_sum / count);
+  // The same sums in the same order; only where a compiler fuses a multiply
+  // and an add may differ, so the errors agree within a few percent.
+  CHECK(new_sum <= old_sum * 1.05);
+  CHECK(new_max <= old_max * 1.05);
 }
 
 TEST_CASE("scan_contract allocates its scratch once, independent of N") {
