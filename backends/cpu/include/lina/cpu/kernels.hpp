@@ -1,6 +1,7 @@
 // The CPU backend's loops: one function per plan operation, on per-(batch,
-// head) matrices. Straightforward and correct first; the scan keeps its
-// a x b state in cache and touches each row once.
+// head) matrices. Straightforward and correct first, except the scan (the
+// linear plans' hot loop), which keeps tiles of its a x b state in registers
+// over chunks of rows.
 #pragma once
 
 #include <algorithm>
@@ -67,7 +68,8 @@ namespace detail {
 // room left for one row of C, one of the output and two broadcasts. Measured
 // on AVX-512 (Zen 4, bench/scan_kernel): 8 x 2 vectors of 16 floats or 8
 // doubles reaches 85-90% of the FMA peak on whole tiles; 4-6 rows or 3-4
-// vectors are within a few percent, 12 rows spill.
+// vectors are within a few percent, 12 rows spill. With SSE2 only (16
+// registers, no FMA) 4 x 2 vectors is as fast as 3 x 3 or 2 x 4.
 template <class T>
 struct scan_tile_shape {
   using vec = typename simd::vector_of<T>::type;

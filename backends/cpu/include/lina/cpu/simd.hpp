@@ -2,7 +2,8 @@
 // Clang keep arrays of their vector types in registers where they do not keep
 // plain arrays (measured: the scan's state tile went to the stack), so the
 // kernels name their vectors through this header. Elsewhere a vector is one
-// scalar, and the kernels are plain loops.
+// scalar, and the kernels are plain loops. Defining LINA_SIMD_BYTES (0, 16,
+// 32 or 64) overrides the width, e.g. to test the scalar loops.
 #pragma once
 
 #include <cstring>
