@@ -1,0 +1,228 @@
+// The CPU backend's scan kernel (kernels::scan_contract) against a plain
+// double-precision loop: random shapes, both directions, strided and
+// transposed views, chained calls from a non-zero state; split calls agree
+// bit for bit with one call; the scratch is one small allocation.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <lina/cpu/kernels.hpp>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace lina;
+using idx = cpu::index;
+using cpu::matrix;
+
+namespace {
+
+double uniform(test::rng& r) { return static_cast<double>(r.next() >> 11) * 0x1.0p-53 * 2.0 - 1.0; }
+
+// An n x d matrix of random values in [-1, 1), stored row-major, column-major
+// (a transposed view: cs != 1) or with padded rows, as the kernel sees it.
+template <class T>
+struct operand {
+  std::vector<T> store;
+  matrix<T> m;
+  operand(test::rng& r, idx n, idx d, int layout) {
+    idx pad = layout == 2 ? 3 : 0;
+    store.resize(static_cast<std::size_t>(std::max<idx>(1, layout == 1 ? n * d : n * (d + pad))));
+    for (auto& x : store) x = static_cast<T>(uniform(r));
+    if (layout == 1)
+      m = cpu::view<T>(store.data(), n, d, 1, n);  // column-major
+    else
+      m = cpu::view<T>(store.data(), n, d, d + pad, 1);
+  }
+};
+
+struct reference {
+  std::vector<double> out, bound;  // N x db, and a bound on each element's rounding
+};
+
+// The scan in double, with each element's sum of |terms| for the error bound.
+template <class T>
+reference reference_scan(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, std::vector<double> const& s0,
+                         bool reverse) {
+  using wide = long double;  // wider than double where the platform has it
+  idx n = b.rows, da = b.cols, db = c.cols;
+  std::vector<wide> s(s0.begin(), s0.end()), mag(s.size());
+  for (std::size_t k = 0; k < s.size(); ++k) mag[k] = std::abs(s[k]);
+  reference r{std::vector<double>(static_cast<std::size_t>(n * db)), std::vector<double>(static_cast<std::size_t>(n * db))};
+  double eps = std::numeric_limits<T>::epsilon();
+  for (idx t = 0; t < n; ++t) {
+    idx i = reverse ? n - 1 - t : t;
+    for (idx p = 0; p < da; ++p)
+      for (idx q = 0; q < db; ++q) {
+        s[static_cast<std::size_t>(p * db + q)] += wide(b(i, p)) * wide(c(i, q));
+        mag[static_cast<std::size_t>(p * db + q)] += std::abs(wide(b(i, p)) * wide(c(i, q)));
+      }
+    for (idx q = 0; q < db; ++q) {
+      wide o = 0, m = 0;
+      for (idx p = 0; p < da; ++p) {
+        o += wide(a(i, p)) * s[static_cast<std::size_t>(p * db + q)];
+        m += std::abs(wide(a(i, p))) * mag[static_cast<std::size_t>(p * db + q)];
+      }
+      // a sum of (t + 1) state terms, then of da products: each term carries at
+      // most (t + da + 2) roundings, so this bounds the worst case.
+      r.out[static_cast<std::size_t>(i * db + q)] = double(o);
+      r.bound[static_cast<std::size_t>(i * db + q)] = double(t + da + 2) * eps * double(m) + 4 * std::numeric_limits<T>::min();
+    }
+  }
+  return r;
+}
+
+template <class T>
+void check_random_scans(std::uint64_t seed, int trials) {
+  test::rng r{seed};
+  double worst = 0;  // largest error / bound
+  for (int trial = 0; trial < trials; ++trial) {
+    idx n = static_cast<idx>(trial % 5 == 0 ? r.in(0, 3) : r.in(0, 300));
+    idx da = static_cast<idx>(r.in(1, 70)), db = static_cast<idx>(r.in(1, 70));
+    bool reverse = r.next() % 2;
+    int la = static_cast<int>(r.in(0, 2)), lb = static_cast<int>(r.in(0, 2)), lc = static_cast<int>(r.in(0, 2));
+    CAPTURE(n); CAPTURE(da); CAPTURE(db); CAPTURE(reverse); CAPTURE(la); CAPTURE(lb); CAPTURE(lc);
+    operand<T> a(r, n, da, la), b(r, n, da, lb), c(r, n, db, lc);
+    std::vector<T> state(static_cast<std::size_t>(da * db));
+    bool chained = r.next() % 2;  // start from a non-zero state, as a later block of a chained scan
+    for (auto& x : state) x = chained ? static_cast<T>(uniform(r) * 4) : T(0);
+    std::vector<double> s0(state.begin(), state.end());
+    reference ref = reference_scan(a.m, b.m, c.m, s0, reverse);
+
+    matrix<T> out = cpu::allocate<T>(n, db);
+    matrix<T> cv = cpu::view(c.m.data, c.m.rows, c.m.cols, c.m.rs, c.m.cs);
+    cpu::kernels::scan_contract(a.m, b.m, std::move(cv), out, state.data(), reverse);
+    bool ok = true;
+    for (idx i = 0; i < n; ++i)
+      for (idx q = 0; q < db; ++q) {
+        auto k = static_cast<std::size_t>(i * db + q);
+        double err = std::abs(double(out(i, q)) - ref.out[k]);
+        worst = std::max(worst, err / ref.bound[k]);
+        ok = ok && err <= ref.bound[k];
+      }
+    CHECK(ok);
+
+    // the final state is the whole sum
+    bool state_ok = true;
+    for (idx p = 0; p < da; ++p)
+      for (idx q = 0; q < db; ++q) {
+        long double sum = s0[static_cast<std::size_t>(p * db + q)], mag = std::abs(sum);
+        for (idx i = 0; i < n; ++i) {
+          sum += static_cast<long double>(b.m(i, p)) * c.m(i, q);
+          mag += std::abs(static_cast<long double>(b.m(i, p)) * c.m(i, q));
+        }
+        double err = double(std::abs(state[static_cast<std::size_t>(p * db + q)] - sum));
+        state_ok = state_ok && err <= double(n + 1) * std::numeric_limits<T>::epsilon() * double(mag) + std::numeric_limits<T>::min();
+      }
+    CHECK(state_ok);
+  }
+  MESSAGE("largest error / bound: " << worst);
+}
+
+// One call over all rows against the same rows in calls of random lengths
+// (down to one row, as recurrent steps), the state carried between them.
+template <class T>
+void check_split_calls(std::uint64_t seed, int trials) {
+  test::rng r{seed};
+  for (int trial = 0; trial < trials; ++trial) {
+    idx n = static_cast<idx>(r.in(1, 300)), da = static_cast<idx>(r.in(1, 70)), db = static_cast<idx>(r.in(1, 70));
+    bool reverse = r.next() % 2;
+    int la = static_cast<int>(r.in(0, 2)), lb = static_cast<int>(r.in(0, 2));
+    CAPTURE(n); CAPTURE(da); CAPTURE(db); CAPTURE(reverse);
+    operand<T> a(r, n, da, la), b(r, n, da, lb), c(r, n, db, 0);
+    std::vector<T> init(static_cast<std::size_t>(da * db));
+    for (auto& x : init) x = static_cast<T>(uniform(r));
+
+    std::vector<T> whole_state = init;
+    matrix<T> whole = cpu::allocate<T>(n, db);
+    cpu::kernels::scan_contract(a.m, b.m, cpu::view(c.m.data, n, db, c.m.rs, c.m.cs), whole, whole_state.data(), reverse);
+
+    std::vector<T> state = init;
+    bool same = true;
+    idx done = 0;  // rows scanned, in scan order
+    while (done < n) {
+      idx len = std::min<idx>(n - done, trial % 3 == 0 ? 1 : static_cast<idx>(r.in(1, 100)));
+      idx first = reverse ? n - done - len : done;  // the rows [first, first + len)
+      auto rows = [&](matrix<T> const& x) { return cpu::view(x.data + first * x.rs, len, x.cols, x.rs, x.cs); };
+      matrix<T> part = cpu::allocate<T>(len, db);
+      cpu::kernels::scan_contract(rows(a.m), rows(b.m), rows(c.m), part, state.data(), reverse);
+      for (idx i = 0; i < len; ++i)
+        for (idx q = 0; q < db; ++q) same = same && part(i, q) == whole(first + i, q);
+      done += len;
+    }
+    CHECK(same);
+    CHECK(state == whole_state);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("scan_contract matches a double-precision scan", T, float, double) {
+  check_random_scans<T>(sizeof(T) == 4 ? 11 : 12, 300);
+}
+
+TEST_CASE_TEMPLATE("scan_contract split into calls gives the bits of one call", T, float, double) {
+  check_split_calls<T>(sizeof(T) == 4 ? 21 : 22, 60);
+}
+
+TEST_CASE("scan_contract: long sums in float stay as accurate as the row-by-row scan") {
+  // positive terms (the normaliser's column): errors accumulate instead of cancelling
+  test::rng r{31};
+  idx n = 20000, da = 8, db = 9;
+  std::vector<float> av(static_cast<std::size_t>(n * da)), bv(av.size()), cv(static_cast<std::size_t>(n * db));
+  for (auto& x : av) x = static_cast<float>(uniform(r) * 0.5 + 0.5);
+  for (auto& x : bv) x = static_cast<float>(uniform(r) * 0.5 + 0.5);
+  for (auto& x : cv) x = static_cast<float>(uniform(r) * 0.5 + 0.5);
+  auto a = cpu::view<float>(av.data(), n, da, da, 1), b = cpu::view<float>(bv.data(), n, da, da, 1);
+  auto c = cpu::view<float>(cv.data(), n, db, db, 1);
+  reference ref = reference_scan(a, b, c, std::vector<double>(static_cast<std::size_t>(da * db)), false);
+
+  // the row-by-row scan in float
+  std::vector<float> s(static_cast<std::size_t>(da * db));
+  double old_max = 0, old_sum = 0;
+  for (idx i = 0; i < n; ++i) {
+    for (idx p = 0; p < da; ++p)
+      for (idx q = 0; q < db; ++q) s[static_cast<std::size_t>(p * db + q)] += b(i, p) * c(i, q);
+    for (idx q = 0; q < db; ++q) {
+      float acc = 0;
+      for (idx p = 0; p < da; ++p) acc += a(i, p) * s[static_cast<std::size_t>(p * db + q)];
+      double want = ref.out[static_cast<std::size_t>(i * db + q)], err = std::abs(double(acc) - want) / want;
+      old_max = std::max(old_max, err);
+      old_sum += err;
+    }
+  }
+  std::vector<float> state(static_cast<std::size_t>(da * db));
+  matrix<float> out = cpu::allocate<float>(n, db);
+  cpu::kernels::scan_contract(a, b, cpu::view<float>(cv.data(), n, db, db, 1), out, state.data(), false);
+  double new_max = 0, new_sum = 0;
+  for (idx i = 0; i < n; ++i)
+    for (idx q = 0; q < db; ++q) {
+      double want = ref.out[static_cast<std::size_t>(i * db + q)], err = std::abs(double(out(i, q)) - want) / want;
+      new_max = std::max(new_max, err);
+      new_sum += err;
+    }
+  double count = double(n * db);
+  MESSAGE("relative error, largest and mean: row by row " << old_max << ", " << old_sum / count << "; scan_contract "
+                                                          << new_max << ", " << new_sum / count);
+  // The same sums in the same order; only where a compiler fuses a multiply
+  // and an add may differ, so the errors agree within a few percent.
+  CHECK(new_sum <= old_sum * 1.05);
+  CHECK(new_max <= old_max * 1.05);
+}
+
+TEST_CASE("scan_contract allocates its scratch once, independent of N") {
+  for (idx n : {1, 1000, 100000}) {
+    idx da = 16, db = 9;
+    std::vector<float> av(static_cast<std::size_t>(n * da), 0.5f), cv(static_cast<std::size_t>(n * db), 0.25f);
+    auto a = cpu::view<float>(av.data(), n, da, da, 1);
+    auto at = cpu::view<float>(av.data(), n, da, 1, n);  // transposed: packed without a copy
+    std::vector<float> state(static_cast<std::size_t>(da * db));
+    matrix<float> out = cpu::allocate<float>(n, db);
+    cpu::memory().reset();
+    cpu::kernels::scan_contract(at, a, cpu::view<float>(cv.data(), n, db, 1, n), out, state.data(), n % 2 == 0);
+    CAPTURE(n);
+    CHECK(cpu::memory().allocations == 1);
+    CHECK(cpu::memory().largest <= 4 * (64 * 16 + 64 * 16) * sizeof(float));
+  }
+}
