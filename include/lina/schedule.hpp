@@ -112,6 +112,19 @@ constexpr bool value_free() {
   return free;
 }
 
+// Ops that map each row of their one operand to a row of the result, alone:
+// a chain of them runs as one pass over rows (a fused group).
+template <class N>
+constexpr bool row_wise() {
+  using Op = typename N::op_type;
+  if constexpr (N::arity != 1)
+    return false;  // (a parametric φ also reads its projection)
+  else
+    return requires { typename Op::map; } || std::is_same_v<Op, op::scale> || std::is_same_v<Op, op::exp> ||
+           std::is_same_v<Op, op::causal> || std::is_same_v<Op, op::normalize> ||
+           std::is_same_v<Op, op::append_ones> || std::is_same_v<Op, op::row_divide>;
+}
+
 // ---- occurrences: (path, node) of every computing node, kids first ------------
 template <class Path, class N>
 struct occurrence {
@@ -364,6 +377,58 @@ struct schedule_of {
     return u;
   }
   static constexpr std::array<std::size_t, size + 1> last_use = last_uses(std::make_index_sequence<size>{});
+
+  // Fused groups of row-wise steps: step J is `absorbed` into its only reader K
+  // when both are row-wise, K reads J's rows directly (no view between), and
+  // neither is an output nor shared: then J's rows are made and consumed one
+  // at a time inside K's pass and never stored. chain_start[K] is the first
+  // step of K's group (K itself when it absorbs nothing).
+  template <class... O>
+  static constexpr void count_reads(std::array<std::size_t, size + 1>& c, detail::type_list<O...>) {
+    ((sched::reads<O>::step != sched::none ? void(++c[sched::reads<O>::step]) : void()), ...);
+  }
+  template <std::size_t... J>
+  static constexpr std::array<std::size_t, size + 1> reader_counts(std::index_sequence<J...>) {
+    std::array<std::size_t, size + 1> c{};
+    (count_reads(c, operands<J>{}), ...);
+    count_reads(c, outputs{});
+    for (std::size_t j = 0; j < size; ++j)
+      if (twin[j] != sched::none) c[twin[j]] += 2;  // shared: never absorbed
+    return c;
+  }
+  static constexpr std::array<std::size_t, size + 1> readers = reader_counts(std::make_index_sequence<size>{});
+  template <std::size_t K>
+  static constexpr std::size_t absorbs() {  // the step K absorbs, or none
+    if constexpr (sched::row_wise<node_type<K>>()) {
+      using O = detail::type_at_t<0, operands<K>>;
+      if constexpr (requires { O::step; }) {
+        if constexpr (sched::row_wise<node_type<O::step>>())
+          return readers[O::step] == 1 && twin[K] == sched::none ? O::step : sched::none;
+        else
+          return sched::none;
+      } else {
+        return sched::none;
+      }
+    } else {
+      return sched::none;
+    }
+  }
+  template <std::size_t... J>
+  static constexpr std::array<std::size_t, size + 1> absorbed_steps(std::index_sequence<J...>) {
+    std::array<std::size_t, size + 1> a{};
+    a.fill(sched::none);
+    ((absorbs<J>() != sched::none ? void(a[absorbs<J>()] = J) : void()), ...);
+    return a;
+  }
+  // absorbed_by[J]: the step whose pass makes J's rows, or none.
+  static constexpr std::array<std::size_t, size + 1> absorbed_by = absorbed_steps(std::make_index_sequence<size>{});
+  template <std::size_t... J>
+  static constexpr std::array<std::size_t, size + 1> chain_starts(std::index_sequence<J...>) {
+    std::array<std::size_t, size + 1> c{};
+    ((c[J] = absorbs<J>() == sched::none ? J : c[absorbs<J>()]), ...);
+    return c;
+  }
+  static constexpr std::array<std::size_t, size + 1> chain_start = chain_starts(std::make_index_sequence<size>{});
 };
 
 // The plan's prefix-scan nodes in the order of its state (the schedule's order).

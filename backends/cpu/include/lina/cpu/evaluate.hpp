@@ -12,6 +12,7 @@
 // OpenMP.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -41,11 +42,12 @@ struct lower {
                 "lina::cpu cannot lower this node (its op is in the instantiation of lower<> above)");
 };
 
+// Parametric maps read their projection W too (not row-wise: W is a whole matrix).
 template <class Map>
 struct lower<op::phi<Map>> {
-  template <class N, class T, class... W>
-  static void run(N const&, matrix<T>& out, matrix<T> const& x, W const&... w) {
-    kernels::feature_map<Map>(x, w..., out);  // a parametric map also reads its projection W
+  template <class N, class T>
+  static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w) {
+    kernels::feature_map<Map>(x, w, out);
   }
 };
 template <>
@@ -55,51 +57,72 @@ struct lower<op::product> {
     kernels::gemm(a, std::move(b), out);
   }
 };
-template <>
-struct lower<op::causal> {
+
+// row<Op>::run(n, i, in, in_cols, out): row i of a row-wise op (sched::row_wise)
+// from row i of its operand. A fused group of row-wise steps runs these one
+// after another on each row, so its intermediate rows are never stored.
+template <class Op>
+struct row;
+template <class Map>
+struct row<op::phi<Map>> {
   template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& x) {
-    kernels::copy(x, out);
-    kernels::causal_mask(out);
+  static void run(N const&, index, T const* in, index cols, T* out) {
+    if constexpr (concepts::elementwise_map<Map>) {
+      for (index j = 0; j < cols; ++j) out[j] = Map::value(in[j]);
+    } else {
+      Map::apply(in, static_cast<std::size_t>(cols), out);
+    }
   }
 };
 template <>
-struct lower<op::normalize> {
+struct row<op::scale> {
   template <class N, class T>
-  static void run(N const& n, matrix<T>& out, matrix<T> const& x) {
-    kernels::copy(x, out);
-    kernels::normalize_rows(out, static_cast<T>(n.op.eps));
-  }
-};
-template <>
-struct lower<op::scale> {
-  template <class N, class T>
-  static void run(N const& n, matrix<T>& out, matrix<T> const& x) {
+  static void run(N const& n, index, T const* in, index cols, T* out) {
     T s = static_cast<T>(n.op.factor);
-    kernels::map(x, out, [s](T v) { return s * v; });
+    for (index j = 0; j < cols; ++j) out[j] = s * in[j];
   }
 };
 template <>
-struct lower<op::exp> {
+struct row<op::exp> {
   template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& x) {
-    kernels::map(x, out, [](T v) { return std::exp(v); });
+  static void run(N const&, index, T const* in, index cols, T* out) {
+    for (index j = 0; j < cols; ++j) out[j] = std::exp(in[j]);
   }
 };
 template <>
-struct lower<op::append_ones> {
+struct row<op::causal> {  // keep j <= i
   template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& x) {
-    kernels::append_ones(x, out);
+  static void run(N const&, index i, T const* in, index cols, T* out) {
+    for (index j = 0; j < cols; ++j) out[j] = j <= i ? in[j] : T(0);
   }
 };
 template <>
-struct lower<op::row_divide> {
+struct row<op::normalize> {  // S_ij / (sum_k S_ik + eps)
   template <class N, class T>
-  static void run(N const& n, matrix<T>& out, matrix<T> const& x) {
-    kernels::row_divide(x, out, static_cast<T>(n.op.eps));
+  static void run(N const& n, index, T const* in, index cols, T* out) {
+    T sum = 0;
+    for (index j = 0; j < cols; ++j) sum += in[j];
+    T den = sum + static_cast<T>(n.op.eps);
+    for (index j = 0; j < cols; ++j) out[j] = in[j] / den;
   }
 };
+template <>
+struct row<op::append_ones> {  // [x | 1]
+  template <class N, class T>
+  static void run(N const&, index, T const* in, index cols, T* out) {
+    for (index j = 0; j < cols; ++j) out[j] = in[j];
+    out[cols] = T(1);
+  }
+};
+template <>
+struct row<op::row_divide> {  // x[:-1] / (x[-1] + eps)
+  template <class N, class T>
+  static void run(N const& n, index, T const* in, index cols, T* out) {
+    T den = in[cols - 1] + static_cast<T>(n.op.eps);
+    for (index j = 0; j + 1 < cols; ++j) out[j] = in[j] / den;
+  }
+};
+
 // contract(A, prefix(B⊗C)) or its suffix form, one fused scan: out_i = A_iᵀ S_i,
 // S_i the running sum of B_j C_jᵀ, starting from and leaving `sums` (a x b).
 template <>
@@ -252,7 +275,9 @@ class program {
   void step(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, std::size_t b,
             std::size_t h) const {
     using N = typename S::template node_type<J>;
-    if constexpr (S::twin[J] != sched::none) {
+    if constexpr (S::absorbed_by[J] != sched::none) {
+      return;  // its rows are made inside its reader's pass (a fused group), which also releases
+    } else if constexpr (S::twin[J] != sched::none) {
       if (share_[J]) {
         slot[J] = alias(slot[S::twin[J]]);
         release<J>(slot);
@@ -287,11 +312,52 @@ class program {
         }
         lower<typename N::op_type>::run(n, slot[J], operand<lina::detail::type_at_t<0, typename S::template operands<J>>>(slot, b, h),
                                         bm, std::move(cm), sums);
+      } else if constexpr (sched::row_wise<N>()) {
+        rows_of_group<J>(slot, b, h);
       } else {
         lower<typename N::op_type>::run(n, slot[J], operand<O>(slot, b, h)...);
       }
     }(typename S::template operands<J>{});
-    release<J>(slot);
+    [&]<std::size_t... I>(std::index_sequence<I...>) { (release<S::chain_start[J] + I>(slot), ...); }(
+        std::make_index_sequence<J - S::chain_start[J] + 1>{});
+  }
+
+  // A fused group of row-wise steps, chain_start[K] ... K: each row of the
+  // group's source passes through every member, between two row buffers, and
+  // lands in K's result.
+  template <std::size_t K>
+  void rows_of_group(std::array<matrix<T>, steps + 1>& slot, std::size_t b, std::size_t h) const {
+    constexpr std::size_t first = S::chain_start[K];
+    matrix<T> src = operand<lina::detail::type_at_t<0, typename S::template operands<first>>>(slot, b, h);
+    index widest = src.cols;
+    for_members<first, K>([&]<std::size_t M>() {
+      widest = std::max(widest, static_cast<index>(S::template node_type<M>::shape::cols::extent(in_.table)));
+    });
+    buffer<T> rowbuf(static_cast<std::size_t>(2 * widest));
+    T* in = rowbuf.get();
+    T* tmp = in + widest;
+    matrix<T>& out = slot[K];
+    for (index i = 0; i < src.rows; ++i) {
+      for (index j = 0; j < src.cols; ++j) in[j] = src(i, j);
+      T const* cur = in;
+      index cols = src.cols;
+      T* spare[2] = {tmp, in};
+      int which = 0;
+      for_members<first, K>([&]<std::size_t M>() {
+        using MN = typename S::template node_type<M>;
+        T* dst = M == K ? out.row_mut(i) : spare[which];
+        row<typename MN::op_type>::run(S::template node_at<M>(plan_), i, cur, cols, dst);
+        cur = dst;
+        cols = static_cast<index>(MN::shape::cols::extent(in_.table));
+        which ^= 1;
+      });
+    }
+  }
+  // f.template operator()<M>() for the members of the group from First to K, in order.
+  template <std::size_t First, std::size_t K, class F>
+  static void for_members(F&& f) {
+    f.template operator()<First>();
+    if constexpr (First != K) for_members<S::absorbed_by[First], K>(f);
   }
 
   template <std::size_t J, std::size_t K>

@@ -286,23 +286,6 @@ void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c, matrix
   }
 }
 
-template <class Map, class T>
-void feature_map(matrix<T> const& x, matrix<T>& out) {
-  if constexpr (concepts::elementwise_map<Map>) {
-    for (index i = 0; i < x.rows; ++i) {
-      T* o = out.row_mut(i);
-      for (index j = 0; j < x.cols; ++j) o[j] = Map::value(x(i, j));
-    }
-  } else {
-    index d = x.cols;
-    buffer<T> row(static_cast<std::size_t>(d));
-    for (index i = 0; i < x.rows; ++i) {
-      for (index j = 0; j < d; ++j) row.get()[j] = x(i, j);
-      Map::apply(static_cast<T const*>(row.get()), static_cast<std::size_t>(d), out.row_mut(i));
-    }
-  }
-}
-
 // Rows copied to a contiguous buffer, for maps that read whole rows.
 template <class T>
 void copy_row(matrix<T> const& x, index i, T* to) {
@@ -321,67 +304,12 @@ void feature_map(matrix<T> const& x, matrix<T> const& w, matrix<T>& out) {
   }
 }
 
-template <class T>
-void copy(matrix<T> const& x, matrix<T>& out) {
-  for (index i = 0; i < x.rows; ++i) {
-    T* o = out.row_mut(i);
-    for (index j = 0; j < x.cols; ++j) o[j] = x(i, j);
-  }
-}
-
-template <class T>
-void causal_mask(matrix<T>& m) {
-  for (index i = 0; i < m.rows; ++i)
-    for (index j = i + 1; j < m.cols; ++j) m.at_mut(i, j) = T(0);
-}
-
-// out_ij = f(x_ij)
-template <class T, class F>
-void map(matrix<T> const& x, matrix<T>& out, F f) {
-  for (index i = 0; i < x.rows; ++i) {
-    T* o = out.row_mut(i);
-    for (index j = 0; j < x.cols; ++j) o[j] = f(x(i, j));
-  }
-}
-
 // out_ij = f(a_ij, b_ij)
 template <class T, class F>
 void zip(matrix<T> const& a, matrix<T> const& b, matrix<T>& out, F f) {
   for (index i = 0; i < a.rows; ++i) {
     T* o = out.row_mut(i);
     for (index j = 0; j < a.cols; ++j) o[j] = f(a(i, j), b(i, j));
-  }
-}
-
-// S_ij / (sum_k S_ik + eps), in place.
-template <class T>
-void normalize_rows(matrix<T>& m, T eps) {
-  for (index i = 0; i < m.rows; ++i) {
-    T sum = 0;
-    for (index j = 0; j < m.cols; ++j) sum += m(i, j);
-    T den = sum + eps;
-    for (index j = 0; j < m.cols; ++j) m.at_mut(i, j) /= den;
-  }
-}
-
-// [X | 1]
-template <class T>
-void append_ones(matrix<T> const& x, matrix<T>& out) {
-  for (index i = 0; i < x.rows; ++i) {
-    T* o = out.row_mut(i);
-    for (index j = 0; j < x.cols; ++j) o[j] = x(i, j);
-    o[x.cols] = T(1);
-  }
-}
-
-// X[:, :-1] / (X[:, -1] + eps)
-template <class T>
-void row_divide(matrix<T> const& x, matrix<T>& out, T eps) {
-  index m = x.cols - 1;
-  for (index i = 0; i < x.rows; ++i) {
-    T den = x(i, m) + eps;
-    T* o = out.row_mut(i);
-    for (index j = 0; j < m; ++j) o[j] = x(i, j) / den;
   }
 }
 
