@@ -18,18 +18,9 @@
 
 #include "lina/dims.hpp"
 #include "lina/node.hpp"
+#include "lina/op_traits.hpp"
 
 namespace lina {
-
-struct cost_estimate {
-  double flops = 0;
-  double bytes = 0;
-  constexpr cost_estimate& operator+=(cost_estimate const& o) {
-    flops += o.flops;
-    bytes += o.bytes;
-    return *this;
-  }
-};
 
 // A cost model turns a plan's counts into one weight to minimise. The DSL
 // core decides with the plain count below; each backend calibrates its own
@@ -51,125 +42,8 @@ using default_cost_model = counting_cost_model;
 
 namespace detail {
 
-template <class D, class Source>
-constexpr double ext(Source const& s) {
-  return static_cast<double>(D::extent(s));
-}
-
-// The own cost of one node: op_cost<Op, Shape, KidShapes...>. The default is an
-// element-wise pass over the result, in place.
-template <class Op, class S, class... KS>
-struct op_cost {
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double) {
-    return {ext<typename S::rows>(s) * ext<typename S::cols>(s), 0};
-  }
-};
-template <fixed_string Name, class R, class C, class S>
-struct op_cost<op::input<Name, R, C>, S> {
-  template <class Src>
-  static constexpr cost_estimate of(Src const&, double) {
-    return {};
-  }
-};
-template <class S, class X>
-struct op_cost<op::transpose, S, X> {  // a view
-  template <class Src>
-  static constexpr cost_estimate of(Src const&, double) {
-    return {};
-  }
-};
-template <class S, class X>
-struct op_cost<op::causal, S, X> {  // zeroes the upper triangle in place
-  template <class Src>
-  static constexpr cost_estimate of(Src const&, double) {
-    return {};
-  }
-};
-template <class Map, class S, class X>
-struct op_cost<op::phi<Map>, S, X> {
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double elem) {
-    double n = ext<typename S::rows>(s) * ext<typename S::cols>(s);
-    return {n, n * elem};
-  }
-};
-template <class Map, class S, class X, class W>
-struct op_cost<op::phi<Map>, S, X, W> {  // the projection x W, then one function per feature
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double elem) {
-    double r = ext<typename S::rows>(s), d = ext<typename X::cols>(s), m = ext<typename W::cols>(s);
-    double n = r * ext<typename S::cols>(s);
-    return {2 * r * d * m + n, n * elem};
-  }
-};
-template <class S, class A, class B>
-struct op_cost<op::product, S, A, B> {
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double elem) {
-    double r = ext<typename A::rows>(s), k = ext<typename A::cols>(s), c = ext<typename B::cols>(s);
-    return {2 * r * k * c, r * c * elem};
-  }
-};
-template <class S, class X>
-struct op_cost<op::normalize, S, X> {
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double) {
-    return {2 * ext<typename S::rows>(s) * ext<typename S::cols>(s), 0};
-  }
-};
-template <class S, class X>
-struct op_cost<op::append_ones, S, X> {
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double elem) {
-    return {0, ext<typename S::rows>(s) * ext<typename S::cols>(s) * elem};
-  }
-};
-template <class S, class X>
-struct op_cost<op::row_divide, S, X> {
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double elem) {
-    double n = ext<typename S::rows>(s) * ext<typename S::cols>(s);
-    return {n, n * elem};
-  }
-};
-template <class S, class B, class C>
-struct op_cost<op::outer_rows, S, B, C> {  // one multiply per state entry and row
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double) {
-    return {ext<typename S::rows>(s) * ext<typename S::a>(s) * ext<typename S::b>(s), 0};
-  }
-};
-template <class S, class X>
-struct op_cost<op::prefix_scan, S, X> {  // one add per state entry and row; the state
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double elem) {
-    double ab = ext<typename S::a>(s) * ext<typename S::b>(s);
-    return {ext<typename S::rows>(s) * ab, ab * elem};
-  }
-};
-template <class S, class X>
-struct op_cost<op::suffix_scan, S, X> : op_cost<op::prefix_scan, S, X> {};
-template <class S, class X>
-struct op_cost<op::transpose_rows, S, X> {
-  template <class Src>
-  static constexpr cost_estimate of(Src const&, double) {
-    return {};
-  }
-};
-template <class S, class A, class Seq>
-struct op_cost<op::contract_rows, S, A, Seq> {  // out_i = A_i^T S_i: a x b multiply-adds per row
-  template <class Src>
-  static constexpr cost_estimate of(Src const& s, double elem) {
-    double r = ext<typename S::rows>(s), a = ext<typename Seq::a>(s), b = ext<typename Seq::b>(s);
-    return {2 * r * a * b, r * b * elem};
-  }
-};
-template <class S, class... X>
-struct op_cost<op::chain, S, X...> {
-  static_assert(detail::always_false<S>, "lina: a product chain has no cost until compile() brackets it");
-};
-
+// The own cost of each node is op_traits<Op>::cost (op_traits.hpp); a plan's
+// cost is the sum over its nodes, a select counting the branch it takes.
 template <class N>
 struct cost_of_impl;
 template <class Op, class... K>
@@ -179,7 +53,7 @@ struct cost_of_impl<node<Op, K...>> {
     if constexpr (is_select_op<Op>) {
       return select_branch<K...>(s, elem);
     } else {
-      cost_estimate c = op_cost<Op, typename node<Op, K...>::shape, typename K::shape...>::of(s, elem);
+      cost_estimate c = op_traits<Op>::template cost<typename node<Op, K...>::shape, typename K::shape...>(s, elem);
       ((c += cost_of_impl<K>::of(s, elem)), ...);
       return c;
     }

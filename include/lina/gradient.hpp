@@ -1,8 +1,8 @@
 // gradient(plan): reverse-mode differentiation of a plan, at compile time.
 //
-// Each op has one adjoint rule (adjoint<Op>::kids) that maps the cotangent G of
-// its output to the cotangents of its kids, written in the same plan
-// vocabulary:
+// Each op has one adjoint rule (op_traits<Op>::adjoint, op_traits.hpp) that
+// maps the cotangent G of its output to the cotangents of its kids, written in
+// the same plan vocabulary:
 //
 //   A·B          -> G·Bᵀ, Aᵀ·G            φ(X)         -> φ′(X)⊙G (J_φ(X)ᵀG per row)
 //   φ(X; W)      -> φ_vjp(X, W, G), Xᵀ·φ_w′(X, W, G)
@@ -78,135 +78,6 @@ inline constexpr bool is_backward_plan = false;
 template <class F, class... E>
 inline constexpr bool is_backward_plan<backward_plan<F, E...>> = true;
 
-namespace adjoint {
-
-// The adjoint rule of Op: kids(n, g) returns one cotangent per kid. Ops
-// without one (the backward-only ops) keep this primary template.
-template <class Op>
-struct rule {
-  static constexpr bool defined = false;
-};
-
-template <class Map>
-struct rule<op::phi<Map>> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const& n, G const& g) {
-    if constexpr (N::arity == 2)  // X and the projection W: ∂W = Xᵀ H
-      return hana::make_tuple(make_node(op::phi_vjp<Map>{}, kid<0>(n), kid<1>(n), g),
-                              make_node(op::product{}, make_node(op::transpose{}, kid<0>(n)),
-                                        make_node(op::phi_param_vjp<Map>{}, kid<0>(n), kid<1>(n), g)));
-    else
-      return hana::make_tuple(make_node(op::phi_vjp<Map>{}, kid<0>(n), g));
-  }
-};
-template <>
-struct rule<op::transpose> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const&, G const& g) {
-    return hana::make_tuple(make_node(op::transpose{}, g));
-  }
-};
-template <>
-struct rule<op::product> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const& n, G const& g) {
-    return hana::make_tuple(make_node(op::product{}, g, make_node(op::transpose{}, kid<1>(n))),
-                            make_node(op::product{}, make_node(op::transpose{}, kid<0>(n)), g));
-  }
-};
-template <>
-struct rule<op::causal> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const&, G const& g) {
-    return hana::make_tuple(make_node(op::causal{}, g));
-  }
-};
-template <>
-struct rule<op::normalize> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const& n, G const& g) {
-    return hana::make_tuple(make_node(op::normalize_vjp{n.op.eps}, kid<0>(n), g));
-  }
-};
-template <>
-struct rule<op::scale> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const& n, G const& g) {
-    return hana::make_tuple(make_node(n.op, g));
-  }
-};
-template <>
-struct rule<op::exp> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const& n, G const& g) {
-    return hana::make_tuple(build::hadamard(g, n));  // d exp(x) = exp(x) dx
-  }
-};
-template <>
-struct rule<op::append_ones> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const&, G const& g) {
-    return hana::make_tuple(build::drop_last(g));
-  }
-};
-template <>
-struct rule<op::row_divide> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const& n, G const& g) {
-    return hana::make_tuple(make_node(op::row_divide_vjp{n.op.eps}, kid<0>(n), g));
-  }
-};
-template <>
-struct rule<op::contract_rows> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const& n, G const& g) {
-    return hana::make_tuple(build::contract(g, build::rows_transpose(kid<1>(n))), build::outer(kid<0>(n), g));
-  }
-};
-template <>
-struct rule<op::prefix_scan> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const&, G const& g) {
-    return hana::make_tuple(build::suffix(g));
-  }
-};
-template <>
-struct rule<op::suffix_scan> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const&, G const& g) {
-    return hana::make_tuple(build::prefix(g));
-  }
-};
-template <>
-struct rule<op::outer_rows> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const& n, G const& g) {
-    return hana::make_tuple(build::contract(kid<1>(n), build::rows_transpose(g)), build::contract(kid<0>(n), g));
-  }
-};
-template <>
-struct rule<op::transpose_rows> {
-  static constexpr bool defined = true;
-  template <class N, class G>
-  static constexpr auto kids(N const&, G const& g) {
-    return hana::make_tuple(build::rows_transpose(g));
-  }
-};
-
-}  // namespace adjoint
 
 namespace rules {
 using namespace rewrite;
@@ -232,7 +103,7 @@ constexpr auto backprop(N const& n, G const& g) {
   if constexpr (is_input_op_v<Op>) {
     return hana::make_tuple(gradient_entry<Op, G>{g});
   } else {
-    auto cot = adjoint::rule<Op>::kids(n, g);
+    auto cot = op_traits<Op>::adjoint(n, g);
     return hana::flatten(hana::zip_with([](auto const& k, auto const& c) { return backprop(k, c); },
                                         hana::to_tuple(n.kids), cot));
   }
@@ -321,7 +192,7 @@ struct first_without_adjoint;
 template <class Op, class... K>
 struct first_without_adjoint<node<Op, K...>> {
   using type = typename first_non_void<
-      std::conditional_t<!adjoint::rule<Op>::defined && !is_input_op_v<Op> && !is_select_op<Op>, Op, void>,
+      std::conditional_t<!differentiable_op<Op> && !is_input_op_v<Op> && !is_select_op<Op>, Op, void>,
       typename first_without_adjoint<K>::type...>::type;
 };
 }  // namespace detail
