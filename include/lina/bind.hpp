@@ -187,4 +187,13 @@ shape4 result_shape(Bound const& in) {
           static_cast<std::size_t>(S::cols::extent(in.table))};
 }
 
+// A caller's output must have the shape of P's result (else shape_error "out").
+template <class P, class Bound>
+void check_result_shape(shape4 const& got, Bound const& in) {
+  shape4 want = result_shape<P>(in);
+  static constexpr char const* names[] = {"B (batch)", "H (heads)", "rows", "cols"};
+  for (int d = 0; d < 4; ++d)
+    if (got[d] != want[d]) throw shape_error("out", names[d], got[d], want[d], "of the plan's result");
+}
+
 }  // namespace lina

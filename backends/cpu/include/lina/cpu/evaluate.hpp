@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "lina/bind.hpp"
 #include "lina/cpu/kernels.hpp"
@@ -128,9 +129,46 @@ struct row<op::row_divide> {  // x[:-1] / (x[-1] + eps)
 template <>
 struct lower<op::contract_rows> {
   template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> const& b, matrix<T> c, T* sums) {
-    kernels::scan_contract(a, b, std::move(c), out, sums, sched::fused_scan_parts<N>::reverse);
+  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, T* sums,
+                  T* scratch) {
+    kernels::scan_contract(a, b, c, out, sums, sched::fused_scan_parts<N>::reverse, scratch);
   }
+};
+
+// Memory a program reuses from call to call (a recurrent step's, so that a
+// step allocates nothing): per slice, the buffers of one run, handed out
+// again in the same order the next time (a plan's runs ask in the same order).
+template <class T>
+class workspace {
+ public:
+  workspace() = default;
+  workspace(workspace const&) {}  // a copy starts with no memory of its own
+  workspace& operator=(workspace const&) {
+    arenas_.clear();
+    return *this;
+  }
+  workspace(workspace&&) noexcept = default;
+  workspace& operator=(workspace&&) noexcept = default;
+
+  void begin(std::size_t slices) {
+    if (arenas_.size() < slices) arenas_.resize(slices);
+    for (auto& a : arenas_) a.next = 0;
+  }
+  T* take(std::size_t slice, std::size_t n) {
+    auto& a = arenas_[slice];
+    if (a.next == a.bufs.size())
+      a.bufs.emplace_back(n);
+    else if (a.bufs[a.next].size() < n)
+      a.bufs[a.next] = buffer<T>(n);
+    return a.bufs[a.next++].get();
+  }
+
+ private:
+  struct arena {
+    std::vector<buffer<T>> bufs;
+    std::size_t next = 0;
+  };
+  std::vector<arena> arenas_;
 };
 
 // ---- backward ops ----
@@ -214,8 +252,9 @@ class program {
   static constexpr std::size_t steps = S::size;
 
  public:
-  program(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st)
-      : plan_(plan), in_(in), outs_(outs), st_(st) {
+  program(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st,
+          workspace<T>* ws)
+      : plan_(plan), in_(in), outs_(outs), st_(st), ws_(ws) {
     static_assert(S::outputs::size == Outputs, "lina::cpu: one output tensor per output of the schedule");
     // Same-typed steps with values: shared when their values are equal (once per call).
     [&]<std::size_t... J>(std::index_sequence<J...>) {
@@ -296,22 +335,22 @@ class program {
         direct[k] = true;
       }
     }
-    if (!direct_of<J, k>(direct)) slot[J] = allocate<T>(rows, cols);
+    if (!direct_of<J, k>(direct)) slot[J] = fresh(rows, cols, b, h);
     [&]<class... O>(lina::detail::type_list<O...>) {
       if constexpr (S::template is_scan<J>) {
         matrix<T> bm = operand<lina::detail::type_at_t<1, typename S::template operands<J>>>(slot, b, h);
         matrix<T> cm = operand<lina::detail::type_at_t<2, typename S::template operands<J>>>(slot, b, h);
-        buffer<T> local;
+        scratch_buffer sums_buffer, scratch_space;
         T* sums;
         if (S::scan_index[J] != sched::none && st_) {
           sums = st_->at(S::scan_index[J], b, h);  // carried across evaluations
         } else {
-          local = buffer<T>(static_cast<std::size_t>(bm.cols * cm.cols));
-          std::fill_n(local.get(), local.size(), T(0));
-          sums = local.get();
+          sums = scratch(sums_buffer, static_cast<std::size_t>(bm.cols * cm.cols), b, h);
+          std::fill_n(sums, bm.cols * cm.cols, T(0));
         }
+        T* space = scratch(scratch_space, kernels::scan_scratch_size(bm, cm), b, h);
         lower<typename N::op_type>::run(n, slot[J], operand<lina::detail::type_at_t<0, typename S::template operands<J>>>(slot, b, h),
-                                        bm, std::move(cm), sums);
+                                        bm, cm, sums, space);
       } else if constexpr (sched::row_wise<N>()) {
         rows_of_group<J>(slot, b, h);
       } else {
@@ -333,8 +372,8 @@ class program {
     for_members<first, K>([&]<std::size_t M>() {
       widest = std::max(widest, static_cast<index>(S::template node_type<M>::shape::cols::extent(in_.table)));
     });
-    buffer<T> rowbuf(static_cast<std::size_t>(2 * widest));
-    T* in = rowbuf.get();
+    scratch_buffer rowbuf;
+    T* in = scratch(rowbuf, static_cast<std::size_t>(2 * widest), b, h);
     T* tmp = in + widest;
     matrix<T>& out = slot[K];
     for (index i = 0; i < src.rows; ++i) {
@@ -360,6 +399,19 @@ class program {
     if constexpr (First != K) for_members<S::absorbed_by[First], K>(f);
   }
 
+  // Memory for a step's result or a kernel's scratch: from the workspace when
+  // the program has one (reused next call), else a counted buffer of its own.
+  using scratch_buffer = buffer<T>;
+  matrix<T> fresh(index rows, index cols, std::size_t b, std::size_t h) const {
+    if (!ws_) return allocate<T>(rows, cols);
+    return view<T>(ws_->take(b * in_.heads + h, static_cast<std::size_t>(rows * cols)), rows, cols, cols, 1);
+  }
+  T* scratch(scratch_buffer& own, std::size_t n, std::size_t b, std::size_t h) const {
+    if (ws_) return ws_->take(b * in_.heads + h, n);
+    own = buffer<T>(n);
+    return own.get();
+  }
+
   template <std::size_t J, std::size_t K>
   static bool direct_of(std::array<bool, Outputs> const& direct) {
     if constexpr (K < Outputs)
@@ -380,13 +432,16 @@ class program {
   Bound const& in_;
   std::array<tensor_view<T>, Outputs> outs_;
   state<T>* st_;
+  workspace<T>* ws_;
   std::array<bool, steps + 1> share_{};
 };
 
 // Run a select-free plan over every (batch, head) slice.
 template <class T, class Plan, class Bound, std::size_t Outputs>
-void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st = nullptr) {
-  program<T, Plan, Bound, Outputs> prog(plan, in, outs, st);
+void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st = nullptr,
+                workspace<T>* ws = nullptr) {
+  if (ws) ws->begin(in.batch * in.heads);
+  program<T, Plan, Bound, Outputs> prog(plan, in, outs, st, ws);
   long total = static_cast<long>(in.batch * in.heads);
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(in))
   for (long bh = 0; bh < total; ++bh)
@@ -416,10 +471,7 @@ template <class Plan, class T, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 void evaluate_into(Plan const& plan, tensor_view<T> out, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
-  shape4 want = result_shape<Plan>(in);
-  static constexpr char const* names[] = {"B (batch)", "H (heads)", "rows", "cols"};
-  for (int d = 0; d < 4; ++d)
-    if (out.shape()[d] != want[d]) throw shape_error("out", names[d], out.shape()[d], want[d], "of the plan's result");
+  check_result_shape<Plan>(out.shape(), in);
   detail::evaluate_slices<T>(plan, in, out);
 }
 

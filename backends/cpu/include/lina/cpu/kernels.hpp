@@ -243,8 +243,22 @@ inline constexpr index scan_chunk_rows = 64;
 // rows and N one-row calls (recurrent steps) agree bit for bit. (A GEMM-shaped
 // chunk, out = A_c S + mask(A_c B_c^T) C_c, would round differently for every
 // chunk boundary, and so differently for steps and blocks.)
+// The scratch scan_contract needs (elements), for callers that bring their own.
 template <class T>
-void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c, matrix<T>& out, T* state, bool reverse) {
+std::size_t scan_scratch_size(matrix<T> const& b, matrix<T> const& c) {
+  using shape = detail::scan_tile_shape<T>;
+  index n = b.rows, da = b.cols, db = c.cols;
+  if (n == 0 || db == 0 || da == 0) return 0;
+  index rows = std::min(scan_chunk_rows, n);
+  index ldab = std::max(detail::round_up(da, shape::rows), detail::round_up(da, shape::lanes));
+  index ab_size = detail::round_up(rows * ldab, 16), c_size = c.cs != 1 ? rows * db : 0;
+  return static_cast<std::size_t>(2 * ab_size + c_size);
+}
+
+// scan_contract with caller-provided scratch of scan_scratch_size(b, c) elements.
+template <class T>
+void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, matrix<T>& out, T* state, bool reverse,
+                   T* scratch) {
   using shape = detail::scan_tile_shape<T>;
   using vec = typename shape::vec;
   constexpr int P = shape::rows, L = shape::lanes, V = shape::vectors;
@@ -257,9 +271,8 @@ void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c, matrix
   index rows = std::min(scan_chunk_rows, n);
   index ldab = std::max(detail::round_up(da, P), detail::round_up(da, L));
   bool pack_c = c.cs != 1;
-  index ab_size = detail::round_up(rows * ldab, 16), c_size = pack_c ? rows * db : 0;
-  buffer<T> scratch(static_cast<std::size_t>(2 * ab_size + c_size));
-  T* pa = scratch.get();
+  index ab_size = detail::round_up(rows * ldab, 16);
+  T* pa = scratch;
   T* pb = pa + ab_size;
   T* pc = pb + ab_size;
   for (index t0 = 0; t0 < n; t0 += rows) {
@@ -284,6 +297,11 @@ void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c, matrix
       detail::scan_strip<P, 1, vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
     for (; q0 < db; ++q0) detail::scan_column<vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
   }
+}
+template <class T>
+void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c, matrix<T>& out, T* state, bool reverse) {
+  buffer<T> scratch(scan_scratch_size(b, c));
+  scan_contract(a, b, c, out, state, reverse, scratch.get());
 }
 
 // Rows copied to a contiguous buffer, for maps that read whole rows.

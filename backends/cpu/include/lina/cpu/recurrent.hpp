@@ -27,13 +27,11 @@ namespace lina::cpu {
 namespace detail {
 // The stateful evaluation of the linear form L, its inputs already bound.
 template <class L, class T, class Bound>
-tensor<T> evaluate_bound(L const& linear, state<T>& st, Bound const& in) {
+void evaluate_bound(L const& linear, state<T>& st, Bound const& in, tensor_view<T> out, workspace<T>* ws = nullptr) {
   static_assert(std::is_same_v<typename Bound::value_type, T>,
                 "lina: the state's element type must be that of the bound tensors");
   st.prepare(linear, in);
-  tensor<T> out(result_shape<L>(in));
-  run_slices<T>(linear, in, std::array{out.view()}, &st);
-  return out;
+  run_slices<T>(linear, in, std::array{out}, &st, ws);
 }
 }  // namespace detail
 
@@ -46,7 +44,10 @@ tensor<T> evaluate(Plan const& plan, state<T>& st, B const&... bindings) {
   auto linear = longest_branch(plan);
   using L = decltype(linear);
   static_assert(check_stateful<L>() || true);
-  return detail::evaluate_bound(linear, st, bind<L>(bindings...));
+  auto in = bind<L>(bindings...);
+  tensor<T> out(result_shape<L>(in));
+  detail::evaluate_bound(linear, st, in, out.view());
+  return out;
 }
 
 // A causal plan run token by token, holding its state.
@@ -59,12 +60,20 @@ class rnn {
   template <class... B>
     requires(is_binding<B> && ...)
   tensor<T> step(B const&... bindings) {
-    using seq = scanned_dim<L>;
-    auto in = bind<L>(bindings...);
-    constexpr std::size_t k = decltype(in)::table_type::template index_of<seq>();
-    if (in.table.value[k] != 1)
-      throw shape_error(in.table.bound_by[k], seq::label(), in.table.value[k], 1, "(a step takes one token)");
-    return detail::evaluate_bound(plan_, state_, in);
+    auto in = bind_token(bindings...);
+    tensor<T> out(result_shape<L>(in));
+    detail::evaluate_bound(plan_, state_, in, out.view(), &workspace_);
+    return out;
+  }
+  // One token into the caller's [B, H, 1, cols] output. After the first step
+  // nothing is allocated: the state is updated in place and the temporaries
+  // come from this rnn's workspace.
+  template <class... B>
+    requires(is_binding<B> && ...)
+  void step_into(tensor_view<T> out, B const&... bindings) {
+    auto in = bind_token(bindings...);
+    check_result_shape<L>(out.shape(), in);
+    detail::evaluate_bound(plan_, state_, in, out, &workspace_);
   }
 
   void reset() { state_.reset(); }
@@ -78,8 +87,19 @@ class rnn {
   L const& plan() const noexcept { return plan_; }
 
  private:
+  template <class... B>
+  auto bind_token(B const&... bindings) {
+    using seq = scanned_dim<L>;
+    auto in = bind<L>(bindings...);
+    constexpr std::size_t k = decltype(in)::table_type::template index_of<seq>();
+    if (in.table.value[k] != 1)
+      throw shape_error(in.table.bound_by[k], seq::label(), in.table.value[k], 1, "(a step takes one token)");
+    return in;
+  }
+
   L plan_;
   cpu::state<T> state_;
+  workspace<T> workspace_;
 };
 
 // recurrent<T>(plan, B, H): the plan's linear form as an RNN over B x H
