@@ -226,3 +226,42 @@ TEST_CASE_TEMPLATE("a user-defined feature map works like a built-in one", T, fl
   check_orders<T, softplus>(normalize(causal(phi<softplus>(Q) * transpose(phi<softplus>(K)))) * V, true, true, 11);
   check_orders<T, softplus>(phi<softplus>(Q) * transpose(phi<softplus>(K)) * V, false, false, 12);
 }
+
+// One long sequence and idle threads: the scans are split across threads
+// (kernels::scan_contract_split, from N = cpu::sequence_split_min_rows). The
+// result, the carried state and the gradients still agree with the
+// independent references.
+TEST_CASE_TEMPLATE("one long sequence split across threads agrees with the references", T, float, double) {
+  constexpr auto e = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+  std::size_t n = 2 * static_cast<std::size_t>(cpu::sequence_split_min_rows) + 77, d = 6, m = 5;
+  auto q = tensor<T>::random({1, 1, n, d}, 1), k = tensor<T>::random({1, 1, n, d}, 2);
+  auto v = tensor<T>::random({1, 1, n, m}, 3);
+  auto ref = test::reference_attention(q, k, v, [](double x) { return elu_plus_one::value(x); }, true, true);
+  double bound = test::rounding_bound<T>(double(n * d), 1 + test::max_abs(ref));
+  auto once = cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v);
+  CHECK(max_abs_diff(once, ref) <= bound);
+
+  // two long blocks with a carried state (each split again) = one evaluation, to rounding
+  cpu::state<T> st;
+  std::size_t half = n / 2;
+  auto tok = [](tensor<T> const& t, std::size_t from, std::size_t to) {
+    auto s = t.shape();
+    return tensor_view<T const>(t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]},
+                                t.strides());
+  };
+  auto y1 = cpu::evaluate(compile(e), st, Q = tok(q, 0, half), K = tok(k, 0, half), V = tok(v, 0, half));
+  auto y2 = cpu::evaluate(compile(e), st, Q = tok(q, half, n), K = tok(k, half, n), V = tok(v, half, n));
+  CHECK(max_abs_diff(y1, tok(once, 0, half)) <= bound);
+  CHECK(max_abs_diff(y2, tok(once, half, n)) <= bound);
+  double z = 0;  // the normaliser column of the final state: Σ_j φ(k_j)
+  for (std::size_t j = 0; j < n; ++j) z += elu_plus_one::value(double(k(0, 0, j, 2)));
+  CHECK(std::abs(st[0](0, 0, 2, m) - z) <= test::rounding_bound<T>(double(n), z));
+
+  // the backward's prefix and suffix scans split too: linear = quadratic gradients
+  auto dout = tensor<T>::random({1, 1, n, m}, 4);
+  auto gl = cpu::gradient(compile<order::linear>(e), dout, Q = q, K = k, V = v);
+  auto gq = cpu::gradient(compile<order::quadratic>(e), dout, Q = q, K = k, V = v);
+  CHECK(max_abs_diff(gl[Q], gq[Q]) <= test::rounding_bound<T>(double(n * d * 4), 1 + test::max_abs(gq[Q])));
+  CHECK(max_abs_diff(gl[K], gq[K]) <= test::rounding_bound<T>(double(n * d * 4), 1 + test::max_abs(gq[K])));
+  CHECK(max_abs_diff(gl[V], gq[V]) <= test::rounding_bound<T>(double(n * d * 4), 1 + test::max_abs(gq[V])));
+}

@@ -44,7 +44,7 @@ struct reference {
 // The scan in double, with each element's sum of |terms| for the error bound.
 template <class T>
 reference reference_scan(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, std::vector<double> const& s0,
-                         bool reverse) {
+                         bool reverse, idx extra_roundings = 0) {
   using wide = long double;  // wider than double where the platform has it
   idx n = b.rows, da = b.cols, db = c.cols;
   std::vector<wide> s(s0.begin(), s0.end()), mag(s.size());
@@ -65,20 +65,25 @@ reference reference_scan(matrix<T> const& a, matrix<T> const& b, matrix<T> const
         m += std::abs(wide(a(i, p))) * mag[static_cast<std::size_t>(p * db + q)];
       }
       // a sum of (t + 1) state terms, then of da products: each term carries at
-      // most (t + da + 2) roundings, so this bounds the worst case.
+      // most (t + da + 2) roundings, so this bounds the worst case (plus what
+      // another association of the same sums adds: extra_roundings).
       r.out[static_cast<std::size_t>(i * db + q)] = double(o);
-      r.bound[static_cast<std::size_t>(i * db + q)] = double(t + da + 2) * eps * double(m) + 4 * std::numeric_limits<T>::min();
+      r.bound[static_cast<std::size_t>(i * db + q)] =
+          double(t + da + 2 + extra_roundings) * eps * double(m) + 4 * std::numeric_limits<T>::min();
     }
   }
   return r;
 }
 
+// parts = 0: scan_contract; parts >= 2: scan_contract_split over that many
+// threads, whose outputs add a correction (da more products) and whose
+// state sums the parts' sums (parts more additions).
 template <class T>
-void check_random_scans(std::uint64_t seed, int trials) {
+void check_random_scans(std::uint64_t seed, int trials, int parts = 0) {
   test::rng r{seed};
   double worst = 0;  // largest error / bound
   for (int trial = 0; trial < trials; ++trial) {
-    idx n = static_cast<idx>(trial % 5 == 0 ? r.in(0, 3) : r.in(0, 300));
+    idx n = static_cast<idx>(trial % 5 == 0 ? r.in(0, 3) : r.in(0, parts ? 1500 : 300));
     idx da = static_cast<idx>(r.in(1, 70)), db = static_cast<idx>(r.in(1, 70));
     bool reverse = r.next() % 2;
     int la = static_cast<int>(r.in(0, 2)), lb = static_cast<int>(r.in(0, 2)), lc = static_cast<int>(r.in(0, 2));
@@ -88,11 +93,15 @@ void check_random_scans(std::uint64_t seed, int trials) {
     bool chained = r.next() % 2;  // start from a non-zero state, as a later block of a chained scan
     for (auto& x : state) x = chained ? static_cast<T>(uniform(r) * 4) : T(0);
     std::vector<double> s0(state.begin(), state.end());
-    reference ref = reference_scan(a.m, b.m, c.m, s0, reverse);
+    idx extra = parts ? da + parts + 1 : 0;
+    reference ref = reference_scan(a.m, b.m, c.m, s0, reverse, extra);
 
     matrix<T> out = cpu::allocate<T>(n, db);
     matrix<T> cv = cpu::view(c.m.data, c.m.rows, c.m.cols, c.m.rs, c.m.cs);
-    cpu::kernels::scan_contract(a.m, b.m, std::move(cv), out, state.data(), reverse);
+    if (parts)
+      cpu::kernels::scan_contract_split(a.m, b.m, cv, out, state.data(), reverse, parts);
+    else
+      cpu::kernels::scan_contract(a.m, b.m, std::move(cv), out, state.data(), reverse);
     bool ok = true;
     for (idx i = 0; i < n; ++i)
       for (idx q = 0; q < db; ++q) {
@@ -113,7 +122,8 @@ void check_random_scans(std::uint64_t seed, int trials) {
           mag += std::abs(static_cast<long double>(b.m(i, p)) * c.m(i, q));
         }
         double err = double(std::abs(state[static_cast<std::size_t>(p * db + q)] - sum));
-        state_ok = state_ok && err <= double(n + 1) * std::numeric_limits<T>::epsilon() * double(mag) + std::numeric_limits<T>::min();
+        state_ok = state_ok && err <= double(n + 1 + extra) * std::numeric_limits<T>::epsilon() * double(mag) +
+                                          std::numeric_limits<T>::min();
       }
     CHECK(state_ok);
   }
@@ -160,6 +170,11 @@ void check_split_calls(std::uint64_t seed, int trials) {
 
 TEST_CASE_TEMPLATE("scan_contract matches a double-precision scan", T, float, double) {
   check_random_scans<T>(sizeof(T) == 4 ? 11 : 12, 300);
+}
+
+TEST_CASE_TEMPLATE("a scan split across threads matches a double-precision scan", T, float, double) {
+  check_random_scans<T>(11, 25, 2);
+  check_random_scans<T>(12, 15, 3);
 }
 
 TEST_CASE_TEMPLATE("scan_contract split into calls gives the bits of one call", T, float, double) {

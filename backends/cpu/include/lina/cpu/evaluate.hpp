@@ -20,6 +20,10 @@
 #include <utility>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "lina/bind.hpp"
 #include "lina/cpu/kernels.hpp"
 #include "lina/cpu/matrix.hpp"
@@ -219,6 +223,21 @@ struct lower<op::add> {
   }
 };
 
+// One long sequence with idle threads (a single slice, or slices run one at a
+// time): its scans are split across the threads (kernels::scan_contract_split),
+// each part at least half this many rows. Below it the split's extra work and
+// thread start-up cost more than they save.
+inline constexpr index sequence_split_min_rows = 2048;
+inline int sequence_parts(index rows) {
+#ifdef _OPENMP
+  if (omp_in_parallel() || rows < sequence_split_min_rows) return 1;
+  return static_cast<int>(std::min<index>(omp_get_max_threads(), 2 * rows / sequence_split_min_rows));
+#else
+  (void)rows;
+  return 1;
+#endif
+}
+
 // Threads pay off from a few slices of some size; below that, starting them
 // costs more than the work (and oversubscribed machines make it worse).
 inline constexpr std::size_t parallel_min_elements = std::size_t(1) << 15;
@@ -348,9 +367,13 @@ class program {
           sums = scratch(sums_buffer, static_cast<std::size_t>(bm.cols * cm.cols), b, h);
           std::fill_n(sums, bm.cols * cm.cols, T(0));
         }
-        T* space = scratch(scratch_space, kernels::scan_scratch_size(bm, cm), b, h);
-        lower<typename N::op_type>::run(n, slot[J], operand<lina::detail::type_at_t<0, typename S::template operands<J>>>(slot, b, h),
-                                        bm, cm, sums, space);
+        matrix<T> am = operand<lina::detail::type_at_t<0, typename S::template operands<J>>>(slot, b, h);
+        if (int parts = sequence_parts(bm.rows); parts > 1 && !ws_) {
+          kernels::scan_contract_split(am, bm, cm, slot[J], sums, sched::fused_scan_parts<N>::reverse, parts);
+        } else {
+          T* space = scratch(scratch_space, kernels::scan_scratch_size(bm, cm), b, h);
+          lower<typename N::op_type>::run(n, slot[J], am, bm, cm, sums, space);
+        }
       } else if constexpr (sched::row_wise<N>()) {
         rows_of_group<J>(slot, b, h);
       } else {

@@ -24,12 +24,14 @@ matrix<T> rows_contiguous(matrix<T>&& m) {
 
 // out = A B. B's rows are made contiguous, then four rows of C at a time
 // accumulate a_ik * B_k (each B row loaded once per four C rows).
+// out += A B (accumulate = true) or out = A B.
 template <class T>
-void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out) {
+void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate = false) {
   matrix<T> b = rows_contiguous(std::move(b_in));
   index r = a.rows, k = a.cols, c = b.cols;
   if (r * c == 0) return;
-  for (index i = 0; i < r; ++i) std::fill_n(out.row_mut(i), c, T(0));
+  if (!accumulate)
+    for (index i = 0; i < r; ++i) std::fill_n(out.row_mut(i), c, T(0));
   index i = 0;
   for (; i + 4 <= r; i += 4) {
     T* c0 = out.row_mut(i);
@@ -302,6 +304,58 @@ template <class T>
 void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c, matrix<T>& out, T* state, bool reverse) {
   buffer<T> scratch(scan_scratch_size(b, c));
   scan_contract(a, b, c, out, state, reverse, scratch.get());
+}
+
+// Rows [from, to) of a matrix, as a view.
+template <class T>
+matrix<T> rows_of(matrix<T> const& m, index from, index to) {
+  return view(m.data + from * m.rs, to - from, m.cols, m.rs, m.cs);
+}
+
+// scan_contract with the sequence split across `parts` threads, for one long
+// sequence on a machine with idle cores. Each part scans its rows from a zero
+// state (in parallel), the parts' sums are added up in scan order to give the
+// state each part really starts from, and every part but the first adds
+// A_p S_p to its outputs (in parallel again) - 5/4 of the work of one scan,
+// in 5/8 of its time on two threads. The sums are associated differently
+// from one sequential scan, so results agree to rounding, not bit for bit.
+template <class T>
+void scan_contract_split(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, matrix<T>& out, T* state,
+                         bool reverse, int parts) {
+  index n = b.rows, da = b.cols, db = c.cols;
+  std::size_t ab = static_cast<std::size_t>(da * db);
+  auto bound = [&](int p) { return static_cast<index>(static_cast<long long>(n) * p / parts); };
+  // part p in scan order covers rows [lo, hi): forward from the top, reverse from the bottom
+  auto range = [&](int p) {
+    return reverse ? std::pair{n - bound(p + 1), n - bound(p)} : std::pair{bound(p), bound(p + 1)};
+  };
+  buffer<T> sums(ab * static_cast<std::size_t>(parts));
+  std::fill_n(sums.get(), sums.size(), T(0));
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int p = 0; p < parts; ++p) {
+    auto [lo, hi] = range(p);
+    T* s = sums.get() + ab * static_cast<std::size_t>(p);
+    if (p == 0) std::copy_n(state, ab, s);  // the first part starts from the state itself
+    matrix<T> o = rows_of(out, lo, hi);
+    o.cs = 1;
+    matrix<T> cp = rows_of(c, lo, hi);
+    buffer<T> scratch(scan_scratch_size(rows_of(b, lo, hi), cp));
+    scan_contract(rows_of(a, lo, hi), rows_of(b, lo, hi), cp, o, s, reverse, scratch.get());
+  }
+  // enter[p]: the state entering part p = part 0's end state + the sums of parts 1 .. p-1
+  buffer<T> enter(ab * static_cast<std::size_t>(parts + 1));
+  auto at = [&](buffer<T>& x, int p) { return x.get() + ab * static_cast<std::size_t>(p); };
+  std::copy_n(at(sums, 0), ab, at(enter, 1));
+  for (int p = 1; p < parts; ++p)
+    for (std::size_t e = 0; e < ab; ++e) at(enter, p + 1)[e] = at(enter, p)[e] + at(sums, p)[e];
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int p = 1; p < parts; ++p) {
+    auto [lo, hi] = range(p);
+    matrix<T> o = rows_of(out, lo, hi);
+    o.cs = 1;
+    gemm(rows_of(a, lo, hi), view<T>(at(enter, p), da, db, db, 1), o, true);
+  }
+  std::copy_n(at(enter, parts), ab, state);  // the state after the last part
 }
 
 // Rows copied to a contiguous buffer, for maps that read whole rows.
