@@ -1,4 +1,5 @@
-// The replaced global operator new behind test::heap_counter.
+// The replaced global operator new behind test::heap_counter: every form of
+// new and delete is replaced, so that all of them pair up (malloc/free).
 #include "heap_counter.hpp"
 
 #include <atomic>
@@ -30,7 +31,27 @@ void* operator new(std::size_t n) { return allocate(n); }
 void* operator new[](std::size_t n) { return allocate(n); }
 void* operator new(std::size_t n, std::align_val_t a) { return allocate_aligned(n, a); }
 void* operator new[](std::size_t n, std::align_val_t a) { return allocate_aligned(n, a); }
+void* operator new(std::size_t n, std::nothrow_t const&) noexcept {
+  try {
+    return allocate(n);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, std::nothrow_t const& t) noexcept { return operator new(n, t); }
+void* operator new(std::size_t n, std::align_val_t a, std::nothrow_t const&) noexcept {
+  try {
+    return allocate_aligned(n, a);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, std::align_val_t a, std::nothrow_t const& t) noexcept { return operator new(n, a, t); }
 void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::nothrow_t const&) noexcept { std::free(p); }
+void operator delete[](void* p, std::nothrow_t const&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, std::nothrow_t const&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, std::nothrow_t const&) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t) noexcept { std::free(p); }

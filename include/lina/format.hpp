@@ -30,28 +30,38 @@ namespace detail {
 
 // Subtrees to print as a name (a backward plan's shared subtrees), keyed by
 // identity: the same node type with the same values, never by printed text.
-struct print_names {
-  struct entry {
-    std::type_info const* type;
-    void const* node;
-    bool (*same)(void const*, void const*);
-    std::string name;
-  };
-  std::vector<entry> named;
+// A subtree's identity: its type and, compared with same_value, its values.
+struct node_identity {
+  std::type_info const* type = nullptr;
+  void const* node = nullptr;
+  bool (*same)(void const*, void const*) = nullptr;
 
   template <class N>
   static bool same_as(void const* a, void const* b) {
     return same_value(*static_cast<N const*>(a), *static_cast<N const*>(b));
   }
   template <class N>
-  std::string const* find(N const& n) const {
-    for (auto const& e : named)
-      if (*e.type == typeid(N) && e.same(e.node, &n)) return &e.name;
-    return nullptr;
+  static node_identity of(N const& n) {
+    return {&typeid(N), &n, &same_as<N>};
   }
   template <class N>
-  void add(N const& n, std::string name) {
-    named.push_back({&typeid(N), &n, &same_as<N>, std::move(name)});
+  bool is(N const& n) const {
+    return *type == typeid(N) && same(node, &n);
+  }
+};
+
+struct print_names {
+  struct entry {
+    node_identity id;
+    std::string name;
+  };
+  std::vector<entry> named;
+
+  template <class N>
+  std::string const* find(N const& n) const {
+    for (auto const& e : named)
+      if (e.id.is(n)) return &e.name;
+    return nullptr;
   }
 };
 

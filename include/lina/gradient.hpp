@@ -332,7 +332,7 @@ void walk(N const& n, F& f) {
 struct repeat_counter {
   print_names const& names;
   struct seen {
-    print_names::entry id;
+    node_identity id;
     int count;
     std::size_t size;  // printed length: the largest repeat is named first
   };
@@ -344,18 +344,16 @@ struct repeat_counter {
     if (names.find(n)) {
       bool first = false;
       for (auto const& e : names.named)
-        if (*e.type == typeid(N) && e.same(e.node, &n) &&
-            std::find(defined.begin(), defined.end(), e.node) == defined.end()) {
-          defined.push_back(e.node);
+        if (e.id.is(n) && std::find(defined.begin(), defined.end(), e.id.node) == defined.end()) {
+          defined.push_back(e.id.node);
           first = true;
         }
       if (first) hana::for_each(n.kids, [&](auto const& k) { walk(k, *this); });
       return false;
     }
-    auto it = std::find_if(counts.begin(), counts.end(),
-                           [&](seen const& c) { return *c.id.type == typeid(N) && c.id.same(c.id.node, &n); });
+    auto it = std::find_if(counts.begin(), counts.end(), [&](seen const& c) { return c.id.is(n); });
     if (it == counts.end())
-      counts.push_back({{&typeid(N), &n, &print_names::same_as<N>, {}}, 1, to_string(n).size()});
+      counts.push_back(seen{node_identity::of(n), 1, to_string(n).size()});
     else
       ++it->count;
     return true;
@@ -374,9 +372,7 @@ print_names name_repeats(BP const& bp) {
     for (auto const& c : counter.counts)
       if (c.count >= 2 && c.size >= 24 && (!best || c.size > best->size)) best = &c;
     if (!best) return names;
-    print_names::entry e = best->id;
-    e.name = fmt::format("t{}", names.named.size() + 1);
-    names.named.push_back(std::move(e));
+    names.named.push_back({best->id, fmt::format("t{}", names.named.size() + 1)});
   }
 }
 }  // namespace detail
@@ -399,9 +395,8 @@ std::string to_string(backward_plan<F, E...> const& bp) {
   for (auto const& entry : names.named) {
     bool done = false;
     auto def = [&](auto const& n) {
-      using N = std::remove_cvref_t<decltype(n)>;
       if (done) return false;
-      if (*entry.type != typeid(N) || !entry.same(entry.node, &n)) return true;
+      if (!entry.id.is(n)) return true;
       p.text(entry.name);
       p.text(" = ");
       p.node(n);

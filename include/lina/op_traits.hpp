@@ -50,14 +50,13 @@ constexpr double elements(Src const& s) {
   return ext<typename S::rows>(s) * ext<typename S::cols>(s);
 }
 
-// A value printed exactly: the shortest decimal that reads back as the same double.
-inline std::string exact(double x) { return fmt::format("{}", x); }
+// Values print exactly: fmt's "{}" is the shortest decimal that reads back as the same double.
 inline constexpr double default_eps = 1e-6;
 // "; eps=…" after the operands when eps is not the default.
-inline std::string eps_suffix(double eps) { return eps == default_eps ? std::string() : "; eps=" + exact(eps); }
+inline std::string eps_suffix(double eps) { return eps == default_eps ? std::string() : fmt::format("; eps={}", eps); }
 template <class Map>
 std::string map_tag() {
-  return "[" + std::string(Map::name) + "]";
+  return fmt::format("[{}]", std::string_view(Map::name));
 }
 
 // Building blocks of the traits below.
@@ -129,7 +128,9 @@ template <class Map>
 struct op_traits<op::phi<Map>> : detail::named<"phi"> {
   template <class N, class P>
   static void print(N const& n, P& p) {
-    p.text("φ" + detail::map_tag<Map>() + "(");
+    p.text("φ");
+    p.text(detail::map_tag<Map>());
+    p.text("(");
     p(kid<0>(n));
     if constexpr (N::arity == 2) {
       p.text("; ");
@@ -214,7 +215,7 @@ template <>
 struct op_traits<op::scale> : detail::named<"scale", prec::product>, detail::elementwise_cost {
   template <class N, class P>
   static void print(N const& n, P& p) {
-    p.text(detail::exact(n.op.factor) + "·");
+    p.text(fmt::format("{}·", n.op.factor));
     p.kid(kid<0>(n), prec::atom);
   }
   static constexpr bool differentiable = true;  // s·X -> s·G
@@ -348,12 +349,14 @@ struct op_traits<op::phi_vjp<Map>> : detail::named<"phi_vjp", prec::product>, de
   template <class N, class P>
   static void print(N const& n, P& p) {
     if constexpr (concepts::elementwise_map<Map>) {  // φ′[elu+1](X)⊙G
-      p.text("φ′" + detail::map_tag<Map>() + "(");
+      p.text("φ′");
+      p.text(detail::map_tag<Map>());
+      p.text("(");
       p(kid<0>(n));
       p.text(")⊙");
       p.kid(kid<1>(n), prec::atom);
     } else {
-      p.call("φ_vjp" + detail::map_tag<Map>(), n);
+      p.call(fmt::format("φ_vjp{}", detail::map_tag<Map>()), n);
     }
   }
 };
@@ -361,7 +364,7 @@ template <class Map>
 struct op_traits<op::phi_param_vjp<Map>> : detail::named<"phi_param_vjp">, detail::elementwise_cost {
   template <class N, class P>
   static void print(N const& n, P& p) {
-    p.call("φ_w′" + detail::map_tag<Map>(), n);
+    p.call(fmt::format("φ_w′{}", detail::map_tag<Map>()), n);
   }
 };
 template <>

@@ -1,0 +1,62 @@
+// This machine's measured peak, for benchmarks to report fractions of it:
+// FMA throughput (independent accumulators, so the loop is bound by the FMA
+// ports, not by latency) in float or double, and memory bandwidth (STREAM
+// triad, a[i] = b[i] + s c[i], arrays far larger than the caches). Both run
+// on every OpenMP thread.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <vector>
+
+namespace bench {
+
+using clock_type = std::chrono::steady_clock;
+
+// 128 independent lanes: 8 AVX-512 or 16 AVX2 vectors of floats, enough to
+// cover FMA latency x ports.
+template <class T = float>
+double fma_gflops() {
+  constexpr int lanes = 128;
+  long iters = 20'000'000;
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    double total_flops = 0;
+    auto t0 = clock_type::now();
+#pragma omp parallel reduction(+ : total_flops)
+    {
+      alignas(64) T acc[lanes];
+      for (int i = 0; i < lanes; ++i) acc[i] = T(1) + static_cast<T>(i) * T(1e-3);
+      T const a = T(0.999999), b = T(1e-7);
+      for (long it = 0; it < iters; ++it) {
+#pragma omp simd
+        for (int i = 0; i < lanes; ++i) acc[i] = acc[i] * a + b;
+      }
+      T sink = 0;
+      for (int i = 0; i < lanes; ++i) sink += acc[i];
+      if (sink == T(12345)) std::abort();
+      total_flops += 2.0 * lanes * static_cast<double>(iters);
+    }
+    double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    best = std::max(best, total_flops / s / 1e9);
+  }
+  return best;
+}
+
+inline double triad_gbytes() {
+  std::size_t n = std::size_t(1) << 25;  // 3 arrays x 128 MiB
+  std::vector<float> a(n, 0.f), b(n, 1.f), c(n, 2.f);
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto t0 = clock_type::now();
+#pragma omp parallel for simd schedule(static)
+    for (std::size_t i = 0; i < n; ++i) a[i] = b[i] + 0.5f * c[i];
+    double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    best = std::max(best, 3.0 * sizeof(float) * static_cast<double>(n) / s / 1e9);
+  }
+  if (a[n / 2] != 2.f) std::abort();
+  return best;
+}
+
+}  // namespace bench
