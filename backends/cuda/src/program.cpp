@@ -1,0 +1,201 @@
+// Tile programs of the forward attention plans (see program.hpp).
+#include "lina/cuda/program.hpp"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace lina::cuda {
+
+std::string_view name_of(dtype t) {
+  switch (t) {
+    case dtype::f32: return "f32";
+    case dtype::f16: return "f16";
+    case dtype::bf16: return "bf16";
+  }
+  return "?";
+}
+std::string_view name_of(feature_map m) {
+  switch (m) {
+    case feature_map::identity: return "id";
+    case feature_map::elu_plus_one: return "elu+1";
+    case feature_map::relu: return "relu";
+  }
+  return "?";
+}
+std::string_view name_of(opcode o) {
+  switch (o) {
+    case opcode::zero: return "zero";
+    case opcode::load: return "load";
+    case opcode::map: return "map";
+    case opcode::ones_column: return "ones_column";
+    case opcode::product: return "product";
+    case opcode::mask_causal: return "mask_causal";
+    case opcode::row_divide: return "row_divide";
+    case opcode::store: return "store";
+  }
+  return "?";
+}
+std::size_t size_of(dtype t) { return t == dtype::f32 ? 4 : 2; }
+
+std::size_t program::shared_bytes() const {
+  std::size_t n = 0;
+  for (auto const& r : registers) n += static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols);
+  return n * sizeof(float);
+}
+
+namespace {
+
+// fp32 elements of every register a program of this shape holds.
+std::size_t tile_floats(attention_spec const& s, std::size_t t, std::size_t tm) {
+  std::size_t w = tm + (s.normalized ? 1 : 0);  // [V|1] columns per block
+  std::size_t qk = 2 * t * s.d;                 // φ(Q), φ(K) chunks
+  std::size_t state = s.d * w;
+  std::size_t v = t * w, o = t * w;
+  std::size_t a = s.causal ? t * t : 0;  // the masked similarity of one chunk
+  return qk + state + v + o + a;
+}
+
+// The ids used in kernel names: letters, digits and underscores only.
+std::string_view id_of(feature_map m) {
+  switch (m) {
+    case feature_map::identity: return "id";
+    case feature_map::elu_plus_one: return "elu1";
+    case feature_map::relu: return "relu";
+  }
+  return "x";
+}
+
+struct builder {
+  program p;
+  int reg(std::string name, int rows, int cols, std::string comment) {
+    p.registers.push_back({std::move(name), rows, cols, std::move(comment)});
+    return static_cast<int>(p.registers.size()) - 1;
+  }
+  static instruction zero(int t) { return {.op = opcode::zero, .dst = t}; }
+  static instruction load(int t, int slot, int width, bool by_m = false) {
+    return {.op = opcode::load, .dst = t, .slot = slot, .width = width, .by_m_tile = by_m};
+  }
+  static instruction map(int t, feature_map m) { return {.op = opcode::map, .dst = t, .map = m}; }
+  static instruction ones(int t) { return {.op = opcode::ones_column, .dst = t}; }
+  static instruction product(int t, int a, bool ta, int b, bool tb, bool acc) {
+    return {.op = opcode::product, .dst = t, .a = a, .b = b, .transpose_a = ta, .transpose_b = tb, .accumulate = acc};
+  }
+  static instruction mask(int t) { return {.op = opcode::mask_causal, .dst = t}; }
+  static instruction divide(int t, float eps) { return {.op = opcode::row_divide, .dst = t, .eps = eps}; }
+  static instruction store(int t, int width) {
+    return {.op = opcode::store, .dst = t, .width = width, .by_m_tile = true};
+  }
+};
+
+}  // namespace
+
+tile_config choose_tiles(attention_spec const& s) {
+  if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
+  for (std::size_t t : {64, 32, 16})
+    for (std::size_t tm : {64, 32, 16, 8}) {
+      std::size_t use = std::min(tm, s.m);
+      if (tile_floats(s, t, use) * sizeof(float) <= shared_memory_budget)
+        return {static_cast<int>(t), static_cast<int>(use), 256};
+    }
+  throw std::invalid_argument(fmt::format(
+      "lina::cuda: D = {} is too large: the smallest tiles (T = 16, 8 columns of M) need {} bytes of shared "
+      "memory, more than the {} a block may use",
+      s.d, tile_floats(s, 16, std::min<std::size_t>(8, s.m)) * sizeof(float), shared_memory_budget));
+}
+
+program program_of(attention_spec const& s) {
+  builder b;
+  program& p = b.p;
+  p.spec = s;
+  p.tiles = choose_tiles(s);
+  int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
+  int const w = tm + (s.normalized ? 1 : 0);
+  p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
+  p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}", s.causal ? "causal" : "full",
+                              id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
+                              s.normalized ? "" : "_unnormalized");
+  p.description = fmt::format("{} linear attention, forward{}: {}", s.causal ? "causal" : "non-causal",
+                              s.normalized ? "" : " (unnormalized)", s.description);
+  p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}};
+
+  std::string const v1 = s.normalized ? "[V|1]" : "V";
+  int const q = b.reg("q", t, d, "φ(Q) chunk (T, D)");
+  int const k = b.reg("k", t, d, "φ(K) chunk (T, D)");
+  int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)");
+  int const st = b.reg("state", d, w, "Σ φ(K)ᵀ" + v1 + " over the chunks so far, fp32 (D, W)");
+  int const o = b.reg("o", t, w, "output rows (T, W)");
+  float const eps = static_cast<float>(s.eps);
+
+  auto load_q = [&](std::vector<instruction>& body) {
+    body.push_back(builder::load(q, 0, d));
+    if (s.map_q != feature_map::identity) body.push_back(builder::map(q, s.map_q));
+  };
+  auto load_kv = [&](std::vector<instruction>& body) {
+    body.push_back(builder::load(k, 1, d));
+    if (s.map_k != feature_map::identity) body.push_back(builder::map(k, s.map_k));
+    body.push_back(builder::load(v, 2, tm, true));
+    if (s.normalized) body.push_back(builder::ones(v));
+  };
+  auto finish = [&](std::vector<instruction>& body) {
+    if (s.normalized) body.push_back(builder::divide(o, eps));
+    body.push_back(builder::store(o, tm));
+  };
+
+  p.prologue.push_back(builder::zero(st));
+  if (s.causal) {
+    // One pass: within a chunk the masked similarity, across chunks the state.
+    int const a = b.reg("a", t, t, "causal(φ(Q)·φ(K)ᵀ) of the chunk (T, T)");
+    std::vector<instruction> body;
+    load_q(body);
+    load_kv(body);
+    body.push_back(builder::product(a, q, false, k, true, false));  // a = φQ·φKᵀ
+    body.push_back(builder::mask(a));                               // j ≤ i
+    body.push_back(builder::product(o, a, false, v, false, false)); // o = a·[V|1]
+    body.push_back(builder::product(o, q, false, st, false, true)); // o += φQ·state (earlier chunks)
+    body.push_back(builder::product(st, k, true, v, false, true));  // state += φKᵀ·[V|1]
+    finish(body);
+    p.passes.push_back(std::move(body));
+  } else {
+    // Pass 1: the whole sum φKᵀ·[V|1]; pass 2: each row against it.
+    std::vector<instruction> sum, rows;
+    load_kv(sum);
+    sum.push_back(builder::product(st, k, true, v, false, true));
+    load_q(rows);
+    rows.push_back(builder::product(o, q, false, st, false, false));
+    finish(rows);
+    p.passes.push_back(std::move(sum));
+    p.passes.push_back(std::move(rows));
+  }
+  return p;
+}
+
+std::string listing(program const& p) {
+  std::string r = fmt::format("{} — {}\nT = {}, M tile = {}, {} block(s) per (batch, head), {} threads, {} bytes shared\n",
+                              p.kernel_name, p.description, p.tiles.chunk, p.tiles.tile_m, p.m_tiles, p.tiles.threads,
+                              p.shared_bytes());
+  for (auto const& reg : p.registers) r += fmt::format("  {} ({}×{}): {}\n", reg.name, reg.rows, reg.cols, reg.comment);
+  auto one = [&](instruction const& i) {
+    auto nm = [&](int x) { return p.registers[static_cast<std::size_t>(x)].name; };
+    switch (i.op) {
+      case opcode::load:
+        return fmt::format("load {} ← {}[:, {}{} cols]", nm(i.dst), p.inputs[static_cast<std::size_t>(i.slot)].name,
+                           i.by_m_tile ? "m_tile·tile_m + " : "", i.width);
+      case opcode::map: return fmt::format("map {} φ[{}]", nm(i.dst), name_of(i.map));
+      case opcode::product:
+        return fmt::format("{} {} {}{}·{}{}", nm(i.dst), i.accumulate ? "+=" : "=", nm(i.a), i.transpose_a ? "ᵀ" : "",
+                           nm(i.b), i.transpose_b ? "ᵀ" : "");
+      case opcode::row_divide: return fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);
+      case opcode::store: return fmt::format("store {} → out[:, m_tile·tile_m + {} cols]", nm(i.dst), i.width);
+      default: return fmt::format("{} {}", name_of(i.op), nm(i.dst));
+    }
+  };
+  for (auto const& i : p.prologue) r += "  " + one(i) + "\n";
+  for (auto const& pass : p.passes) {
+    r += "  for each chunk:\n";
+    for (auto const& i : pass) r += "    " + one(i) + "\n";
+  }
+  return r;
+}
+
+}  // namespace lina::cuda
