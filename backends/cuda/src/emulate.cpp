@@ -76,19 +76,24 @@ struct block {
         for (int r = 0; r < rows; ++r) t.at(r, t.cols - 1) = 1.0f;
         break;
       case opcode::product: {
-        tile& x = reg[static_cast<std::size_t>(i.a)];
-        tile& y = reg[static_cast<std::size_t>(i.b)];
-        int inner = i.transpose_a ? x.rows : x.cols;
-        for (int r = 0; r < t.rows; ++r)
-          for (int c = 0; c < t.cols; ++c) {
-            float acc = i.accumulate ? t.at(r, c) : 0.0f;
-            for (int k = 0; k < inner; ++k) {
-              float u = i.transpose_a ? x.at(k, r) : x.at(r, k);
-              float w = i.transpose_b ? y.at(c, k) : y.at(k, c);
-              acc = std::fma(u, w, acc);
-            }
-            t.at(r, c) = acc;
+        // Per element one fma chain in increasing k, as on the device; the
+        // loops run k outside the columns so that the chains of a row advance
+        // together (the order within each chain is unchanged).
+        tile const& x = reg[static_cast<std::size_t>(i.a)];
+        tile const& y = reg[static_cast<std::size_t>(i.b)];
+        std::size_t const inner = static_cast<std::size_t>(i.transpose_a ? x.rows : x.cols);
+        std::size_t const cols = static_cast<std::size_t>(t.cols);
+        std::size_t const a_row = i.transpose_a ? 1 : inner, a_k = i.transpose_a ? static_cast<std::size_t>(x.cols) : 1;
+        std::size_t const b_col = i.transpose_b ? inner : 1, b_k = i.transpose_b ? 1 : cols;
+        for (std::size_t r = 0; r < static_cast<std::size_t>(t.rows); ++r) {
+          float* acc = t.v.data() + r * cols;
+          if (!i.accumulate) std::fill(acc, acc + cols, 0.0f);
+          for (std::size_t k = 0; k < inner; ++k) {
+            float const u = x.v[r * a_row + k * a_k];
+            float const* w = y.v.data() + k * b_k;
+            for (std::size_t c = 0; c < cols; ++c) acc[c] = std::fma(u, w[c * b_col], acc[c]);
           }
+        }
         break;
       }
       case opcode::mask_causal:

@@ -92,12 +92,16 @@ struct builder {
 
 tile_config choose_tiles(attention_spec const& s) {
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
-  for (std::size_t t : {64, 32, 16})
-    for (std::size_t tm : {64, 32, 16, 8}) {
-      std::size_t use = std::min(tm, s.m);
-      if (tile_floats(s, t, use) * sizeof(float) <= shared_memory_budget)
-        return {static_cast<int>(t), static_cast<int>(use), 256};
-    }
+  // The first (T, M tile) that fits. M tiles of 32 or more come first: every
+  // block of a (batch, head) reloads the φ(Q), φ(K) chunks, so narrow M tiles
+  // multiply that traffic; a shorter chunk only costs more state passes.
+  constexpr int order[][2] = {{64, 64}, {64, 32}, {32, 64}, {32, 32}, {16, 64}, {16, 32},
+                              {64, 16}, {32, 16}, {16, 16}, {64, 8},  {32, 8},  {16, 8}};
+  for (auto const& [t, tm] : order) {
+    std::size_t use = std::min(static_cast<std::size_t>(tm), s.m);
+    if (tile_floats(s, static_cast<std::size_t>(t), use) * sizeof(float) <= shared_memory_budget)
+      return {t, static_cast<int>(use), 256};
+  }
   throw std::invalid_argument(fmt::format(
       "lina::cuda: D = {} is too large: the smallest tiles (T = 16, 8 columns of M) need {} bytes of shared "
       "memory, more than the {} a block may use",

@@ -221,7 +221,7 @@ inline constexpr bool lowerable = detail::forward_plan<std::remove_cvref_t<Plan>
 template <class Plan>
 attention_spec spec_of(Plan const& plan, options opt = {}) {
   using F = detail::forward_plan<Plan>;
-  static_assert(diagnose::cuda_plan<F::ok>::ok);
+  static_assert(diagnose::cuda_plan<F::ok>::ok || true);  // one error: the message above
   attention_spec s;
   if constexpr (F::ok) {
     using QI = typename F::q::input;
