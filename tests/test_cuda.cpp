@@ -272,3 +272,77 @@ TEST_CASE("NVRTC errors name the call and the kernel and carry the log") {
   CHECK_THROWS_AS(cuda::compile("", "k", "gfx90a"), cuda::nvrtc_error);
   MESSAGE("NVRTC " << cuda::nvrtc_version());
 }
+
+namespace {
+// The 16-bit bit patterns of a float tensor (dense [B,H,N,C]).
+std::vector<std::uint16_t> bits_of(tensor<float> const& x, cuda::dtype t) {
+  std::vector<std::uint16_t> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i)
+    r[i] = t == cuda::dtype::bf16 ? cuda::bf16_bits(x.data()[i]) : cuda::f16_bits(x.data()[i]);
+  return r;
+}
+cuda::device_buffer upload(tensor<float> const& x, cuda::dtype t) {
+  cuda::device_buffer d(x.size() * cuda::size_of(t));
+  if (t == cuda::dtype::f32)
+    d.upload(x.data(), d.size());
+  else
+    d.upload(bits_of(x, t).data(), d.size());
+  return d;
+}
+}  // namespace
+
+// Where a GPU exists, generated kernels launched on it agree with their
+// emulation (the maps' expf differs from the host's exp by a few ulps, so
+// fp32 is close, not bitwise); elsewhere the test says it is skipped.
+TEST_CASE("device: launched kernels agree with the emulation") {
+  auto dev = cuda::probe_device();
+  if (!dev.available) {
+    MESSAGE("skipped: no CUDA device (" << dev.reason << ")");
+    return;
+  }
+  MESSAGE("device " << dev.device << ": " << dev.arch);
+  constexpr auto causal_plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  constexpr auto full_plan = compile<order::linear>(normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V);
+  auto run = [&](auto const& plan, cuda::dtype dt, shape s, std::uint64_t seed) {
+    CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
+    auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
+    auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
+    auto want = cuda::emulate(plan, {dt, dt}, Q = q, K = k, V = v);
+    auto dq = upload(q, dt), dk = upload(k, dt), dv = upload(v, dt);
+    cuda::device_buffer dout(want.size() * cuda::size_of(dt));
+    tensor<float> got(want.shape());
+    shape4 sq{s.b, s.h, s.n, s.d}, sv{s.b, s.h, s.n, s.m};
+    auto go = [&]<class E>() {
+      cuda::evaluate_into(plan, cuda::device_view<E>(static_cast<E*>(dout.get()), sv), nullptr,
+                          Q = cuda::device_view<E const>(static_cast<E const*>(dq.get()), sq),
+                          K = cuda::device_view<E const>(static_cast<E const*>(dk.get()), sq),
+                          V = cuda::device_view<E const>(static_cast<E const*>(dv.get()), sv));
+    };
+    if (dt == cuda::dtype::f32) go.template operator()<float>();
+    if (dt == cuda::dtype::bf16) go.template operator()<cuda::bf16>();
+    if (dt == cuda::dtype::f16) go.template operator()<cuda::f16>();
+    cuda::synchronize();
+    if (dt == cuda::dtype::f32) {
+      dout.download(got.data(), dout.size());
+    } else {
+      std::vector<std::uint16_t> b(got.size());
+      dout.download(b.data(), dout.size());
+      for (std::size_t i = 0; i < b.size(); ++i)
+        got.data()[i] = dt == cuda::dtype::bf16 ? cuda::from_bf16_bits(b[i]) : cuda::from_f16_bits(b[i]);
+    }
+    CHECK(relative_rms(got, want) <= (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
+  };
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16})
+    for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{1, 1, 70, 256, 48}}) {
+      run(causal_plan, dt, s, 100);
+      run(full_plan, dt, s, 200);
+    }
+  // Host memory where device memory is needed: refused before any launch.
+  tensor<float> q({1, 1, 4, 8}), v({1, 1, 4, 8});
+  cuda::device_buffer dout(q.size() * 4);
+  cuda::device_view<float const> hq(q.data(), q.shape()), hv(v.data(), v.shape());
+  CHECK_THROWS_AS(cuda::evaluate_into(causal_plan, cuda::device_view<float>(static_cast<float*>(dout.get()), v.shape()),
+                                      nullptr, Q = hq, K = hq, V = hv),
+                  std::invalid_argument);
+}

@@ -4,6 +4,7 @@
 //   cuda::program_of(plan, opts, D = d, M = m)   the tile program (lina/cuda/program.hpp)
 //   cuda::source(plan, opts, D = d, M = m)       the generated CUDA source
 //   cuda::emulate(plan, opts, Q = q, K = k, V = v)   the result through the host emulation
+//   cuda::evaluate_into(plan, out, stream, Q = q, …)  a launch on the GPU, on device views
 //
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
 // live in translation units of their own that never see it.
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "lina/bind.hpp"
+#include "lina/cuda/device.hpp"
 #include "lina/cuda/emit.hpp"
 #include "lina/cuda/emulate.hpp"
 #include "lina/cuda/numeric.hpp"
@@ -335,6 +337,89 @@ template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 tensor<float> emulate(Plan const& plan, B const&... bindings) {
   return emulate(plan, options{}, bindings...);
+}
+
+// ---- device memory (a first sketch: no owning tensor, no state yet) -----------------------
+// 16-bit element types of device memory, as bit patterns.
+struct bf16 {
+  std::uint16_t bits;
+};
+struct f16 {
+  std::uint16_t bits;
+};
+template <class E>
+inline constexpr dtype dtype_of = std::is_same_v<std::remove_const_t<E>, bf16>  ? dtype::bf16
+                                  : std::is_same_v<std::remove_const_t<E>, f16> ? dtype::f16
+                                                                                : dtype::f32;
+
+// A strided [B, H, rows, cols] view of device memory (E: float, f16, bf16,
+// const or not). Binds like a host view: Q = device_view<bf16 const>(…).
+template <class E>
+class device_view {
+  static_assert(std::is_same_v<std::remove_const_t<E>, float> || std::is_same_v<std::remove_const_t<E>, bf16> ||
+                    std::is_same_v<std::remove_const_t<E>, f16>,
+                "lina::cuda::device_view: elements are float, cuda::f16 or cuda::bf16");
+
+ public:
+  using element_type_ = E;
+  device_view() = default;
+  device_view(E* data, shape4 shape, strides4 strides) : data_(data), shape_(shape), strides_(strides) {}
+  device_view(E* data, shape4 shape) : device_view(data, shape, tensor_view<E>::contiguous_strides(shape)) {}
+  E* data() const noexcept { return data_; }
+  shape4 const& shape() const noexcept { return shape_; }
+  strides4 const& strides() const noexcept { return strides_; }
+
+ private:
+  E* data_ = nullptr;
+  shape4 shape_{0, 0, 0, 0};
+  strides4 strides_{0, 0, 0, 0};
+};
+template <class E>
+device_view<E> view_of(device_view<E> const& v) {
+  return v;
+}
+
+namespace detail {
+template <class View>
+operand device_operand(View const& v) {
+  operand o;
+  o.data = v.data();
+  for (int i = 0; i < 4; ++i) o.stride[i] = v.strides()[static_cast<std::size_t>(i)];
+  o.cols = static_cast<std::int64_t>(v.shape()[3]);
+  return o;
+}
+}  // namespace detail
+
+// Evaluate `plan` on the GPU into `out` (device memory of any layout), on
+// `stream` (a cudaStream_t, nullptr for the default stream). Asynchronous
+// like any launch; errors found before the launch (shapes, host pointers, no
+// device) throw without writing to `out`.
+template <class Plan, class O, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void evaluate_into(Plan const& plan, device_view<O> out, void* stream, B const&... bindings) {
+  static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
+  auto in = bind<Plan>(bindings...);
+  using F = detail::forward_plan<Plan>;
+  using T = typename decltype(in)::value_type;
+  attention_spec s = spec_of(plan, options{dtype_of<T>, dtype_of<O>});
+  if constexpr (F::ok) {
+    using Bound = decltype(in);
+    shape4 want = result_shape<Plan>(in);
+    static constexpr char const* names[] = {"B (batch)", "H (heads)", "rows", "cols"};
+    for (int d = 0; d < 4; ++d)
+      if (out.shape()[d] != want[d]) throw shape_error("out", names[d], out.shape()[d], want[d], "of the plan's result");
+    s.d = static_cast<std::size_t>(F::q::input::cols::extent(in.table));
+    s.m = static_cast<std::size_t>(F::v::input::cols::extent(in.table));
+    forward_args a;
+    a.in[0] = detail::device_operand(in.views[Bound::template input_index<typename F::q::input>()]);
+    a.in[1] = detail::device_operand(in.views[Bound::template input_index<typename F::k::input>()]);
+    a.in[2] = detail::device_operand(in.views[Bound::template input_index<typename F::v::input>()]);
+    a.out = detail::device_operand(out);
+    a.batch = static_cast<std::int64_t>(in.batch);
+    a.heads = static_cast<std::int64_t>(in.heads);
+    a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
+    launch(program_of(s), a, stream);
+  }
 }
 
 }  // namespace lina::cuda
