@@ -31,6 +31,7 @@ std::string_view map_tag(feature_map m) {
     case feature_map::identity: return "identity";
     case feature_map::elu_plus_one: return "elu_plus_one";
     case feature_map::relu: return "relu";
+    case feature_map::poly2: return "poly2";
   }
   return "?";
 }
@@ -64,7 +65,13 @@ struct emitter {
         line(ind, "tl::load<in_type, {}, {}>({}, args.in[{}], in{}_base, r0, {}, rows, {});", rows(i.dst), cols(i.dst), t,
              i.slot, i.slot, i.by_m_tile ? "m0" : "0", width(i));
         break;
-      case opcode::map: line(ind, "tl::map<tl::{}, {}, {}>({}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst), t); break;
+      case opcode::map:
+        if (i.a >= 0)
+          line(ind, "tl::map_rows<tl::{}, {}, {}, {}>({}, {}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst), cols(i.a), t,
+               name(i.a));
+        else
+          line(ind, "tl::map<tl::{}, {}, {}>({}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst), t);
+        break;
       case opcode::ones_column: line(ind, "tl::ones_column<{}, {}>({}, rows);", rows(i.dst), cols(i.dst), t); break;
       case opcode::product: {
         std::string inner = i.transpose_a ? rows(i.a) : cols(i.a);

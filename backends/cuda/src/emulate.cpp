@@ -35,8 +35,18 @@ float apply(feature_map m, float x) {
     case feature_map::identity: return x;
     case feature_map::elu_plus_one: return x > 0.0f ? x + 1.0f : std::exp(x);
     case feature_map::relu: return x < 0.0f ? 0.0f : x;  // NaN passes
+    case feature_map::poly2: break;  // a row map
   }
   return x;
+}
+// poly2 of one row: [x_a² (a), (√2·x_a)·x_b (b > a)], as lina::poly2 packs it.
+void poly2_row(float const* x, int d, float* out) {
+  float const r2 = 1.41421356237309504880f;
+  int f = 0;
+  for (int a = 0; a < d; ++a) {
+    out[f++] = x[a] * x[a];
+    for (int b = a + 1; b < d; ++b) out[f++] = r2 * x[a] * x[b];
+  }
 }
 
 struct tile {
@@ -69,6 +79,12 @@ struct block {
         break;
       }
       case opcode::map:
+        if (i.a >= 0) {  // a row map, out of place
+          tile& x = reg[static_cast<std::size_t>(i.a)];
+          std::fill(t.v.begin(), t.v.end(), 0.0f);
+          for (int r = 0; r < rows; ++r) poly2_row(&x.at(r, 0), x.cols, &t.at(r, 0));
+          break;
+        }
         for (int r = 0; r < rows; ++r)
           for (int c = 0; c < t.cols; ++c) t.at(r, c) = apply(i.map, t.at(r, c));
         break;

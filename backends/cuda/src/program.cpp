@@ -20,9 +20,11 @@ std::string_view name_of(feature_map m) {
     case feature_map::identity: return "id";
     case feature_map::elu_plus_one: return "elu+1";
     case feature_map::relu: return "relu";
+    case feature_map::poly2: return "poly2";
   }
   return "?";
 }
+std::size_t features(feature_map m, std::size_t d) { return m == feature_map::poly2 ? d * (d + 1) / 2 : d; }
 std::string_view name_of(opcode o) {
   switch (o) {
     case opcode::zero: return "zero";
@@ -49,8 +51,9 @@ namespace {
 // fp32 elements of every register a program of this shape holds.
 std::size_t tile_floats(attention_spec const& s, std::size_t t, std::size_t tm) {
   std::size_t w = tm + (s.normalized ? 1 : 0);  // [V|1] columns per block
-  std::size_t qk = 2 * t * s.d;                 // φ(Q), φ(K) chunks
-  std::size_t state = s.d * w;
+  std::size_t c = features(s.map_q, s.d);
+  std::size_t qk = 2 * t * c + (c != s.d ? t * s.d : 0);  // φ(Q), φ(K) chunks, the rows a row map reads
+  std::size_t state = c * w;
   std::size_t v = t * w, o = t * w;
   std::size_t a = s.causal ? t * t : 0;  // the masked similarity of one chunk
   return qk + state + v + o + a;
@@ -62,6 +65,7 @@ std::string_view id_of(feature_map m) {
     case feature_map::identity: return "id";
     case feature_map::elu_plus_one: return "elu1";
     case feature_map::relu: return "relu";
+    case feature_map::poly2: return "poly2";
   }
   return "x";
 }
@@ -76,7 +80,7 @@ struct builder {
   static instruction load(int t, int slot, int width, bool by_m = false) {
     return {.op = opcode::load, .dst = t, .slot = slot, .width = width, .by_m_tile = by_m};
   }
-  static instruction map(int t, feature_map m) { return {.op = opcode::map, .dst = t, .map = m}; }
+  static instruction map(int t, feature_map m, int from = -1) { return {.op = opcode::map, .dst = t, .a = from, .map = m}; }
   static instruction ones(int t) { return {.op = opcode::ones_column, .dst = t}; }
   static instruction product(int t, int a, bool ta, int b, bool tb, bool acc) {
     return {.op = opcode::product, .dst = t, .a = a, .b = b, .transpose_a = ta, .transpose_b = tb, .accumulate = acc};
@@ -113,7 +117,11 @@ program program_of(attention_spec const& s) {
   program& p = b.p;
   p.spec = s;
   p.tiles = choose_tiles(s);
+  if (features(s.map_q, s.d) != features(s.map_k, s.d))
+    throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
+  int const c = static_cast<int>(features(s.map_q, s.d));
+  bool const row_map = c != d;  // poly2: loaded rows go through a register of D columns
   int const w = tm + (s.normalized ? 1 : 0);
   p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
   p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}", s.causal ? "causal" : "full",
@@ -124,20 +132,27 @@ program program_of(attention_spec const& s) {
   p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}};
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
-  int const q = b.reg("q", t, d, "φ(Q) chunk (T, D)");
-  int const k = b.reg("k", t, d, "φ(K) chunk (T, D)");
+  std::string const cdim = row_map ? "C" : "D";
+  int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")");
+  int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")");
+  int const x = row_map ? b.reg("x", t, d, "Q or K chunk before the row map (T, D)") : -1;
   int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)");
-  int const st = b.reg("state", d, w, "Σ φ(K)ᵀ" + v1 + " over the chunks so far, fp32 (D, W)");
+  int const st = b.reg("state", c, w, "Σ φ(K)ᵀ" + v1 + " over the chunks so far, fp32 (" + cdim + ", W)");
   int const o = b.reg("o", t, w, "output rows (T, W)");
   float const eps = static_cast<float>(s.eps);
 
-  auto load_q = [&](std::vector<instruction>& body) {
-    body.push_back(builder::load(q, 0, d));
-    if (s.map_q != feature_map::identity) body.push_back(builder::map(q, s.map_q));
+  auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map m) {
+    if (row_map) {
+      body.push_back(builder::load(x, slot, d));
+      body.push_back(builder::map(dst, m, x));
+    } else {
+      body.push_back(builder::load(dst, slot, d));
+      if (m != feature_map::identity) body.push_back(builder::map(dst, m));
+    }
   };
+  auto load_q = [&](std::vector<instruction>& body) { load_mapped(body, q, 0, s.map_q); };
   auto load_kv = [&](std::vector<instruction>& body) {
-    body.push_back(builder::load(k, 1, d));
-    if (s.map_k != feature_map::identity) body.push_back(builder::map(k, s.map_k));
+    load_mapped(body, k, 1, s.map_k);
     body.push_back(builder::load(v, 2, tm, true));
     if (s.normalized) body.push_back(builder::ones(v));
   };
@@ -185,7 +200,9 @@ std::string listing(program const& p) {
       case opcode::load:
         return fmt::format("load {} ← {}[:, {}{} cols]", nm(i.dst), p.inputs[static_cast<std::size_t>(i.slot)].name,
                            i.by_m_tile ? "m_tile·tile_m + " : "", i.width);
-      case opcode::map: return fmt::format("map {} φ[{}]", nm(i.dst), name_of(i.map));
+      case opcode::map:
+        return i.a >= 0 ? fmt::format("map {} ← φ[{}]({})", nm(i.dst), name_of(i.map), nm(i.a))
+                        : fmt::format("map {} φ[{}]", nm(i.dst), name_of(i.map));
       case opcode::product:
         return fmt::format("{} {} {}{}·{}{}", nm(i.dst), i.accumulate ? "+=" : "=", nm(i.a), i.transpose_a ? "ᵀ" : "",
                            nm(i.b), i.transpose_b ? "ᵀ" : "");

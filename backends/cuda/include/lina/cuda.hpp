@@ -9,7 +9,7 @@
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
 // live in translation units of their own that never see it.
 //
-// Plans lowered so far (Map ∈ {elu+1, relu, identity}, or no φ at all; each
+// Plans lowered so far (Map ∈ {elu+1, relu, identity, poly2}, or no φ at all; each
 // with or without the normaliser rowdiv(…[V|1])):
 //   causal:      contract(φ(Q), prefix(φ(K)⊗V))  or  causal(φ(Q)·φ(K)ᵀ)·V
 //   non-causal:  φ(Q)·(φ(K)ᵀ·V)                  or  (φ(Q)·φ(K)ᵀ)·V
@@ -51,9 +51,9 @@ struct cuda_plan {
   static_assert(Supported,
                 "lina::cuda: this plan cannot be lowered to a CUDA kernel yet. Supported: causal "
                 "contract(φ(Q), prefix(φ(K)⊗V)) or causal(φ(Q)·φ(K)ᵀ)·V, non-causal φ(Q)·(φ(K)ᵀ·V) or "
-                "(φ(Q)·φ(K)ᵀ)·V, each optionally normalised as rowdiv(…[V|1]); φ ∈ {elu+1, relu, identity} "
-                "or none; Q, K, V over one sequence dimension (no cross-attention yet); a select only between "
-                "two such forms of the same attention");
+                "(φ(Q)·φ(K)ᵀ)·V, each optionally normalised as rowdiv(…[V|1]); φ ∈ {elu+1, relu, identity, "
+                "poly2} or none (favor, random Fourier features: not yet); Q, K, V over one sequence "
+                "dimension (no cross-attention yet); a select only between two such forms of one attention");
   static constexpr bool ok = Supported;
 };
 }  // namespace diagnose
@@ -68,12 +68,16 @@ template <>
 inline constexpr bool known_map<lina::relu> = true;
 template <>
 inline constexpr bool known_map<lina::identity> = true;
+template <>
+inline constexpr bool known_map<lina::poly2> = true;
 template <class Map>
 constexpr feature_map map_of() {
   if constexpr (std::is_same_v<Map, lina::elu_plus_one>)
     return feature_map::elu_plus_one;
   else if constexpr (std::is_same_v<Map, lina::relu>)
     return feature_map::relu;
+  else if constexpr (std::is_same_v<Map, lina::poly2>)
+    return feature_map::poly2;
   else
     return feature_map::identity;
 }

@@ -26,6 +26,9 @@
 //                          (including j ≥ width). c0 = 0, or m_tile · tile_m
 //                          when the load is `by_m_tile`. 64-bit offsets.
 //   map t, φ               t[i][j] = φ(t[i][j]) for i < rows (rows ≥ rows stay 0)
+//   map t ← x, poly2       t[i][·] = poly2(x[i][·]) for i < rows, 0 for i ≥ rows:
+//                          x_a² at a(2D−a+1)/2, (√2·x_a)·x_b after it for b > a,
+//                          √2 rounded to fp32 (a row map, out of place)
 //   ones_column t          t[i][cols-1] = 1 for i < rows
 //   product t, a, b        t = (accumulate ? t : 0) + op(a)·op(b) with op =
 //                          identity or transpose per operand; each element is
@@ -47,8 +50,12 @@ namespace lina::cuda {
 // Element types of inputs and outputs; accumulation and state are always fp32.
 enum class dtype : std::uint8_t { f32, f16, bf16 };
 
-// Element-wise feature maps a program can apply (the row maps come later).
-enum class feature_map : std::uint8_t { identity, elu_plus_one, relu };
+// Feature maps a program can apply: element-wise (C = D features), or poly2,
+// the exact degree-2 polynomial kernel packed as [x_i² (i), √2 x_i x_j (i < j)]
+// (C = D(D+1)/2, lina::poly2's order).
+enum class feature_map : std::uint8_t { identity, elu_plus_one, relu, poly2 };
+// Features of a row of D columns: C.
+std::size_t features(feature_map m, std::size_t d);
 
 std::string_view name_of(dtype t);
 std::string_view name_of(feature_map m);
@@ -95,7 +102,7 @@ std::string_view name_of(opcode o);
 struct instruction {
   opcode op;
   int dst = -1;                 // the register written (read too, by in-place ops)
-  int a = -1, b = -1;           // product operands
+  int a = -1, b = -1;           // product operands; map: the source of a row map (else -1)
   bool transpose_a = false, transpose_b = false, accumulate = false;  // product
   int slot = -1;                // load: input slot; store: unused (one output)
   int width = 0;                // load/store: columns read or written (≤ the register's)

@@ -70,6 +70,17 @@ struct relu {
   __device__ static float apply(float x) { return x < 0.0f ? 0.0f : x; }  // NaN passes
 };
 
+// A row map: Map::apply(x, d, feature) is feature f of the row x (d columns).
+// poly2: [x_a² (a), (√2·x_a)·x_b (b > a)], the packing of lina::poly2.
+struct poly2 {
+  __device__ static float apply(const float* x, int d, int f) {
+    int a = 0;
+    while (f >= d - a) f -= d - a, ++a;  // row a of the packed upper triangle holds d - a features
+    const float r2 = 1.41421356237309504880f;
+    return f == 0 ? x[a] * x[a] : r2 * x[a] * x[a + f];
+  }
+};
+
 // ---- tile operations ----------------------------------------------------------------
 template <int R, int C>
 __device__ void zero(float* t) {
@@ -94,6 +105,16 @@ __device__ void load(float* t, const operand& in, long long base, long long r0, 
 template <class Map, int R, int C>
 __device__ void map(float* t, int rows) {
   for (int e = threadIdx.x; e < rows * C; e += blockDim.x) t[e] = Map::apply(t[e]);
+  __syncthreads();
+}
+
+// t (R × C) = Map(x) row by row for i < rows, 0 below; x is R × D.
+template <class Map, int R, int C, int D>
+__device__ void map_rows(float* t, const float* x, int rows) {
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
+    const int i = e / C, f = e % C;
+    t[e] = i < rows ? Map::apply(x + i * D, D, f) : 0.0f;
+  }
   __syncthreads();
 }
 
