@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <lina/cpu.hpp>
 #include <lina/cuda.hpp>
@@ -18,6 +19,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <unistd.h>
 
 #include "support.hpp"
 
@@ -369,4 +371,32 @@ TEST_CASE("device: launched kernels agree with the emulation") {
   CHECK_THROWS_AS(cuda::evaluate_into(causal_plan, cuda::device_view<float>(static_cast<float*>(dout.get()), v.shape()),
                                       nullptr, Q = hq, K = hq, V = hv),
                   std::invalid_argument);
+}
+
+TEST_CASE("NVRTC on-disk cache: keyed by source and architecture, checked on read") {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("lina-cuda-cache-test-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  ::setenv("LINA_CUDA_CACHE", dir.c_str(), 1);
+  cuda::attention_spec s;
+  s.d = 8;
+  s.m = 4;
+  auto p = cuda::program_of(s);
+  auto src = cuda::emit(p);
+  auto first = cuda::compile_cached(src, p.kernel_name, "sm_90");
+  auto again = cuda::compile_cached(src, p.kernel_name, "sm_90");
+  auto other = cuda::compile_cached(src, p.kernel_name, "sm_80");
+  CHECK(!first.from_cache);
+  CHECK(again.from_cache);
+  CHECK(!other.from_cache);
+  CHECK(again.image == first.image);
+  CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator()) == 2);
+  // A damaged file is recompiled, not trusted.
+  for (auto const& e : fs::directory_iterator(dir)) std::ofstream(e.path(), std::ios::binary) << "garbage";
+  CHECK(!cuda::compile_cached(src, p.kernel_name, "sm_90").from_cache);
+  ::setenv("LINA_CUDA_CACHE", "off", 1);
+  CHECK(cuda::cache_directory().empty());
+  CHECK(!cuda::compile_cached(src, p.kernel_name, "sm_90").from_cache);
+  ::unsetenv("LINA_CUDA_CACHE");
+  fs::remove_all(dir);
 }

@@ -107,7 +107,7 @@ void launch(program const& p, forward_args const& args, void* stream) {
     auto key = std::make_tuple(dev.device, dev.arch, source);
     auto it = cache().find(key);
     if (it == cache().end()) {
-      compiled_kernel c = compile(source, name, dev.arch);
+      compiled_kernel c = compile_cached(source, name, dev.arch);
       check(cudaLibraryLoadData(&k.library, c.image.data(), nullptr, nullptr, 0, nullptr, nullptr, 0),
             "cudaLibraryLoadData", name);
       check(cudaLibraryGetKernel(&k.kernel, k.library, name.c_str()), "cudaLibraryGetKernel", name);

@@ -5,8 +5,13 @@
 #include <fmt/format.h>
 #include <nvrtc.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
+#include <system_error>
 
 #include "lina/cuda/emit.hpp"
 
@@ -94,6 +99,68 @@ compiled_kernel compile(std::string_view source, std::string_view kernel_name, s
     out.image.resize(size);
     check(nvrtcGetPTX(raw, out.image.data()), "nvrtcGetPTX", raw);
   }
+  return out;
+}
+
+std::string cache_directory() {
+  if (char const* e = std::getenv("LINA_CUDA_CACHE"); e && *e) return std::string(e) == "off" ? std::string() : e;
+  if (char const* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/lina";
+  if (char const* h = std::getenv("HOME"); h && *h) return std::string(h) + "/.cache/lina";
+  return {};
+}
+
+namespace {
+std::uint64_t fnv1a(std::string_view s) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+}  // namespace
+
+compiled_kernel compile_cached(std::string_view source, std::string_view kernel_name, std::string_view arch,
+                               std::vector<std::string> const& extra_options) {
+  std::string const dir = cache_directory();
+  if (dir.empty()) return compile(source, kernel_name, arch, extra_options);
+  // The key: everything that changes the image.
+  std::string key = fmt::format("lina-kernel-cache 1\nnvrtc {}\narch {}\ninclude {}\n", nvrtc_version(), arch,
+                                toolkit_include_dir());
+  for (auto const& o : extra_options) key += "option " + o + "\n";
+  key += fmt::format("header {}\n", tiles_header().size());
+  key += tiles_header();
+  key += fmt::format("\nsource {}\n", source.size());
+  key += source;
+  namespace fs = std::filesystem;
+  fs::path const file = fs::path(dir) / fmt::format("{}-{}-{:016x}.bin", kernel_name, arch, fnv1a(key));
+  {
+    std::ifstream in(file, std::ios::binary);
+    if (in) {
+      std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (data.size() > key.size() && data.compare(0, key.size(), key) == 0) {
+        compiled_kernel out;
+        out.kernel = std::string(kernel_name);
+        out.arch = std::string(arch);
+        out.image.assign(data.begin() + static_cast<std::ptrdiff_t>(key.size()), data.end());
+        out.from_cache = true;
+        return out;
+      }
+    }
+  }
+  compiled_kernel out = compile(source, kernel_name, arch, extra_options);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  fs::path const tmp = file.string() + fmt::format(".{:x}.tmp", reinterpret_cast<std::uintptr_t>(&out));
+  {
+    std::ofstream f(tmp, std::ios::binary);
+    f.write(key.data(), static_cast<std::streamsize>(key.size()));
+    f.write(out.image.data(), static_cast<std::streamsize>(out.image.size()));
+    if (!f) {
+      f.close();
+      fs::remove(tmp, ec);
+      return out;
+    }
+  }
+  fs::rename(tmp, file, ec);  // atomic: a concurrent reader sees the old file or the new one
+  if (ec) fs::remove(tmp, ec);
   return out;
 }
 

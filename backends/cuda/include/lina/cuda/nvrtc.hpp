@@ -28,6 +28,7 @@ struct compiled_kernel {
   std::vector<char> image;      // the cubin, or the PTX text (with its terminating 0)
   std::string log;              // NVRTC's log; empty for a clean compile
   std::vector<std::string> options;
+  bool from_cache = false;      // read from the on-disk cache (compile_cached)
 };
 
 // Compile a generated kernel source for one architecture: "sm_80", "sm_90"
@@ -36,6 +37,16 @@ struct compiled_kernel {
 // toolkit_include_dir(). Throws nvrtc_error when NVRTC fails.
 compiled_kernel compile(std::string_view source, std::string_view kernel_name, std::string_view arch,
                         std::vector<std::string> const& extra_options = {});
+
+// compile(), through an on-disk cache of images keyed by the source, the tile
+// header, the options, the architecture and NVRTC's version (a 64-bit hash in
+// the file name, the full key checked inside the file). The folder is
+// $LINA_CUDA_CACHE, else $XDG_CACHE_HOME/lina, else ~/.cache/lina;
+// LINA_CUDA_CACHE=off turns the cache off. A cache that cannot be written is
+// not an error: the kernel is compiled every time.
+compiled_kernel compile_cached(std::string_view source, std::string_view kernel_name, std::string_view arch,
+                               std::vector<std::string> const& extra_options = {});
+std::string cache_directory();  // "" when off
 
 // The folder of the toolkit's headers NVRTC is pointed at (-I): the environment's
 // LINA_CUDA_INCLUDE_DIR when set, else the one this library was built against.
