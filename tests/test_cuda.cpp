@@ -1,11 +1,12 @@
 // The CUDA backend without a GPU: the generated kernels' tile programs run in
 // the host emulation and agree with the CPU backend and with the expression
 // evaluated as written (in double); every kernel the tests generate compiles
-// with NVRTC for sm_80 and sm_90 with an empty log; the emitted source of one
-// plan is pinned by a golden file.
+// with NVRTC for sm_80 and sm_90 with an empty log; the emitted sources of a
+// few plans are pinned by golden files (tests/golden/).
 //
-// Regenerate the golden file after an intended change of the emitter with
-//   LINA_UPDATE_GOLDEN=1 ./lina_cuda_tests -tc="*golden*"
+// Regenerate the golden files after an intended change of the emitter with
+//   LINA_UPDATE_GOLDEN=1 build/release/tests/lina_cuda_tests -tc="*golden*"
+// and review the diff.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -204,6 +205,14 @@ TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
   CHECK(wide.m_tiles == 4);
   CHECK(wide.shared_bytes() <= cuda::shared_memory_budget);
   CHECK_THROWS_WITH_AS(cuda::program_of(causal_plan, {}, D = 64), doctest::Contains("dimension M"), std::invalid_argument);
+  // Beyond what a block's shared memory holds even at T = 16: refused, saying why.
+  CHECK_THROWS_WITH_AS(cuda::program_of(causal_plan, {}, D = 1500, M = 64), doctest::Contains("too large"),
+                       std::invalid_argument);
+  // compile()'s select between the two orders is the same kernel as the linear plan.
+  auto q = tensor<float>::random({1, 2, 90, 7}, 1), k = tensor<float>::random({1, 2, 90, 7}, 2),
+       v = tensor<float>::random({1, 2, 90, 5}, 3);
+  CHECK(cuda::emit(cuda::program_of(automatic, {}, D = 7, M = 5)) == cuda::emit(cuda::program_of(causal_plan, {}, D = 7, M = 5)));
+  CHECK(max_abs_diff(cuda::emulate(automatic, Q = q, K = k, V = v), cuda::emulate(causal_plan, Q = q, K = k, V = v)) == 0.0);
   MESSAGE(cuda::listing(p));
 }
 
@@ -262,26 +271,41 @@ TEST_CASE("emulation reads strided layouts in place: [B,N,H,D] = [B,H,N,D]") {
   CHECK(max_abs_diff(dense, strided) == 0.0);
 }
 
-TEST_CASE("golden: the emitted source of a small causal bf16 plan") {
+namespace {
+// The emitted source of `plan` equals tests/golden/<file> byte for byte.
+template <class Plan>
+void check_golden(Plan const& plan, cuda::options opt, std::string const& file) {
+  std::string src = cuda::source(plan, opt);
+  std::string const path = std::string(LINA_GOLDEN_DIR) + "/" + file;
+  if (char const* update = std::getenv("LINA_UPDATE_GOLDEN"); update && *update) {
+    std::ofstream(path, std::ios::binary) << src;
+    MESSAGE("rewrote " << path);
+  }
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE_MESSAGE(in.good(), "missing golden file " << path << " (LINA_UPDATE_GOLDEN=1 writes it)");
+  std::stringstream want;
+  want << in.rdbuf();
+  CHECK_MESSAGE(src == want.str(), "the emitted source differs from " << path
+                                   << "; if the change is intended, rerun with LINA_UPDATE_GOLDEN=1 and review the diff");
+  check_compiles(cuda::program_of(plan, opt));
+}
+}  // namespace
+
+TEST_CASE("golden: the emitted sources of a few small plans") {
   constexpr auto Ds = dim<"D", 16>;
   constexpr auto Ms = dim<"M", 8>;
   constexpr auto Qs = input<"Q">(N, Ds);
   constexpr auto Ks = input<"K">(N, Ds);
   constexpr auto Vs = input<"V">(N, Ms);
-  constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Qs) * transpose(phi<elu_plus_one>(Ks)))) * Vs);
-  std::string src = cuda::source(plan, {cuda::dtype::bf16, cuda::dtype::bf16});
-  std::string const path = std::string(LINA_GOLDEN_DIR) + "/cuda_causal_elu1_d16_m8_bf16.cu";
-  if (char const* update = std::getenv("LINA_UPDATE_GOLDEN"); update && *update) {
-    std::ofstream(path, std::ios::binary) << src;
-    MESSAGE("rewrote " << path);
-  }
-  std::ifstream file(path, std::ios::binary);
-  REQUIRE_MESSAGE(file.good(), "missing golden file " << path << " (LINA_UPDATE_GOLDEN=1 writes it)");
-  std::stringstream want;
-  want << file.rdbuf();
-  CHECK_MESSAGE(src == want.str(), "the emitted source differs from " << path
-                                   << "; if the change is intended, rerun with LINA_UPDATE_GOLDEN=1");
-  check_compiles(cuda::program_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16}));
+  check_golden(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Qs) * transpose(phi<elu_plus_one>(Ks)))) * Vs),
+               {cuda::dtype::bf16, cuda::dtype::bf16}, "cuda_causal_elu1_d16_m8_bf16.cu");
+  check_golden(compile<order::linear>(phi<relu>(Qs) * transpose(phi<relu>(Ks)) * Vs), {cuda::dtype::f16, cuda::dtype::f32},
+               "cuda_full_relu_d16_m8_f16_f32_unnormalized.cu");
+  constexpr auto Dp = dim<"D", 4>;
+  constexpr auto Qp = input<"Q">(N, Dp);
+  constexpr auto Kp = input<"K">(N, Dp);
+  check_golden(compile<order::linear>(normalize(causal(phi<poly2>(Qp) * transpose(phi<poly2>(Kp)))) * Vs), {},
+               "cuda_causal_poly2_d4_m8_f32.cu");
 }
 
 TEST_CASE("NVRTC errors name the call and the kernel and carry the log") {

@@ -118,11 +118,8 @@ struct emitter {
     line(0, "extern \"C\" __global__ void __launch_bounds__({}) {}(const tl::forward_args args) {{", p.tiles.threads,
          p.kernel_name);
     line(2, "extern __shared__ float shared[];");
-    std::size_t offset = 0;
-    for (auto const& r : p.registers) {
-      line(2, "float* const {} = shared + {};", r.name, offset);
-      offset += static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols);
-    }
+    for (std::size_t r = 0; r < p.registers.size(); ++r)
+      line(2, "float* const {} = shared + {};", p.registers[r].name, p.offset_of(static_cast<int>(r)));
     line(2, "const long long slice = blockIdx.x / m_tiles;  // (batch, head)");
     line(2, "const long long m0 = static_cast<long long>(blockIdx.x % m_tiles) * tile_m;  // this block's first column of M");
     line(2, "const long long b = slice / args.heads, h = slice % args.heads;");

@@ -40,10 +40,22 @@ std::string_view name_of(opcode o) {
 }
 std::size_t size_of(dtype t) { return t == dtype::f32 ? 4 : 2; }
 
-std::size_t program::shared_bytes() const {
+namespace {
+std::size_t aligned(std::size_t n) {
+  return (n + program::register_alignment - 1) / program::register_alignment * program::register_alignment;
+}
+std::size_t floats_of(tile_register const& r) { return static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols); }
+}  // namespace
+
+std::size_t program::offset_of(int r) const {
   std::size_t n = 0;
-  for (auto const& r : registers) n += static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols);
-  return n * sizeof(float);
+  for (int i = 0; i < r; ++i) n = aligned(n + floats_of(registers.at(static_cast<std::size_t>(i))));
+  return n;
+}
+std::size_t program::shared_bytes() const {
+  if (registers.empty()) return 0;
+  int last = static_cast<int>(registers.size()) - 1;
+  return (offset_of(last) + floats_of(registers.back())) * sizeof(float);
 }
 
 namespace {
@@ -56,7 +68,8 @@ std::size_t tile_floats(attention_spec const& s, std::size_t t, std::size_t tm) 
   std::size_t state = c * w;
   std::size_t v = t * w, o = t * w;
   std::size_t a = s.causal ? t * t : 0;  // the masked similarity of one chunk
-  return qk + state + v + o + a;
+  std::size_t padding = 7 * (program::register_alignment - 1);  // at most 7 registers, each aligned
+  return qk + state + v + o + a + padding;
 }
 
 // The ids used in kernel names: letters, digits and underscores only.
@@ -128,7 +141,7 @@ program program_of(attention_spec const& s) {
                               id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
                               s.normalized ? "" : "_unnormalized");
   p.description = fmt::format("{} linear attention, forward{}: {}", s.causal ? "causal" : "non-causal",
-                              s.normalized ? "" : " (unnormalized)", s.description);
+                              s.normalized ? "" : " (unnormalized)", plan_text(s));
   p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}};
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
@@ -187,6 +200,17 @@ program program_of(attention_spec const& s) {
     p.passes.push_back(std::move(rows));
   }
   return p;
+}
+
+std::string plan_text(attention_spec const& s) {
+  auto mapped = [](feature_map m, std::string const& x) {
+    return m == feature_map::identity ? x : fmt::format("φ[{}]({})", name_of(m), x);
+  };
+  std::string const q = mapped(s.map_q, s.q_name), k = mapped(s.map_k, s.k_name);
+  std::string const v = s.normalized ? "[" + s.v_name + "|1]" : s.v_name;
+  std::string core = s.causal ? fmt::format("contract({}, prefix({}⊗{}))", q, k, v) : fmt::format("{}·({}ᵀ·{})", q, k, v);
+  if (!s.normalized) return core;
+  return s.eps == 1e-6 ? fmt::format("rowdiv({})", core) : fmt::format("rowdiv({}; eps={})", core, s.eps);
 }
 
 std::string listing(program const& p) {

@@ -71,7 +71,7 @@ struct attention_spec {
   std::size_t d = 0, m = 0; // columns of Q and K (D), of V and the output (M)
   dtype in = dtype::f32, out = dtype::f32;
   std::string q_name = "Q", k_name = "K", v_name = "V";  // the plan's input symbols
-  std::string description;  // the plan as printed, for the kernel's comment
+  std::string description;  // the plan as the user's program printed it (messages)
 };
 
 // Chunk and tile sizes, chosen so that every tile of the program fits in
@@ -118,7 +118,7 @@ struct input_slot {
 
 struct program {
   std::string kernel_name;   // a C identifier, unique per specialisation
-  std::string description;   // printed plan and what the kernel computes
+  std::string description;   // what the kernel computes, and plan_text(spec)
   attention_spec spec;
   tile_config tiles;
   int m_tiles = 1;           // blocks per (batch, head): ceil(M / tile_m)
@@ -127,12 +127,21 @@ struct program {
   std::vector<instruction> prologue;
   std::vector<std::vector<instruction>> passes;
 
-  std::size_t shared_bytes() const;  // all registers, fp32
+  // Registers lie one after another in shared memory, each starting at a
+  // multiple of 16 bytes (ready for vector accesses).
+  static constexpr std::size_t register_alignment = 4;  // floats
+  std::size_t offset_of(int r) const;  // in floats
+  std::size_t shared_bytes() const;    // all registers, fp32, with their alignment
 };
 
 // The tile program of a forward attention (causal: one pass, the chunked scan;
 // non-causal: a pass accumulating the state, then a pass producing rows).
 program program_of(attention_spec const& s);
+
+// The linear plan a spec computes, in lina's notation, written from the spec
+// alone: every plan with this spec (either order, a select between them) gets
+// the same text, so the same kernel source and one cache entry.
+std::string plan_text(attention_spec const& s);
 
 // A readable listing of the program (for docs, messages and debugging).
 std::string listing(program const& p);
