@@ -244,7 +244,7 @@ TEST_CASE("emulated non-causal forward = CPU backend = as written") {
   check_forward(Q * transpose(K) * V, 23);
 }
 
-TEST_CASE("emulation reads strided layouts in place: [B,N,H,D] = [B,H,N,D]") {
+TEST_CASE("emulation reads and writes strided layouts in place: [B,N,H,D] = [B,H,N,D]") {
   constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   std::size_t b = 2, h = 3, n = 77, d = 12, m = 10;
   auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2),
@@ -266,9 +266,19 @@ TEST_CASE("emulation reads strided layouts in place: [B,N,H,D] = [B,H,N,D]") {
   auto [ks, kst] = relayout(k);
   auto [vs, vst] = relayout(v);
   tensor_view<float const> qv(qs.data(), q.shape(), qst), kv(ks.data(), k.shape(), kst), vv(vs.data(), v.shape(), vst);
-  auto dense = cuda::emulate(plan, Q = q, K = k, V = v);
-  auto strided = cuda::emulate(plan, Q = qv, K = kv, V = vv);
-  CHECK(max_abs_diff(dense, strided) == 0.0);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    cuda::options opt{dt, dt};
+    auto dense = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+    auto strided = cuda::emulate(plan, opt, Q = qv, K = kv, V = vv);
+    CHECK(max_abs_diff(dense, strided) == 0.0);
+    // Into a [B,N,H,M] output.
+    auto [os, ost] = relayout(tensor<float>({b, h, n, m}));
+    tensor_view<float> ov(os.data(), {b, h, n, m}, ost);
+    cuda::emulate_into(plan, opt, ov, Q = qv, K = kv, V = vv);
+    CHECK(max_abs_diff(dense, ov) == 0.0);
+  }
+  tensor<float> wrong({b, h, n, m + 1});
+  CHECK_THROWS_AS(cuda::emulate_into(plan, {}, wrong.view(), Q = q, K = k, V = v), shape_error);
 }
 
 namespace {

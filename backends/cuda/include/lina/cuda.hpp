@@ -4,6 +4,7 @@
 //   cuda::program_of(plan, opts, D = d, M = m)   the tile program (lina/cuda/program.hpp)
 //   cuda::source(plan, opts, D = d, M = m)       the generated CUDA source
 //   cuda::emulate(plan, opts, Q = q, K = k, V = v)   the result through the host emulation
+//   cuda::emulate_into(plan, opts, out, Q = q, …)    the same into a view of any layout
 //   cuda::evaluate_into(plan, out, stream, Q = q, …)  a launch on the GPU, on device views
 //
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
@@ -294,18 +295,25 @@ inline operand operand_of(tensor_view<float const> const& v, dtype t, std::vecto
 }
 }  // namespace detail
 
-// Evaluate `plan` through the host emulation of its generated kernel:
-// emulate(plan, {.in = dtype::bf16, .out = dtype::bf16}, Q = q, K = k, V = v).
-// Bound tensors are float (any strided layout); the result is float [B,H,N,M].
+// Evaluate `plan` through the host emulation of its generated kernel into
+// `out` (any strided layout, e.g. a [B,N,H,M] view):
+// emulate_into(plan, {.in = dtype::bf16, .out = dtype::bf16}, out, Q = q, K = k, V = v).
+// Bound tensors are float (any strided layout), read as if stored in opt.in;
+// the result is rounded to opt.out. An fp32 output is written by the
+// emulated kernel through out's strides; a 16-bit one goes through a dense
+// buffer of bit patterns, as a caller without 16-bit host types would.
 template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
-tensor<float> emulate(Plan const& plan, options opt, B const&... bindings) {
+void emulate_into(Plan const& plan, options opt, tensor_view<float> out, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
   static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                 "lina::cuda::emulate: bind float tensors (the kernels read fp32, fp16 or bf16; see options)");
   using F = detail::forward_plan<Plan>;
   attention_spec s = spec_of(plan, opt);
-  tensor<float> out(result_shape<Plan>(in));
+  shape4 const want = result_shape<Plan>(in);
+  static constexpr char const* names[] = {"B (batch)", "H (heads)", "rows", "cols"};
+  for (int d = 0; d < 4; ++d)
+    if (out.shape()[d] != want[d]) throw shape_error("out", names[d], out.shape()[d], want[d], "of the plan's result");
   if constexpr (F::ok) {
     using Bound = decltype(in);
     s.d = static_cast<std::size_t>(F::q::input::cols::extent(in.table));
@@ -320,21 +328,35 @@ tensor<float> emulate(Plan const& plan, options opt, B const&... bindings) {
     a.heads = static_cast<std::int64_t>(in.heads);
     a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
     std::vector<std::uint16_t> result;
+    auto const dense = tensor_view<float>::contiguous_strides(want);
     if (opt.out == dtype::f32) {
       a.out.data = out.data();
       for (int i = 0; i < 4; ++i) a.out.stride[i] = out.strides()[static_cast<std::size_t>(i)];
     } else {
-      result.resize(out.size());
+      result.resize(want[0] * want[1] * want[2] * want[3]);
       a.out.data = result.data();
-      auto dense = tensor_view<float>::contiguous_strides(out.shape());
       for (int i = 0; i < 4; ++i) a.out.stride[i] = dense[static_cast<std::size_t>(i)];
     }
     a.out.cols = static_cast<std::int64_t>(s.m);
     emulate(p, a);
-    if (opt.out != dtype::f32)
-      for (std::size_t i = 0; i < result.size(); ++i)
-        out.data()[i] = opt.out == dtype::bf16 ? from_bf16_bits(result[i]) : from_f16_bits(result[i]);
+    if (opt.out != dtype::f32) {
+      std::size_t x = 0;
+      for (std::size_t b = 0; b < want[0]; ++b)
+        for (std::size_t h = 0; h < want[1]; ++h)
+          for (std::size_t n = 0; n < want[2]; ++n)
+            for (std::size_t c = 0; c < want[3]; ++c, ++x)
+              out(b, h, n, c) = opt.out == dtype::bf16 ? from_bf16_bits(result[x]) : from_f16_bits(result[x]);
+    }
   }
+}
+
+// The same into a new float tensor [B, H, N, M].
+template <class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+tensor<float> emulate(Plan const& plan, options opt, B const&... bindings) {
+  auto in = bind<Plan>(bindings...);  // (checked again by emulate_into; this sizes the result)
+  tensor<float> out(result_shape<Plan>(in));
+  emulate_into(plan, opt, out.view(), bindings...);
   return out;
 }
 template <class Plan, class... B>
