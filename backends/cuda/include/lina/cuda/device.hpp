@@ -1,0 +1,71 @@
+// Running generated kernels on a GPU, through the CUDA runtime API: the cubin
+// from NVRTC is loaded with cudaLibraryLoadData and launched with
+// cudaLaunchKernel, so nothing links the driver library directly and the same
+// binary runs — and reports "no device" — on machines without a GPU.
+//
+// Not exercised in CI (no GPU there): the device tests compare a launch with
+// the host emulation where a device exists and report themselves skipped
+// elsewhere.
+#pragma once
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+#include "lina/cuda/program.hpp"
+
+namespace lina::cuda {
+
+// A CUDA runtime call failed: names the call and the kernel (or "-").
+class cuda_error : public std::runtime_error {
+ public:
+  cuda_error(std::string call, std::string kernel, std::string status);
+  std::string const& call() const noexcept { return call_; }
+  std::string const& kernel() const noexcept { return kernel_; }
+
+ private:
+  std::string call_, kernel_;
+};
+
+struct device_status {
+  bool available = false;
+  int count = 0;
+  int device = -1;          // the current device
+  std::string arch;         // its architecture, e.g. "sm_90"
+  std::string reason;       // why none is available (the runtime's error)
+};
+// Never throws: no driver or no device is a status, not an error.
+device_status probe_device();
+
+// Launch p with these arguments (device pointers) on `stream` (a cudaStream_t;
+// nullptr is the default stream). Compiles the kernel with NVRTC for the
+// current device's architecture the first time (kept in memory per source and
+// architecture), checks that every pointer is device memory and that the
+// shared memory fits, all before the launch; throws cuda_error or
+// std::invalid_argument, writing nothing, otherwise.
+void launch(program const& p, forward_args const& args, void* stream = nullptr);
+
+// Device memory for tests and examples: a buffer of bytes.
+class device_buffer {
+ public:
+  device_buffer() = default;
+  explicit device_buffer(std::size_t bytes);
+  device_buffer(device_buffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr, o.bytes_ = 0; }
+  device_buffer& operator=(device_buffer&& o) noexcept;
+  device_buffer(device_buffer const&) = delete;
+  device_buffer& operator=(device_buffer const&) = delete;
+  ~device_buffer();
+  void* get() const noexcept { return ptr_; }
+  std::size_t size() const noexcept { return bytes_; }
+  void upload(void const* host, std::size_t bytes);
+  void download(void* host, std::size_t bytes) const;
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Wait for the device and report any asynchronous launch error.
+void synchronize(std::string const& kernel = "-");
+
+}  // namespace lina::cuda

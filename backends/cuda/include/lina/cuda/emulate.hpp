@@ -1,0 +1,16 @@
+// The host emulation: runs a tile program on the CPU, block by block, with
+// the semantics written in program.hpp — fp32 registers and fused
+// multiply-adds in the device's order, inputs read and outputs rounded in
+// their dtype (round to nearest even). It is how the generated kernels are
+// checked on machines without a GPU (every CI run).
+#pragma once
+
+#include "lina/cuda/program.hpp"
+
+namespace lina::cuda {
+
+// Execute p over every block of the grid, reading and writing host memory
+// through the same argument block a launch gets.
+void emulate(program const& p, forward_args const& args);
+
+}  // namespace lina::cuda

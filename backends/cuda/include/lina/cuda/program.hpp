@@ -1,0 +1,167 @@
+// The tile program: ONE description of a generated kernel, read by two
+// implementations — the emitter (emit.hpp), which writes it as CUDA source
+// calling the device tile header (tiles.cuh), and the host emulation
+// (emulate.hpp), which executes it on the CPU with the same semantics.
+//
+// Plain C++ (no Hana, no lina core headers): nvcc and NVRTC never see the DSL.
+//
+// A program runs once per CTA ("block"). Block x works on one (batch, head)
+// slice and one tile of the output's columns (m_tile = x % m_tiles):
+//
+//   prologue                      once
+//   for each pass:                every pass walks the chunks of the sequence,
+//     for r0 = 0, T, 2T, … < n:   rows [r0, r0 + rows), rows = min(T, n - r0)
+//       body                      in order
+//
+// Registers are fp32 tiles (rows × cols) in shared memory; they persist across
+// chunks and passes (the state is just a tile that no pass zeroes). Every
+// instruction is block-wide and completes before the next starts.
+//
+// Semantics (the emulation in emulate.cpp is the executable definition; the
+// device side in tiles.cuh must agree, element for element):
+//   zero t                 t = 0
+//   load t ← in[s]         t[i][j] = in[s](r0 + i, c0 + j) converted from the
+//                          input dtype to fp32 (exact) for i < rows and
+//                          j < width with c0 + j < cols(in[s]); 0 elsewhere
+//                          (including j ≥ width). c0 = 0, or m_tile · tile_m
+//                          when the load is `by_m_tile`. 64-bit offsets.
+//   map t, φ               t[i][j] = φ(t[i][j]) for i < rows (rows ≥ rows stay 0)
+//   map t ← x, poly2       t[i][·] = poly2(x[i][·]) for i < rows, 0 for i ≥ rows:
+//                          x_a² at a(2D−a+1)/2, (√2·x_a)·x_b after it for b > a,
+//                          √2 rounded to fp32 (a row map, out of place)
+//   ones_column t          t[i][cols-1] = 1 for i < rows
+//   product t, a, b        t = (accumulate ? t : 0) + op(a)·op(b) with op =
+//                          identity or transpose per operand; each element is
+//                          one fp32 fused multiply-add chain in increasing k
+//   mask_causal t          t[i][j] = 0 for j > i
+//   row_divide t, eps      t[i][j] /= (t[i][cols-1] + eps) for j < cols-1
+//   store t → out          out(r0 + i, c0 + j) = round(t[i][j]) for i < rows,
+//                          j < width, c0 + j < cols(out) (c0 as for load);
+//                          round: fp32 → output dtype, to nearest even
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace lina::cuda {
+
+// Element types of inputs and outputs; accumulation and state are always fp32.
+enum class dtype : std::uint8_t { f32, f16, bf16 };
+
+// Feature maps a program can apply: element-wise (C = D features), or poly2,
+// the exact degree-2 polynomial kernel packed as [x_i² (i), √2 x_i x_j (i < j)]
+// (C = D(D+1)/2, lina::poly2's order).
+enum class feature_map : std::uint8_t { identity, elu_plus_one, relu, poly2 };
+// Features of a row of D columns: C.
+std::size_t features(feature_map m, std::size_t d);
+
+std::string_view name_of(dtype t);
+std::string_view name_of(feature_map m);
+std::size_t size_of(dtype t);
+
+// What program_of needs to know about a forward attention plan. Filled from a
+// plan's type by lina::cuda::spec_of (lina/cuda.hpp) and the run-time extents.
+struct attention_spec {
+  bool causal = true;       // contract(φQ, prefix(φK⊗·)) rather than φQ·(φKᵀ·)
+  bool normalized = true;   // rowdiv(… [V|1]) rather than … V
+  feature_map map_q = feature_map::identity, map_k = feature_map::identity;
+  double eps = 1e-6;        // of rowdiv
+  std::size_t d = 0, m = 0; // columns of Q and K (D), of V and the output (M)
+  dtype in = dtype::f32, out = dtype::f32;
+  std::string q_name = "Q", k_name = "K", v_name = "V";  // the plan's input symbols
+  std::string description;  // the plan as the user's program printed it (messages)
+};
+
+// Chunk and tile sizes, chosen so that every tile of the program fits in
+// shared memory (see choose_tiles).
+struct tile_config {
+  int chunk = 64;    // T: rows per chunk
+  int tile_m = 64;   // columns of V (and of the output) per block
+  int threads = 256; // per block
+};
+
+// The most dynamic shared memory a block may use: sm_80 allows 163 KiB per
+// block (sm_90: 227 KiB); 160 KiB fits both targets.
+inline constexpr std::size_t shared_memory_budget = 160 * 1024;
+
+// T = 64 when the tiles fit, else 32, then 16; the M tile is min(M, 64) (or
+// smaller when needed). Throws std::invalid_argument when nothing fits.
+tile_config choose_tiles(attention_spec const& s);
+
+struct tile_register {
+  std::string name;  // a C identifier, used in the generated source
+  int rows = 0, cols = 0;
+  std::string comment;  // what it holds, e.g. "φ(Q) chunk (T, D)"
+};
+
+enum class opcode : std::uint8_t { zero, load, map, ones_column, product, mask_causal, row_divide, store };
+std::string_view name_of(opcode o);
+
+struct instruction {
+  opcode op;
+  int dst = -1;                 // the register written (read too, by in-place ops)
+  int a = -1, b = -1;           // product operands; map: the source of a row map (else -1)
+  bool transpose_a = false, transpose_b = false, accumulate = false;  // product
+  int slot = -1;                // load: input slot; store: unused (one output)
+  int width = 0;                // load/store: columns read or written (≤ the register's)
+  bool by_m_tile = false;       // load/store: columns start at m_tile · tile_m
+  feature_map map = feature_map::identity;  // map
+  float eps = 0;                // row_divide
+};
+
+struct input_slot {
+  std::string name;  // the plan's input symbol, e.g. "Q"
+  std::string role;  // "q", "k" or "v"
+};
+
+struct program {
+  std::string kernel_name;   // a C identifier, unique per specialisation
+  std::string description;   // what the kernel computes, and plan_text(spec)
+  attention_spec spec;
+  tile_config tiles;
+  int m_tiles = 1;           // blocks per (batch, head): ceil(M / tile_m)
+  std::vector<input_slot> inputs;
+  std::vector<tile_register> registers;
+  std::vector<instruction> prologue;
+  std::vector<std::vector<instruction>> passes;
+
+  // Registers lie one after another in shared memory, each starting at a
+  // multiple of 16 bytes (ready for vector accesses).
+  static constexpr std::size_t register_alignment = 4;  // floats
+  std::size_t offset_of(int r) const;  // in floats
+  std::size_t shared_bytes() const;    // all registers, fp32, with their alignment
+};
+
+// The tile program of a forward attention (causal: one pass, the chunked scan;
+// non-causal: a pass accumulating the state, then a pass producing rows).
+program program_of(attention_spec const& s);
+
+// The linear plan a spec computes, in lina's notation, written from the spec
+// alone: every plan with this spec (either order, a select between them) gets
+// the same text, so the same kernel source and one cache entry.
+std::string plan_text(attention_spec const& s);
+
+// A readable listing of the program (for docs, messages and debugging).
+std::string listing(program const& p);
+
+// ---- the kernel's argument block ---------------------------------------------
+// Laid out exactly as lina::tile::forward_args in tiles.cuh (checked by the
+// emulation test), so one struct feeds both cudaLaunchKernel and the emulation.
+struct operand {
+  void const* data = nullptr;  // element (0, 0, 0, 0)
+  std::int64_t stride[4] = {0, 0, 0, 0};  // in elements: batch, head, row, col
+  std::int64_t cols = 0;
+};
+inline constexpr int max_inputs = 4;
+struct forward_args {
+  operand in[max_inputs];
+  operand out;  // data points to writable memory
+  std::int64_t batch = 0, heads = 0, n = 0;
+};
+
+// Blocks to launch for a program on these arguments.
+inline std::int64_t blocks_of(program const& p, forward_args const& a) { return a.batch * a.heads * p.m_tiles; }
+
+}  // namespace lina::cuda

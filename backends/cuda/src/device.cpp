@@ -1,0 +1,153 @@
+// Launching generated kernels through the CUDA runtime (see device.hpp).
+#include "lina/cuda/device.hpp"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "lina/cuda/emit.hpp"
+#include "lina/cuda/nvrtc.hpp"
+
+namespace lina::cuda {
+
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 5 * 48 + 24,
+              "forward_args must keep the layout of lina::tile::forward_args (tiles.cuh)");
+
+cuda_error::cuda_error(std::string call, std::string kernel, std::string status)
+    : std::runtime_error(fmt::format("lina::cuda: {} failed for kernel {}: {}", call, kernel, status)),
+      call_(std::move(call)),
+      kernel_(std::move(kernel)) {}
+
+namespace {
+
+void check(cudaError_t e, char const* call, std::string const& kernel) {
+  if (e != cudaSuccess) throw cuda_error(call, kernel, fmt::format("{} ({})", cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
+struct loaded {
+  cudaLibrary_t library = nullptr;
+  cudaKernel_t kernel = nullptr;
+};
+
+// Kernels loaded so far, per (device, architecture, source); never unloaded.
+std::mutex cache_mutex;
+std::map<std::tuple<int, std::string, std::string>, loaded>& cache() {
+  static std::map<std::tuple<int, std::string, std::string>, loaded> c;
+  return c;
+}
+
+void check_device_pointer(void const* p, char const* what, std::string const& kernel) {
+  cudaPointerAttributes a{};
+  cudaError_t e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear it
+    throw std::invalid_argument(fmt::format("lina::cuda: {} of kernel {} is not a device pointer ({})", what, kernel,
+                                            cudaGetErrorName(e)));
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+    throw std::invalid_argument(
+        fmt::format("lina::cuda: {} of kernel {} points to host memory; pass device memory", what, kernel));
+}
+
+}  // namespace
+
+device_status probe_device() {
+  device_status s;
+  cudaError_t e = cudaGetDeviceCount(&s.count);
+  if (e != cudaSuccess) {
+    s.reason = fmt::format("{}: {}", cudaGetErrorName(e), cudaGetErrorString(e));
+    cudaGetLastError();
+    s.count = 0;
+    return s;
+  }
+  if (s.count == 0) {
+    s.reason = "no CUDA device";
+    return s;
+  }
+  int major = 0, minor = 0;
+  if (cudaGetDevice(&s.device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, s.device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, s.device) != cudaSuccess) {
+    s.reason = "cannot query the current device";
+    cudaGetLastError();
+    return s;
+  }
+  s.arch = fmt::format("sm_{}{}", major, minor);
+  s.available = major >= 8;
+  if (!s.available) s.reason = fmt::format("device {} is {}; the kernels need sm_80 or newer", s.device, s.arch);
+  return s;
+}
+
+void launch(program const& p, forward_args const& args, void* stream) {
+  std::string const& name = p.kernel_name;
+  device_status dev = probe_device();
+  if (!dev.available) throw cuda_error("launch", name, dev.reason);
+
+  std::int64_t blocks = blocks_of(p, args);
+  if (blocks > 0x7fffffff) throw std::invalid_argument(fmt::format("lina::cuda: {} blocks is too many for kernel {}", blocks, name));
+  if (blocks == 0 || args.n == 0) return;
+  for (std::size_t s = 0; s < p.inputs.size(); ++s)
+    check_device_pointer(args.in[s].data, ("input " + p.inputs[s].name).c_str(), name);
+  check_device_pointer(args.out.data, "the output", name);
+
+  std::size_t const smem = p.shared_bytes();
+  int optin = 0;
+  check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.device), "cudaDeviceGetAttribute", name);
+  if (smem > static_cast<std::size_t>(optin))
+    throw std::invalid_argument(fmt::format("lina::cuda: kernel {} needs {} bytes of shared memory; device {} allows {}",
+                                            name, smem, dev.device, optin));
+
+  loaded k;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    std::string source = emit(p);
+    auto key = std::make_tuple(dev.device, dev.arch, source);
+    auto it = cache().find(key);
+    if (it == cache().end()) {
+      compiled_kernel c = compile_cached(source, name, dev.arch);
+      check(cudaLibraryLoadData(&k.library, c.image.data(), nullptr, nullptr, 0, nullptr, nullptr, 0),
+            "cudaLibraryLoadData", name);
+      check(cudaLibraryGetKernel(&k.kernel, k.library, name.c_str()), "cudaLibraryGetKernel", name);
+      check(cudaKernelSetAttributeForDevice(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem), dev.device),
+            "cudaKernelSetAttributeForDevice", name);
+      it = cache().emplace(key, k).first;
+    }
+    k = it->second;
+  }
+  forward_args a = args;
+  void* params[] = {&a};
+  check(cudaLaunchKernel(reinterpret_cast<void const*>(k.kernel), dim3(static_cast<unsigned>(blocks)),
+                         dim3(static_cast<unsigned>(p.tiles.threads)), params, smem, static_cast<cudaStream_t>(stream)),
+        "cudaLaunchKernel", name);
+}
+
+device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
+  if (bytes) check(cudaMalloc(&ptr_, bytes), "cudaMalloc", "-");
+}
+device_buffer& device_buffer::operator=(device_buffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = o.ptr_, bytes_ = o.bytes_;
+    o.ptr_ = nullptr, o.bytes_ = 0;
+  }
+  return *this;
+}
+device_buffer::~device_buffer() {
+  if (ptr_) cudaFree(ptr_);
+}
+void device_buffer::upload(void const* host, std::size_t bytes) {
+  if (bytes > bytes_) throw std::invalid_argument("lina::cuda::device_buffer::upload: more bytes than the buffer holds");
+  if (bytes) check(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy (to device)", "-");
+}
+void device_buffer::download(void* host, std::size_t bytes) const {
+  if (bytes > bytes_) throw std::invalid_argument("lina::cuda::device_buffer::download: more bytes than the buffer holds");
+  if (bytes) check(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy (to host)", "-");
+}
+
+void synchronize(std::string const& kernel) { check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kernel); }
+
+}  // namespace lina::cuda

@@ -1,0 +1,168 @@
+// The host emulation of tile programs (see program.hpp for the semantics).
+#include "lina/cuda/emulate.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "lina/cuda/numeric.hpp"
+
+namespace lina::cuda {
+namespace {
+
+float read(void const* base, std::int64_t offset, dtype t) {
+  switch (t) {
+    case dtype::f32: return static_cast<float const*>(base)[offset];
+    case dtype::f16: return from_f16_bits(static_cast<std::uint16_t const*>(base)[offset]);
+    case dtype::bf16: return from_bf16_bits(static_cast<std::uint16_t const*>(base)[offset]);
+  }
+  return 0;
+}
+void write(void* base, std::int64_t offset, dtype t, float x) {
+  switch (t) {
+    case dtype::f32: static_cast<float*>(base)[offset] = x; break;
+    case dtype::f16: static_cast<std::uint16_t*>(base)[offset] = f16_bits(x); break;
+    case dtype::bf16: static_cast<std::uint16_t*>(base)[offset] = bf16_bits(x); break;
+  }
+}
+
+// The device's formulas (tiles.cuh), in fp32.
+float apply(feature_map m, float x) {
+  switch (m) {
+    case feature_map::identity: return x;
+    case feature_map::elu_plus_one: return x > 0.0f ? x + 1.0f : std::exp(x);
+    case feature_map::relu: return x < 0.0f ? 0.0f : x;  // NaN passes
+    case feature_map::poly2: break;  // a row map
+  }
+  return x;
+}
+// poly2 of one row: [x_a² (a), (√2·x_a)·x_b (b > a)], as lina::poly2 packs it.
+void poly2_row(float const* x, int d, float* out) {
+  float const r2 = 1.41421356237309504880f;
+  int f = 0;
+  for (int a = 0; a < d; ++a) {
+    out[f++] = x[a] * x[a];
+    for (int b = a + 1; b < d; ++b) out[f++] = r2 * x[a] * x[b];
+  }
+}
+
+struct tile {
+  int rows = 0, cols = 0;
+  std::vector<float> v;
+  float& at(int i, int j) { return v[static_cast<std::size_t>(i) * static_cast<std::size_t>(cols) + static_cast<std::size_t>(j)]; }
+};
+
+struct block {
+  program const& p;
+  forward_args const& a;
+  std::int64_t b = 0, h = 0, m_tile = 0;
+  std::vector<tile> reg;
+
+  std::int64_t slice_offset(operand const& o) const { return b * o.stride[0] + h * o.stride[1]; }
+  std::int64_t col0(instruction const& i) const { return i.by_m_tile ? m_tile * p.tiles.tile_m : 0; }
+
+  void run(instruction const& i, std::int64_t r0, int rows) {
+    tile& t = reg[static_cast<std::size_t>(i.dst)];
+    switch (i.op) {
+      case opcode::zero: std::fill(t.v.begin(), t.v.end(), 0.0f); break;
+      case opcode::load: {
+        operand const& o = a.in[i.slot];
+        std::int64_t base = slice_offset(o), c0 = col0(i);
+        for (int r = 0; r < t.rows; ++r)
+          for (int c = 0; c < t.cols; ++c) {
+            bool inside = r < rows && c < i.width && c0 + c < o.cols;
+            t.at(r, c) = inside ? read(o.data, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], p.spec.in) : 0.0f;
+          }
+        break;
+      }
+      case opcode::map:
+        if (i.a >= 0) {  // a row map, out of place
+          tile& x = reg[static_cast<std::size_t>(i.a)];
+          std::fill(t.v.begin(), t.v.end(), 0.0f);
+          for (int r = 0; r < rows; ++r) poly2_row(&x.at(r, 0), x.cols, &t.at(r, 0));
+          break;
+        }
+        for (int r = 0; r < rows; ++r)
+          for (int c = 0; c < t.cols; ++c) t.at(r, c) = apply(i.map, t.at(r, c));
+        break;
+      case opcode::ones_column:
+        for (int r = 0; r < rows; ++r) t.at(r, t.cols - 1) = 1.0f;
+        break;
+      case opcode::product: {
+        // Per element one fma chain in increasing k, as on the device; the
+        // loops run k outside the columns so that the chains of a row advance
+        // together (the order within each chain is unchanged).
+        tile const& x = reg[static_cast<std::size_t>(i.a)];
+        tile const& y = reg[static_cast<std::size_t>(i.b)];
+        std::size_t const inner = static_cast<std::size_t>(i.transpose_a ? x.rows : x.cols);
+        std::size_t const cols = static_cast<std::size_t>(t.cols);
+        std::size_t const a_row = i.transpose_a ? 1 : inner, a_k = i.transpose_a ? static_cast<std::size_t>(x.cols) : 1;
+        std::size_t const b_col = i.transpose_b ? inner : 1, b_k = i.transpose_b ? 1 : cols;
+        for (std::size_t r = 0; r < static_cast<std::size_t>(t.rows); ++r) {
+          float* acc = t.v.data() + r * cols;
+          if (!i.accumulate) std::fill(acc, acc + cols, 0.0f);
+          for (std::size_t k = 0; k < inner; ++k) {
+            float const u = x.v[r * a_row + k * a_k];
+            float const* w = y.v.data() + k * b_k;
+            for (std::size_t c = 0; c < cols; ++c) acc[c] = std::fma(u, w[c * b_col], acc[c]);
+          }
+        }
+        break;
+      }
+      case opcode::mask_causal:
+        for (int r = 0; r < t.rows; ++r)
+          for (int c = r + 1; c < t.cols; ++c) t.at(r, c) = 0.0f;
+        break;
+      case opcode::row_divide:
+        for (int r = 0; r < t.rows; ++r) {
+          float den = t.at(r, t.cols - 1) + i.eps;
+          for (int c = 0; c + 1 < t.cols; ++c) t.at(r, c) = t.at(r, c) / den;
+        }
+        break;
+      case opcode::store: {
+        operand const& o = a.out;
+        std::int64_t base = slice_offset(o), c0 = col0(i);
+        void* out = const_cast<void*>(o.data);
+        for (int r = 0; r < rows; ++r)
+          for (int c = 0; c < i.width && c0 + c < o.cols; ++c)
+            write(out, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], p.spec.out, t.at(r, c));
+        break;
+      }
+    }
+  }
+
+  void run_all() {
+    reg.clear();
+    for (auto const& r : p.registers)
+      reg.push_back({r.rows, r.cols, std::vector<float>(static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols))});
+    for (auto const& i : p.prologue) run(i, 0, 0);
+    std::int64_t const t = p.tiles.chunk;
+    for (auto const& pass : p.passes)
+      for (std::int64_t r0 = 0; r0 < a.n; r0 += t) {
+        int rows = static_cast<int>(std::min(t, a.n - r0));
+        for (auto const& i : pass) run(i, r0, rows);
+      }
+  }
+};
+
+}  // namespace
+
+void emulate(program const& p, forward_args const& args) {
+  if (args.batch < 0 || args.heads < 0 || args.n < 0) throw std::invalid_argument("lina::cuda::emulate: negative extent");
+  if (args.out.data == nullptr && args.batch * args.heads * args.n > 0)
+    throw std::invalid_argument("lina::cuda::emulate: no output");
+  std::int64_t blocks = blocks_of(p, args);
+  for (std::int64_t x = 0; x < blocks; ++x) {
+    block blk{p, args, 0, 0, 0, {}};
+    std::int64_t slice = x / p.m_tiles;
+    blk.m_tile = x % p.m_tiles;
+    blk.b = slice / args.heads;
+    blk.h = slice % args.heads;
+    blk.run_all();
+  }
+}
+
+}  // namespace lina::cuda

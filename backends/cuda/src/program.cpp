@@ -1,0 +1,246 @@
+// Tile programs of the forward attention plans (see program.hpp).
+#include "lina/cuda/program.hpp"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace lina::cuda {
+
+std::string_view name_of(dtype t) {
+  switch (t) {
+    case dtype::f32: return "f32";
+    case dtype::f16: return "f16";
+    case dtype::bf16: return "bf16";
+  }
+  return "?";
+}
+std::string_view name_of(feature_map m) {
+  switch (m) {
+    case feature_map::identity: return "id";
+    case feature_map::elu_plus_one: return "elu+1";
+    case feature_map::relu: return "relu";
+    case feature_map::poly2: return "poly2";
+  }
+  return "?";
+}
+std::size_t features(feature_map m, std::size_t d) { return m == feature_map::poly2 ? d * (d + 1) / 2 : d; }
+std::string_view name_of(opcode o) {
+  switch (o) {
+    case opcode::zero: return "zero";
+    case opcode::load: return "load";
+    case opcode::map: return "map";
+    case opcode::ones_column: return "ones_column";
+    case opcode::product: return "product";
+    case opcode::mask_causal: return "mask_causal";
+    case opcode::row_divide: return "row_divide";
+    case opcode::store: return "store";
+  }
+  return "?";
+}
+std::size_t size_of(dtype t) { return t == dtype::f32 ? 4 : 2; }
+
+namespace {
+std::size_t aligned(std::size_t n) {
+  return (n + program::register_alignment - 1) / program::register_alignment * program::register_alignment;
+}
+std::size_t floats_of(tile_register const& r) { return static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols); }
+}  // namespace
+
+std::size_t program::offset_of(int r) const {
+  std::size_t n = 0;
+  for (int i = 0; i < r; ++i) n = aligned(n + floats_of(registers.at(static_cast<std::size_t>(i))));
+  return n;
+}
+std::size_t program::shared_bytes() const {
+  if (registers.empty()) return 0;
+  int last = static_cast<int>(registers.size()) - 1;
+  return (offset_of(last) + floats_of(registers.back())) * sizeof(float);
+}
+
+namespace {
+
+// fp32 elements of every register a program of this shape holds.
+std::size_t tile_floats(attention_spec const& s, std::size_t t, std::size_t tm) {
+  std::size_t w = tm + (s.normalized ? 1 : 0);  // [V|1] columns per block
+  std::size_t c = features(s.map_q, s.d);
+  std::size_t qk = 2 * t * c + (c != s.d ? t * s.d : 0);  // φ(Q), φ(K) chunks, the rows a row map reads
+  std::size_t state = c * w;
+  std::size_t v = t * w, o = t * w;
+  std::size_t a = s.causal ? t * t : 0;  // the masked similarity of one chunk
+  std::size_t padding = 7 * (program::register_alignment - 1);  // at most 7 registers, each aligned
+  return qk + state + v + o + a + padding;
+}
+
+// The ids used in kernel names: letters, digits and underscores only.
+std::string_view id_of(feature_map m) {
+  switch (m) {
+    case feature_map::identity: return "id";
+    case feature_map::elu_plus_one: return "elu1";
+    case feature_map::relu: return "relu";
+    case feature_map::poly2: return "poly2";
+  }
+  return "x";
+}
+
+struct builder {
+  program p;
+  int reg(std::string name, int rows, int cols, std::string comment) {
+    p.registers.push_back({std::move(name), rows, cols, std::move(comment)});
+    return static_cast<int>(p.registers.size()) - 1;
+  }
+  static instruction zero(int t) { return {.op = opcode::zero, .dst = t}; }
+  static instruction load(int t, int slot, int width, bool by_m = false) {
+    return {.op = opcode::load, .dst = t, .slot = slot, .width = width, .by_m_tile = by_m};
+  }
+  static instruction map(int t, feature_map m, int from = -1) { return {.op = opcode::map, .dst = t, .a = from, .map = m}; }
+  static instruction ones(int t) { return {.op = opcode::ones_column, .dst = t}; }
+  static instruction product(int t, int a, bool ta, int b, bool tb, bool acc) {
+    return {.op = opcode::product, .dst = t, .a = a, .b = b, .transpose_a = ta, .transpose_b = tb, .accumulate = acc};
+  }
+  static instruction mask(int t) { return {.op = opcode::mask_causal, .dst = t}; }
+  static instruction divide(int t, float eps) { return {.op = opcode::row_divide, .dst = t, .eps = eps}; }
+  static instruction store(int t, int width) {
+    return {.op = opcode::store, .dst = t, .width = width, .by_m_tile = true};
+  }
+};
+
+}  // namespace
+
+tile_config choose_tiles(attention_spec const& s) {
+  if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
+  // The first (T, M tile) that fits. M tiles of 32 or more come first: every
+  // block of a (batch, head) reloads the φ(Q), φ(K) chunks, so narrow M tiles
+  // multiply that traffic; a shorter chunk only costs more state passes.
+  constexpr int order[][2] = {{64, 64}, {64, 32}, {32, 64}, {32, 32}, {16, 64}, {16, 32},
+                              {64, 16}, {32, 16}, {16, 16}, {64, 8},  {32, 8},  {16, 8}};
+  for (auto const& [t, tm] : order) {
+    std::size_t use = std::min(static_cast<std::size_t>(tm), s.m);
+    if (tile_floats(s, static_cast<std::size_t>(t), use) * sizeof(float) <= shared_memory_budget)
+      return {t, static_cast<int>(use), 256};
+  }
+  throw std::invalid_argument(fmt::format(
+      "lina::cuda: D = {} is too large: the smallest tiles (T = 16, 8 columns of M) need {} bytes of shared "
+      "memory, more than the {} a block may use",
+      s.d, tile_floats(s, 16, std::min<std::size_t>(8, s.m)) * sizeof(float), shared_memory_budget));
+}
+
+program program_of(attention_spec const& s) {
+  builder b;
+  program& p = b.p;
+  p.spec = s;
+  p.tiles = choose_tiles(s);
+  if (features(s.map_q, s.d) != features(s.map_k, s.d))
+    throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
+  int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
+  int const c = static_cast<int>(features(s.map_q, s.d));
+  bool const row_map = c != d;  // poly2: loaded rows go through a register of D columns
+  int const w = tm + (s.normalized ? 1 : 0);
+  p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
+  p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}", s.causal ? "causal" : "full",
+                              id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
+                              s.normalized ? "" : "_unnormalized");
+  p.description = fmt::format("{} linear attention, forward{}: {}", s.causal ? "causal" : "non-causal",
+                              s.normalized ? "" : " (unnormalized)", plan_text(s));
+  p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}};
+
+  std::string const v1 = s.normalized ? "[V|1]" : "V";
+  std::string const cdim = row_map ? "C" : "D";
+  int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")");
+  int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")");
+  int const x = row_map ? b.reg("x", t, d, "Q or K chunk before the row map (T, D)") : -1;
+  int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)");
+  int const st = b.reg("state", c, w, "Σ φ(K)ᵀ" + v1 + " over the chunks so far, fp32 (" + cdim + ", W)");
+  int const o = b.reg("o", t, w, "output rows (T, W)");
+  float const eps = static_cast<float>(s.eps);
+
+  auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map m) {
+    if (row_map) {
+      body.push_back(builder::load(x, slot, d));
+      body.push_back(builder::map(dst, m, x));
+    } else {
+      body.push_back(builder::load(dst, slot, d));
+      if (m != feature_map::identity) body.push_back(builder::map(dst, m));
+    }
+  };
+  auto load_q = [&](std::vector<instruction>& body) { load_mapped(body, q, 0, s.map_q); };
+  auto load_kv = [&](std::vector<instruction>& body) {
+    load_mapped(body, k, 1, s.map_k);
+    body.push_back(builder::load(v, 2, tm, true));
+    if (s.normalized) body.push_back(builder::ones(v));
+  };
+  auto finish = [&](std::vector<instruction>& body) {
+    if (s.normalized) body.push_back(builder::divide(o, eps));
+    body.push_back(builder::store(o, tm));
+  };
+
+  p.prologue.push_back(builder::zero(st));
+  if (s.causal) {
+    // One pass: within a chunk the masked similarity, across chunks the state.
+    int const a = b.reg("a", t, t, "causal(φ(Q)·φ(K)ᵀ) of the chunk (T, T)");
+    std::vector<instruction> body;
+    load_q(body);
+    load_kv(body);
+    body.push_back(builder::product(a, q, false, k, true, false));  // a = φQ·φKᵀ
+    body.push_back(builder::mask(a));                               // j ≤ i
+    body.push_back(builder::product(o, a, false, v, false, false)); // o = a·[V|1]
+    body.push_back(builder::product(o, q, false, st, false, true)); // o += φQ·state (earlier chunks)
+    body.push_back(builder::product(st, k, true, v, false, true));  // state += φKᵀ·[V|1]
+    finish(body);
+    p.passes.push_back(std::move(body));
+  } else {
+    // Pass 1: the whole sum φKᵀ·[V|1]; pass 2: each row against it.
+    std::vector<instruction> sum, rows;
+    load_kv(sum);
+    sum.push_back(builder::product(st, k, true, v, false, true));
+    load_q(rows);
+    rows.push_back(builder::product(o, q, false, st, false, false));
+    finish(rows);
+    p.passes.push_back(std::move(sum));
+    p.passes.push_back(std::move(rows));
+  }
+  return p;
+}
+
+std::string plan_text(attention_spec const& s) {
+  auto mapped = [](feature_map m, std::string const& x) {
+    return m == feature_map::identity ? x : fmt::format("φ[{}]({})", name_of(m), x);
+  };
+  std::string const q = mapped(s.map_q, s.q_name), k = mapped(s.map_k, s.k_name);
+  std::string const v = s.normalized ? "[" + s.v_name + "|1]" : s.v_name;
+  std::string core = s.causal ? fmt::format("contract({}, prefix({}⊗{}))", q, k, v) : fmt::format("{}·({}ᵀ·{})", q, k, v);
+  if (!s.normalized) return core;
+  return s.eps == 1e-6 ? fmt::format("rowdiv({})", core) : fmt::format("rowdiv({}; eps={})", core, s.eps);
+}
+
+std::string listing(program const& p) {
+  std::string r = fmt::format("{} — {}\nT = {}, M tile = {}, {} block(s) per (batch, head), {} threads, {} bytes shared\n",
+                              p.kernel_name, p.description, p.tiles.chunk, p.tiles.tile_m, p.m_tiles, p.tiles.threads,
+                              p.shared_bytes());
+  for (auto const& reg : p.registers) r += fmt::format("  {} ({}×{}): {}\n", reg.name, reg.rows, reg.cols, reg.comment);
+  auto one = [&](instruction const& i) {
+    auto nm = [&](int x) { return p.registers[static_cast<std::size_t>(x)].name; };
+    switch (i.op) {
+      case opcode::load:
+        return fmt::format("load {} ← {}[:, {}{} cols]", nm(i.dst), p.inputs[static_cast<std::size_t>(i.slot)].name,
+                           i.by_m_tile ? "m_tile·tile_m + " : "", i.width);
+      case opcode::map:
+        return i.a >= 0 ? fmt::format("map {} ← φ[{}]({})", nm(i.dst), name_of(i.map), nm(i.a))
+                        : fmt::format("map {} φ[{}]", nm(i.dst), name_of(i.map));
+      case opcode::product:
+        return fmt::format("{} {} {}{}·{}{}", nm(i.dst), i.accumulate ? "+=" : "=", nm(i.a), i.transpose_a ? "ᵀ" : "",
+                           nm(i.b), i.transpose_b ? "ᵀ" : "");
+      case opcode::row_divide: return fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);
+      case opcode::store: return fmt::format("store {} → out[:, m_tile·tile_m + {} cols]", nm(i.dst), i.width);
+      default: return fmt::format("{} {}", name_of(i.op), nm(i.dst));
+    }
+  };
+  for (auto const& i : p.prologue) r += "  " + one(i) + "\n";
+  for (auto const& pass : p.passes) {
+    r += "  for each chunk:\n";
+    for (auto const& i : pass) r += "    " + one(i) + "\n";
+  }
+  return r;
+}
+
+}  // namespace lina::cuda
