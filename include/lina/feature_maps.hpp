@@ -39,6 +39,8 @@
 #include <string_view>
 #include <vector>
 
+#include "lina/detail/exp.hpp"
+
 namespace lina {
 
 namespace concepts {
@@ -79,11 +81,11 @@ struct elu_plus_one {
   static constexpr std::string_view name = "elu+1";
   template <class T>
   static constexpr T value(T x) {
-    return x > T(0) ? x + T(1) : std::exp(x);
+    return x > T(0) ? x + T(1) : detail::exp(x);  // a vectorisable exp (detail/exp.hpp)
   }
   template <class T>
   static constexpr T derivative(T x) {
-    return x > T(0) ? T(1) : std::exp(x);
+    return x > T(0) ? T(1) : detail::exp(x);
   }
 };
 

@@ -73,6 +73,7 @@ struct row<op::phi<Map>> {
   template <class N, class T>
   static void run(N const&, index, T const* in, index cols, T* out) {
     if constexpr (concepts::elementwise_map<Map>) {
+#pragma omp simd
       for (index j = 0; j < cols; ++j) out[j] = Map::value(in[j]);
     } else {
       Map::apply(in, static_cast<std::size_t>(cols), out);
