@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <lina/lina.hpp>
+#include <lina/state.hpp>
 #include <string>
 #include <type_traits>
 
@@ -193,7 +194,7 @@ TEST_CASE("the sequence dimension comes from the structure, not from counting na
   constexpr auto favor_causal = normalize(causal(phi<favor>(Qf, Wf) * transpose(phi<favor>(Kf, Wf)))) * Vf;
   CHECK(std::is_same_v<sequence_dim<decltype(favor_causal)>, N_t>);
   CHECK(has_select<decltype(compile(favor_causal))>());
-  CHECK(std::is_same_v<typename lina::detail::front_t<prefix_scans_of<decltype(compile<order::linear>(favor_causal))>>::shape::rows, N_t>);
+  CHECK(std::is_same_v<scanned_dim<decltype(compile<order::linear>(favor_causal))>, N_t>);
   // Non-causal: the square similarity φQ·φKᵀ says N.
   constexpr auto favor_full = normalize(phi<favor>(Qf, Wf) * transpose(phi<favor>(Kf, Wf))) * Vf;
   CHECK(std::is_same_v<sequence_dim<decltype(favor_full)>, N_t>);

@@ -244,15 +244,10 @@ TEST_CASE_TEMPLATE("one long sequence split across threads agrees with the refer
   // two long blocks with a carried state (each split again) = one evaluation, to rounding
   cpu::state<T> st;
   std::size_t half = n / 2;
-  auto tok = [](tensor<T> const& t, std::size_t from, std::size_t to) {
-    auto s = t.shape();
-    return tensor_view<T const>(t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]},
-                                t.strides());
-  };
-  auto y1 = cpu::evaluate(compile(e), st, Q = tok(q, 0, half), K = tok(k, 0, half), V = tok(v, 0, half));
-  auto y2 = cpu::evaluate(compile(e), st, Q = tok(q, half, n), K = tok(k, half, n), V = tok(v, half, n));
-  CHECK(max_abs_diff(y1, tok(once, 0, half)) <= bound);
-  CHECK(max_abs_diff(y2, tok(once, half, n)) <= bound);
+  auto y1 = cpu::evaluate(compile(e), st, Q = test::tokens(q, 0, half), K = test::tokens(k, 0, half), V = test::tokens(v, 0, half));
+  auto y2 = cpu::evaluate(compile(e), st, Q = test::tokens(q, half, n), K = test::tokens(k, half, n), V = test::tokens(v, half, n));
+  CHECK(max_abs_diff(y1, test::tokens(once, 0, half)) <= bound);
+  CHECK(max_abs_diff(y2, test::tokens(once, half, n)) <= bound);
   double z = 0;  // the normaliser column of the final state: Σ_j φ(k_j)
   for (std::size_t j = 0; j < n; ++j) z += elu_plus_one::value(double(k(0, 0, j, 2)));
   CHECK(std::abs(st[0](0, 0, 2, m) - z) <= test::rounding_bound<T>(double(n), z));

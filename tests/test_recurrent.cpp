@@ -12,6 +12,7 @@
 #include "support.hpp"
 
 using namespace lina;
+using test::tokens;
 using test::softplus;
 
 namespace {
@@ -26,12 +27,6 @@ constexpr auto V = input<"V">(N, M);
 constexpr auto W = input<"W">(D, F);
 
 
-// Tokens [from, to) of a [B, H, N, *] tensor, as a view.
-template <class T>
-tensor_view<T const> tokens(tensor<T> const& t, std::size_t from, std::size_t to) {
-  auto s = t.shape();
-  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
-}
 
 struct shape {
   std::size_t b, h, n, d, m;

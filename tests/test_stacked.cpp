@@ -12,6 +12,7 @@
 #include "support.hpp"
 
 using namespace lina;
+using test::tokens;
 
 namespace {
 
@@ -32,11 +33,6 @@ constexpr auto layer2 = normalize(causal(phi<poly2>(layer1) * transpose(phi<poly
 constexpr auto layer2_elu = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2;
 using N_t = std::remove_cvref_t<decltype(N)>;
 
-template <class T>
-tensor_view<T const> tokens(tensor<T> const& t, std::size_t from, std::size_t to) {
-  auto s = t.shape();
-  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
-}
 
 // The linear plan's state: layer 1's scan (C = D, M+1 = D+1) first, then
 // layer 2's (C = D(D+1)/2, M+1), in the order of the schedule.
@@ -55,10 +51,6 @@ inputs random_inputs(test::rng& r, std::size_t b, std::size_t h, std::size_t n, 
   return {one(d), one(d), one(d), one(d), one(m)};
 }
 
-template <class T>
-tensor<T> as(tensor<double> const& x) {
-  return test::cast<T>(x);
-}
 
 }  // namespace
 
@@ -68,7 +60,7 @@ TEST_CASE_TEMPLATE("stacked layers: stateless, chained blocks and steps agree wi
   for (int trial = 0; trial < 4; ++trial) {
     std::size_t b = r.in(1, 2), h = r.in(1, 3), n = r.in(1, 90), d = r.in(1, 5), m = r.in(1, 4);
     auto in = random_inputs(r, b, h, n, d, m);
-    auto q = as<T>(in.q), k = as<T>(in.k), v = as<T>(in.v), k2 = as<T>(in.k2), v2 = as<T>(in.v2);
+    auto q = test::cast<T>(in.q), k = test::cast<T>(in.k), v = test::cast<T>(in.v), k2 = test::cast<T>(in.k2), v2 = test::cast<T>(in.v2);
     CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m);
     auto ref = cpu::evaluate(layer2_elu, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
     double bound = test::rounding_bound<T>(double(n * d * d), 1 + test::max_abs(ref));

@@ -300,11 +300,7 @@ constexpr bool constant_state() {
   detail::visit_types<E>([&]<class X>() {
     if constexpr (X::shape::rank == 3) ++sequences;
     if constexpr (std::is_same_v<typename X::op_type, op::contract_rows>) {
-      using S = std::remove_cvref_t<decltype(kid<1>(std::declval<X>()))>;
-      if constexpr ((std::is_same_v<typename S::op_type, op::prefix_scan> ||
-                     std::is_same_v<typename S::op_type, op::suffix_scan>) &&
-                    std::is_same_v<typename std::remove_cvref_t<decltype(kid<0>(std::declval<S>()))>::op_type,
-                                   op::outer_rows>)
+      if constexpr (fused_scan_parts<X>::fused)
         fused += 2;  // the scan and its outer product
       else
         well_formed = false;

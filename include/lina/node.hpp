@@ -346,28 +346,8 @@ template <class Op, class... K>
 struct all_nodes<node<Op, K...>> {
   using type = typename concat_lists<type_list<node<Op, K...>>, typename all_nodes<K>::type...>::type;
 };
-template <class List, class X>
-inline constexpr std::size_t count_in = 0;
-template <class... T, class X>
-inline constexpr std::size_t count_in<type_list<T...>, X> = (std::size_t(std::is_same_v<T, X>) + ... + 0);
-template <class All, class Rest>
-struct repeated_impl;
-template <class All>
-struct repeated_impl<All, type_list<>> {
-  using type = type_list<>;
-};
-template <class All, class X, class... R>
-struct repeated_impl<All, type_list<X, R...>> {
-  using rest = typename repeated_impl<All, type_list<R...>>::type;
-  using type = std::conditional_t<(count_in<All, X> >= 2), typename add_unique<rest, X>::type, rest>;
-};
 }  // namespace detail
 
-// Node types that occur more than once in N (candidates for sharing one evaluation).
-template <class N>
-using repeated_nodes =
-    typename detail::repeated_impl<typename detail::all_nodes<std::remove_cvref_t<N>>::type,
-                                   typename detail::all_nodes<std::remove_cvref_t<N>>::type>::type;
 template <class N>
 using dims_of = typename detail::dims_of_inputs<inputs_of<N>>::type;
 
@@ -406,19 +386,31 @@ constexpr auto longest_branch(N const& n) {
     return hana::unpack(n.kids, [&](auto const&... k) { return make_node(n.op, longest_branch(k)...); });
 }
 
-namespace detail {
-template <class List>
-struct filter_prefix_scans;
-template <class... N>
-struct filter_prefix_scans<type_list<N...>> {
-  using type = typename concat_lists<
-      std::conditional_t<std::is_same_v<typename N::op_type, op::prefix_scan>, type_list<N>, type_list<>>...>::type;
-};
-}  // namespace detail
-
-// The prefix-scan nodes of N in preorder, one entry per occurrence.
+// No op in N carries a value (every op type is empty): two subtrees of N's
+// type are then the same computation, which types alone prove.
 template <class N>
-using prefix_scans_of =
-    typename detail::filter_prefix_scans<typename detail::all_nodes<std::remove_cvref_t<N>>::type>::type;
+constexpr bool value_free() {
+  bool free = true;
+  detail::visit_types<N>([&]<class X>() { free = free && std::is_empty_v<typename X::op_type>; });
+  return free;
+}
+
+// contract(A, prefix(B⊗C)) or contract(A, suffix(B⊗C)): a row contraction of
+// a running sum of outer products, which backends evaluate as one fused scan
+// (per-row sequences never exist on their own).
+template <class N>
+struct fused_scan_parts {
+  static constexpr bool fused = false;
+};
+template <class A, class B, class C>
+struct fused_scan_parts<node<op::contract_rows, A, node<op::prefix_scan, node<op::outer_rows, B, C>>>> {
+  static constexpr bool fused = true;
+  static constexpr bool reverse = false;
+};
+template <class A, class B, class C>
+struct fused_scan_parts<node<op::contract_rows, A, node<op::suffix_scan, node<op::outer_rows, B, C>>>> {
+  static constexpr bool fused = true;
+  static constexpr bool reverse = true;
+};
 
 }  // namespace lina

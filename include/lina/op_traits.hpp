@@ -106,9 +106,7 @@ struct infix_notation : named<Name, Prec> {
 }  // namespace detail
 
 template <class Op>
-struct op_traits {
-  static constexpr bool defined = false;
-};
+struct op_traits {};  // an op without traits has no printed form (format.hpp says so)
 
 // Can a node of this op be differentiated (does its traits have an adjoint)?
 template <class Op>

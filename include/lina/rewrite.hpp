@@ -126,13 +126,6 @@ constexpr auto const& get(B const& b, node<var<I>>) {
 // occurrences match when they are the same type and carry no values (every op
 // empty); same-typed subtrees with values (a scale factor, an eps) could
 // differ at run time, so such a pattern does not match them.
-template <class N>
-constexpr bool value_free() {
-  bool free = true;
-  detail::visit_types<N>([&]<class X>() { free = free && std::is_empty_v<typename X::op_type>; });
-  return free;
-}
-
 namespace diagnose {
 template <bool ValueFree>
 struct pattern_op_value {

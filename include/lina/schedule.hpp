@@ -62,21 +62,6 @@ constexpr auto const& at_path(N const& n, std::index_sequence<I, R...>) {
 // ---- what a node is to a schedule --------------------------------------------------
 enum class role { input, view, scan, compute, bundle, select };
 
-template <class N>
-struct fused_scan_parts {
-  static constexpr bool fused = false;
-};
-template <class A, class B, class C>
-struct fused_scan_parts<node<op::contract_rows, A, node<op::prefix_scan, node<op::outer_rows, B, C>>>> {
-  static constexpr bool fused = true;
-  static constexpr bool reverse = false;
-};
-template <class A, class B, class C>
-struct fused_scan_parts<node<op::contract_rows, A, node<op::suffix_scan, node<op::outer_rows, B, C>>>> {
-  static constexpr bool fused = true;
-  static constexpr bool reverse = true;
-};
-
 namespace diagnose {
 template <bool Fused>
 struct scan_group {
@@ -102,14 +87,6 @@ constexpr role role_of() {
     return role::select;
   else
     return role::compute;
-}
-
-// No op in N carries a value: two subtrees of N's type are the same computation.
-template <class N>
-constexpr bool value_free() {
-  bool free = true;
-  detail::visit_types<N>([&]<class X>() { free = free && std::is_empty_v<typename X::op_type>; });
-  return free;
 }
 
 // Ops that map each row of their one operand to a row of the result, alone:
@@ -313,7 +290,7 @@ struct schedule_of {
   template <std::size_t J>
   static constexpr bool is_prefix_scan = [] {
     if constexpr (is_scan<J>)
-      return !sched::fused_scan_parts<node_type<J>>::reverse;
+      return !fused_scan_parts<node_type<J>>::reverse;
     else
       return false;
   }();

@@ -136,7 +136,7 @@ struct lower<op::contract_rows> {
   template <class N, class T>
   static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, T* sums,
                   T* scratch) {
-    kernels::scan_contract(a, b, c, out, sums, sched::fused_scan_parts<N>::reverse, scratch);
+    kernels::scan_contract(a, b, c, out, sums, fused_scan_parts<N>::reverse, scratch);
   }
 };
 
@@ -256,12 +256,13 @@ void store(matrix<T> const& m, tensor_view<T> out, std::size_t b, std::size_t h)
   for (index i = 0; i < m.rows; ++i)
     for (index j = 0; j < m.cols; ++j) out(b, h, static_cast<std::size_t>(i), static_cast<std::size_t>(j)) = m(i, j);
 }
-// Slice [b, h] of an output as a matrix.
-template <class T>
-matrix<T> slice_of(tensor_view<T> out, std::size_t b, std::size_t h) {
-  auto const& s = out.strides();
-  T* base = out.data() + static_cast<index>(b) * s[0] + static_cast<index>(h) * s[1];
-  return view<T>(base, static_cast<index>(out.shape()[2]), static_cast<index>(out.shape()[3]), s[2], s[3]);
+// Slice [b, h] of a bound input or an output as a matrix.
+template <class V>
+auto slice_of(V const& t, std::size_t b, std::size_t h) {
+  using T = std::remove_const_t<typename V::element_type_>;
+  auto const& s = t.strides();
+  T const* base = t.data() + static_cast<index>(b) * s[0] + static_cast<index>(h) * s[1];
+  return view<T>(base, static_cast<index>(t.shape()[2]), static_cast<index>(t.shape()[3]), s[2], s[3]);
 }
 
 // One select-free plan's schedule, run slice by slice into `outs` (one
@@ -304,10 +305,7 @@ class program {
   template <class O>
   matrix<T> operand(std::array<matrix<T>, steps + 1> const& slot, std::size_t b, std::size_t h) const {
     if constexpr (requires { typename O::input; }) {
-      auto const& v = in_.views[Bound::template input_index<typename O::input>()];
-      auto const& s = v.strides();
-      T const* base = v.data() + static_cast<index>(b) * s[0] + static_cast<index>(h) * s[1];
-      return view(base, static_cast<index>(v.shape()[2]), static_cast<index>(v.shape()[3]), s[2], s[3]);
+      return slice_of(in_.views[Bound::template input_index<typename O::input>()], b, h);
     } else if constexpr (requires { O::step; }) {
       return alias(slot[O::step]);
     } else if constexpr (std::is_same_v<O, sched::transposed_operand<typename O::of>>) {
@@ -370,7 +368,7 @@ class program {
         }
         matrix<T> am = operand<lina::detail::type_at_t<0, typename S::template operands<J>>>(slot, b, h);
         if (int parts = sequence_parts(bm.rows); parts > 1 && !ws_) {
-          kernels::scan_contract_split(am, bm, cm, slot[J], sums, sched::fused_scan_parts<N>::reverse, parts);
+          kernels::scan_contract_split(am, bm, cm, slot[J], sums, fused_scan_parts<N>::reverse, parts);
         } else {
           T* space = scratch(scratch_space, kernels::scan_scratch_size(bm, cm), b, h);
           lower<typename N::op_type>::run(n, slot[J], am, bm, cm, sums, space);
