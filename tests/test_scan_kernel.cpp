@@ -76,8 +76,9 @@ reference reference_scan(matrix<T> const& a, matrix<T> const& b, matrix<T> const
 }
 
 // parts = 0: scan_contract; parts >= 2: scan_contract_split over that many
-// threads, whose outputs add a correction (da more products) and whose
-// state sums the parts' sums (parts more additions).
+// threads, whose parts start from the sums of the parts before them (summed
+// in pieces: up to parts more additions in the state, da more roundings
+// allowed in the outputs).
 template <class T>
 void check_random_scans(std::uint64_t seed, int trials, int parts = 0) {
   test::rng r{seed};

@@ -43,7 +43,14 @@ using linear_schedule = schedule_of<std::remove_cvref_t<decltype(linear)>>;
 static_assert(linear_schedule::size == 5);
 static_assert(linear_schedule::is_prefix_scan<3> && linear_schedule::scan_index[3] == 0);
 static_assert(linear_schedule::prefix_scans == 1);
-static_assert(linear_schedule::last_use[0] == 3 && linear_schedule::last_use[3] == 4);
+// φQ, φK and [V|1] are made as the scan loads them, rowdiv finishes its rows:
+// one pass, the scan's turn (runs_in), no N-row temporary
+static_assert(linear_schedule::absorbed_by[0] == 3 && linear_schedule::absorbed_by[1] == 3 &&
+              linear_schedule::absorbed_by[2] == 3);
+static_assert(linear_schedule::emits[3] == 4);
+static_assert(linear_schedule::runs_in[0] == 3 && linear_schedule::runs_in[4] == 3 &&
+              linear_schedule::runs_in[3] == 3);
+static_assert(linear_schedule::last_use[0] == 3 && linear_schedule::last_use[3] == 3);  // reads at the scan's turn
 static_assert(linear_schedule::last_use[4] == linear_schedule::size);  // the output
 static_assert(linear_schedule::outputs::size == 1);
 

@@ -7,7 +7,10 @@
 //     computes something. Inputs and views (transpose, dropcol) are not steps:
 //     they are operands, read in place;
 //   - fused groups: contract(A, prefix(B⊗C)) and its suffix form are one step
-//     with operands A, B, C (per-row sequences are never materialised);
+//     with operands A, B, C (per-row sequences are never materialised); a
+//     chain of row-wise steps is one pass over rows, made as a scan loads it
+//     when a scan is its only reader, or fed by a scan's finished rows when
+//     it is the scan's only reader (absorbed_by, emits, runs_in);
 //   - common subexpressions: a subtree that occurs twice is one step when its
 //     type proves the two equal (no op in it carries a value); same-typed
 //     subtrees with values (an eps, a scale factor) get their own steps, each
@@ -336,25 +339,6 @@ struct schedule_of {
     return k;
   }();
 
-  // The last step that reads each step's result (size: an output, read at the
-  // end); a twin lives as long as the steps that may share it.
-  template <class... O>
-  static constexpr void note_reads(std::array<std::size_t, size + 1>& u, std::size_t at, detail::type_list<O...>) {
-    ((sched::reads<O>::step != sched::none && u[sched::reads<O>::step] < at ? void(u[sched::reads<O>::step] = at)
-                                                                            : void()),
-     ...);
-  }
-  template <std::size_t... J>
-  static constexpr std::array<std::size_t, size + 1> last_uses(std::index_sequence<J...>) {
-    std::array<std::size_t, size + 1> u{};
-    (note_reads(u, J, operands<J>{}), ...);
-    note_reads(u, size, outputs{});
-    for (std::size_t j = size; j-- > 0;)
-      if (twin[j] != sched::none && u[twin[j]] < u[j]) u[twin[j]] = u[j];
-    return u;
-  }
-  static constexpr std::array<std::size_t, size + 1> last_use = last_uses(std::make_index_sequence<size>{});
-
   // Fused groups of row-wise steps: step J is `absorbed` into its only reader K
   // when both are row-wise, K reads J's rows directly (no view between), and
   // neither is an output nor shared: then J's rows are made and consumed one
@@ -397,8 +381,7 @@ struct schedule_of {
     ((absorbs<J>() != sched::none ? void(a[absorbs<J>()] = J) : void()), ...);
     return a;
   }
-  // absorbed_by[J]: the step whose pass makes J's rows, or none.
-  static constexpr std::array<std::size_t, size + 1> absorbed_by = absorbed_steps(std::make_index_sequence<size>{});
+  static constexpr std::array<std::size_t, size + 1> row_absorbed = absorbed_steps(std::make_index_sequence<size>{});
   template <std::size_t... J>
   static constexpr std::array<std::size_t, size + 1> chain_starts(std::index_sequence<J...>) {
     std::array<std::size_t, size + 1> c{};
@@ -406,6 +389,99 @@ struct schedule_of {
     return c;
   }
   static constexpr std::array<std::size_t, size + 1> chain_start = chain_starts(std::make_index_sequence<size>{});
+
+  // Scans that make their operands' rows or finish their output's: a fused
+  // group (chain_start[G] ... G) whose only reader is a scan reading it
+  // directly is made chunk by chunk as the scan loads rows (absorbed_by[G] is
+  // the scan); a scan whose only reader is the first step of a group hands it
+  // each finished chunk of rows (emits[scan] = the group's last step), unless
+  // a scan loads that group. Neither stores an N-row temporary.
+  template <class O>
+  static constexpr std::size_t direct_step() {
+    if constexpr (requires { O::step; })
+      return O::step;
+    else
+      return sched::none;
+  }
+  template <std::size_t J>
+  static constexpr bool is_row_wise = sched::row_wise<node_type<J>>();
+  template <std::size_t G>
+  static constexpr bool loadable = is_row_wise<G> && readers[G] == 1 && twin[G] == sched::none;
+  template <std::size_t... J>
+  static constexpr std::array<std::size_t, size + 1> loaded_steps(std::index_sequence<J...>) {
+    std::array<std::size_t, size + 1> a = row_absorbed;
+    auto note = [&]<std::size_t Scan, class... O>(std::integral_constant<std::size_t, Scan>, detail::type_list<O...>) {
+      ((direct_step<O>() != sched::none && loadable<direct_step<O>() % size> ? void(a[direct_step<O>()] = Scan)
+                                                                             : void()),
+       ...);
+    };
+    ((is_scan<J> ? note(std::integral_constant<std::size_t, J>{}, operands<J>{}) : void()), ...);
+    return a;
+  }
+  // absorbed_by[J]: the step whose pass makes J's rows (a group's next step, or
+  // a scan loading the group), or none.
+  static constexpr std::array<std::size_t, size + 1> absorbed_by = loaded_steps(std::make_index_sequence<size>{});
+
+  template <std::size_t F>
+  static constexpr std::size_t emitting_scan() {  // the scan a group's first step F reads, when it may emit F's group
+    if constexpr (is_row_wise<F> && chain_start[F] == F) {
+      constexpr std::size_t j = direct_step<detail::type_at_t<0, operands<F>>>();
+      if constexpr (j != sched::none && is_scan<j % size>)
+        return readers[j] == 1 ? j : sched::none;
+      else
+        return sched::none;
+    } else {
+      return sched::none;
+    }
+  }
+  template <std::size_t... F>
+  static constexpr std::array<std::size_t, size + 1> emitted_groups(std::index_sequence<F...>) {
+    std::array<std::size_t, size + 1> e{};
+    e.fill(sched::none);
+    constexpr std::array<std::size_t, size + 1> scan_of{emitting_scan<F>()..., sched::none};
+    for (std::size_t f = 0; f < size; ++f) {
+      if (scan_of[f] == sched::none) continue;
+      std::size_t end = f;
+      while (row_absorbed[end] != sched::none) end = row_absorbed[end];
+      if (absorbed_by[end] == sched::none && twin[end] == sched::none) e[scan_of[f]] = end;
+    }
+    return e;
+  }
+  static constexpr std::array<std::size_t, size + 1> emits = emitted_groups(std::make_index_sequence<size>{});
+
+  // runs_in[J]: the step whose turn computes J's result (J itself, unless
+  // its rows are made in another step's pass); a backend runs only the steps
+  // with runs_in[J] == J.
+  static constexpr std::array<std::size_t, size + 1> runs_in = [] {
+    std::array<std::size_t, size + 1> r{};
+    for (std::size_t j = size + 1; j-- > 0;) r[j] = absorbed_by[j] == sched::none ? j : r[absorbed_by[j]];
+    for (std::size_t j = 0; j < size; ++j)
+      if (emits[j] != sched::none)
+        for (std::size_t k = 0; k < size; ++k)
+          if (r[k] == emits[j]) r[k] = j;
+    return r;
+  }();
+
+  // The last step that reads each step's result (size: an output, read at the
+  // end), a read counted at the reader's turn (runs_in); a twin lives as long
+  // as the steps that may share it.
+  template <class... O>
+  static constexpr void note_reads(std::array<std::size_t, size + 1>& u, std::size_t at, detail::type_list<O...>) {
+    ((sched::reads<O>::step != sched::none && u[sched::reads<O>::step] < at ? void(u[sched::reads<O>::step] = at)
+                                                                            : void()),
+     ...);
+  }
+  template <std::size_t... J>
+  static constexpr std::array<std::size_t, size + 1> last_uses(std::index_sequence<J...>) {
+    std::array<std::size_t, size + 1> u{};
+    (note_reads(u, runs_in[J], operands<J>{}), ...);
+    note_reads(u, size, outputs{});
+    for (std::size_t j = size; j-- > 0;)
+      if (twin[j] != sched::none && u[twin[j]] < u[j]) u[twin[j]] = u[j];
+    return u;
+  }
+  static constexpr std::array<std::size_t, size + 1> last_use = last_uses(std::make_index_sequence<size>{});
+
 };
 
 // The plan's prefix-scan nodes in the order of its state (the schedule's order).

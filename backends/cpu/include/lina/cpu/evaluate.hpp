@@ -124,25 +124,18 @@ template <>
 struct row<op::row_divide> {  // x[:-1] / (x[-1] + eps)
   template <class N, class T>
   static void run(N const& n, index, T const* in, index cols, T* out) {
-    T den = in[cols - 1] + static_cast<T>(n.op.eps);
-    for (index j = 0; j + 1 < cols; ++j) out[j] = in[j] / den;
+    T r = T(1) / (in[cols - 1] + static_cast<T>(n.op.eps));  // one division a row, not one per element
+#pragma omp simd
+    for (index j = 0; j < cols - 1; ++j) out[j] = in[j] * r;
   }
 };
 
-// contract(A, prefix(B⊗C)) or its suffix form, one fused scan: out_i = A_iᵀ S_i,
-// S_i the running sum of B_j C_jᵀ, starting from and leaving `sums` (a x b).
-template <>
-struct lower<op::contract_rows> {
-  template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, T* sums,
-                  T* scratch) {
-    kernels::scan_contract(a, b, c, out, sums, fused_scan_parts<N>::reverse, scratch);
-  }
-};
-
-// Memory a program reuses from call to call (a recurrent step's, so that a
-// step allocates nothing): per slice, the buffers of one run, handed out
-// again in the same order the next time (a plan's runs ask in the same order).
+// Memory a program reuses: arenas of buffers, each handed out again once
+// given back. A call keeps one arena per thread, so the slices a thread runs
+// one after another reuse the memory of the first (fresh N-row temporaries
+// cost a page fault per 4 KiB: at N = 16k, half the time of a backward); a
+// recurrent step keeps one per slice across calls, so that a step allocates
+// nothing.
 template <class T>
 class workspace {
  public:
@@ -155,25 +148,36 @@ class workspace {
   workspace(workspace&&) noexcept = default;
   workspace& operator=(workspace&&) noexcept = default;
 
-  void begin(std::size_t slices) {
-    if (arenas_.size() < slices) arenas_.resize(slices);
-    for (auto& a : arenas_) a.next = 0;
+  // At least `arenas` arenas, every buffer free.
+  void begin(std::size_t arenas) {
+    if (arenas_.size() < arenas) arenas_.resize(arenas);
+    for (auto& a : arenas_) give_all(a);
   }
-  T* take(std::size_t slice, std::size_t n) {
-    auto& a = arenas_[slice];
-    if (a.next == a.bufs.size())
-      a.bufs.emplace_back(n);
-    else if (a.bufs[a.next].size() < n)
-      a.bufs[a.next] = buffer<T>(n);
-    return a.bufs[a.next++].get();
+  // The smallest free buffer of at least n elements of arena `a`, else a new one.
+  T* take(std::size_t a, std::size_t n) {
+    auto& blocks = arenas_[a];
+    block* best = nullptr;
+    for (auto& b : blocks)
+      if (!b.used && b.mem.size() >= n && (!best || b.mem.size() < best->mem.size())) best = &b;
+    if (!best) best = &blocks.emplace_back(block{buffer<T>(std::max<std::size_t>(n, 1)), false});
+    best->used = true;
+    return best->mem.get();
   }
+  void give(std::size_t a, T const* p) {
+    for (auto& b : arenas_[a])
+      if (b.mem.get() == p) b.used = false;
+  }
+  void give_all(std::size_t a) { give_all(arenas_[a]); }
 
  private:
-  struct arena {
-    std::vector<buffer<T>> bufs;
-    std::size_t next = 0;
+  struct block {
+    buffer<T> mem;
+    bool used;
   };
-  std::vector<arena> arenas_;
+  static void give_all(std::vector<block>& blocks) {
+    for (auto& b : blocks) b.used = false;
+  }
+  std::vector<std::vector<block>> arenas_;
 };
 
 // ---- backward ops ----
@@ -273,9 +277,11 @@ class program {
   static constexpr std::size_t steps = S::size;
 
  public:
+  // ws: per_thread, one arena per thread for this call (and the sequence
+  // may be split across threads); else one per slice, kept across calls.
   program(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st,
-          workspace<T>* ws)
-      : plan_(plan), in_(in), outs_(outs), st_(st), ws_(ws) {
+          workspace<T>& ws, bool per_thread)
+      : plan_(plan), in_(in), outs_(outs), st_(st), ws_(ws), per_thread_(per_thread) {
     static_assert(S::outputs::size == Outputs, "lina::cpu: one output tensor per output of the schedule");
     // Same-typed steps with values: shared when their values are equal (once per call).
     [&]<std::size_t... J>(std::index_sequence<J...>) {
@@ -292,26 +298,40 @@ class program {
   void run(std::size_t b, std::size_t h) const {
     std::array<matrix<T>, steps + 1> slot{};
     std::array<bool, Outputs> direct{};
-    [&]<std::size_t... J>(std::index_sequence<J...>) { (step<J>(slot, direct, b, h), ...); }(
+    turn w{b, h, b * in_.heads + h, {}};
+#ifdef _OPENMP
+    if (per_thread_) w.arena = static_cast<std::size_t>(omp_get_thread_num());
+#else
+    if (per_thread_) w.arena = 0;
+#endif
+    [&]<std::size_t... J>(std::index_sequence<J...>) { (step<J>(slot, direct, w), ...); }(
         std::make_index_sequence<steps>{});
     [&]<class... O>(lina::detail::type_list<O...>) {
       std::size_t k = 0;
-      ((direct[k] ? void() : store(operand<O>(slot, b, h), outs_[k], b, h), ++k), ...);
+      ((direct[k] ? void() : store(operand<O>(slot, w), outs_[k], b, h), ++k), ...);
     }(typename S::outputs{});
+    ws_.give_all(w.arena);
   }
 
  private:
+  // One slice's run: which slice, the workspace arena it takes memory from,
+  // and which results are that arena's (given back after their last use).
+  struct turn {
+    std::size_t b, h, arena;
+    std::array<bool, steps + 1> pooled;
+  };
+
   // An operand: a bound input's slice, an earlier result, or a view of either.
   template <class O>
-  matrix<T> operand(std::array<matrix<T>, steps + 1> const& slot, std::size_t b, std::size_t h) const {
+  matrix<T> operand(std::array<matrix<T>, steps + 1> const& slot, turn& w) const {
     if constexpr (requires { typename O::input; }) {
-      return slice_of(in_.views[Bound::template input_index<typename O::input>()], b, h);
+      return slice_of(in_.views[Bound::template input_index<typename O::input>()], w.b, w.h);
     } else if constexpr (requires { O::step; }) {
       return alias(slot[O::step]);
     } else if constexpr (std::is_same_v<O, sched::transposed_operand<typename O::of>>) {
-      return operand<typename O::of>(slot, b, h).transposed();
+      return operand<typename O::of>(slot, w).transposed();
     } else {
-      matrix<T> m = operand<typename O::of>(slot, b, h);
+      matrix<T> m = operand<typename O::of>(slot, w);
       m.cols -= 1;
       return m;
     }
@@ -329,90 +349,125 @@ class program {
   }
 
   template <std::size_t J>
-  void step(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, std::size_t b,
-            std::size_t h) const {
+  void step(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, turn& w) const {
     using N = typename S::template node_type<J>;
-    if constexpr (S::absorbed_by[J] != sched::none) {
-      return;  // its rows are made inside its reader's pass (a fused group), which also releases
-    } else if constexpr (S::twin[J] != sched::none) {
-      if (share_[J]) {
-        slot[J] = alias(slot[S::twin[J]]);
-        release<J>(slot);
-        return;
+    if constexpr (S::runs_in[J] != J) {
+      return;  // its rows are made in another step's pass (a fused group, a scan's loads or output)
+    } else {
+      if constexpr (S::twin[J] != sched::none) {
+        if (share_[J]) {
+          slot[J] = alias(slot[S::twin[J]]);
+          release<J>(slot, w);
+          return;
+        }
       }
+      if constexpr (S::template is_scan<J>) {
+        run_scan<J>(slot, direct, w);
+      } else {
+        destination<J>(slot, direct, w);
+        if constexpr (sched::row_wise<N>()) {
+          rows_of_group<J>(slot, w);
+        } else {
+          [&]<class... O>(lina::detail::type_list<O...>) {
+            lower<typename N::op_type>::run(S::template node_at<J>(plan_), slot[J], operand<O>(slot, w)...);
+          }(typename S::template operands<J>{});
+        }
+      }
+      release<J>(slot, w);
     }
-    N const& n = S::template node_at<J>(plan_);
+  }
+
+  // slot[J]: straight into the caller's output when J is one and its rows are
+  // contiguous, else fresh memory.
+  template <std::size_t J>
+  void destination(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, turn& w) const {
+    using N = typename S::template node_type<J>;
     index rows = static_cast<index>(N::shape::rows::extent(in_.table));
     index cols = static_cast<index>(N::shape::cols::extent(in_.table));
     constexpr std::size_t k = output_of<J>();
-    if constexpr (k < Outputs) {  // straight into the caller's output, when its rows are contiguous
-      matrix<T> out = slice_of(outs_[k], b, h);
+    if constexpr (k < Outputs) {
+      matrix<T> out = slice_of(outs_[k], w.b, w.h);
       if (out.cs == 1 || cols <= 1) {
         out.cs = 1;
         slot[J] = std::move(out);
         direct[k] = true;
+        return;
       }
     }
-    if (!direct_of<J, k>(direct)) slot[J] = fresh(rows, cols, b, h);
-    [&]<class... O>(lina::detail::type_list<O...>) {
-      if constexpr (S::template is_scan<J>) {
-        matrix<T> bm = operand<lina::detail::type_at_t<1, typename S::template operands<J>>>(slot, b, h);
-        matrix<T> cm = operand<lina::detail::type_at_t<2, typename S::template operands<J>>>(slot, b, h);
-        scratch_buffer sums_buffer, scratch_space;
-        T* sums;
-        if (S::scan_index[J] != sched::none && st_) {
-          sums = st_->at(S::scan_index[J], b, h);  // carried across evaluations
-        } else {
-          sums = scratch(sums_buffer, static_cast<std::size_t>(bm.cols * cm.cols), b, h);
-          std::fill_n(sums, bm.cols * cm.cols, T(0));
-        }
-        matrix<T> am = operand<lina::detail::type_at_t<0, typename S::template operands<J>>>(slot, b, h);
-        if (int parts = sequence_parts(bm.rows); parts > 1 && !ws_) {
-          kernels::scan_contract_split(am, bm, cm, slot[J], sums, fused_scan_parts<N>::reverse, parts);
-        } else {
-          T* space = scratch(scratch_space, kernels::scan_scratch_size(bm, cm), b, h);
-          lower<typename N::op_type>::run(n, slot[J], am, bm, cm, sums, space);
-        }
-      } else if constexpr (sched::row_wise<N>()) {
-        rows_of_group<J>(slot, b, h);
-      } else {
-        lower<typename N::op_type>::run(n, slot[J], operand<O>(slot, b, h)...);
-      }
-    }(typename S::template operands<J>{});
-    [&]<std::size_t... I>(std::index_sequence<I...>) { (release<S::chain_start[J] + I>(slot), ...); }(
-        std::make_index_sequence<J - S::chain_start[J] + 1>{});
+    slot[J] = view<T>(ws_.take(w.arena, static_cast<std::size_t>(rows * cols)), rows, cols, cols, 1);
+    w.pooled[J] = true;
   }
 
-  // A fused group of row-wise steps, chain_start[K] ... K: each row of the
-  // group's source passes through every member, between two row buffers, and
-  // lands in K's result.
-  template <std::size_t K>
-  void rows_of_group(std::array<matrix<T>, steps + 1>& slot, std::size_t b, std::size_t h) const {
-    constexpr std::size_t first = S::chain_start[K];
-    matrix<T> src = operand<lina::detail::type_at_t<0, typename S::template operands<first>>>(slot, b, h);
-    index widest = src.cols;
-    for_members<first, K>([&]<std::size_t M>() {
+  // A fused scan: its operands from their matrices, or made chunk by chunk as
+  // it loads them (a group it absorbs); its output into slot[J], or finished
+  // chunk by chunk by the group it emits into that group's result.
+  template <std::size_t J>
+  void run_scan(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, turn& w) const {
+    using N = typename S::template node_type<J>;
+    using ops = typename S::template operands<J>;
+    constexpr bool reverse = fused_scan_parts<N>::reverse;
+    constexpr std::size_t E = S::emits[J] == sched::none ? J : S::emits[J];
+    destination<E>(slot, direct, w);
+    auto a = source<J, lina::detail::type_at_t<0, ops>>(slot, w);
+    auto bs = source<J, lina::detail::type_at_t<1, ops>>(slot, w);
+    auto c = source<J, lina::detail::type_at_t<2, ops>>(slot, w);
+    index rows = static_cast<index>(N::shape::rows::extent(in_.table));
+    auto scan = [&](auto const& sink) {
+      std::size_t state_size = static_cast<std::size_t>(bs.cols() * c.cols());
+      lease sums_space(*this, w, 0);
+      T* sums;
+      if (S::scan_index[J] != sched::none && st_) {
+        sums = st_->at(S::scan_index[J], w.b, w.h);  // carried across evaluations
+      } else {
+        sums_space = lease(*this, w, state_size);
+        sums = sums_space.p;
+        std::fill_n(sums, state_size, T(0));
+      }
+      if (int parts = sequence_parts(rows); parts > 1 && per_thread_) {
+        kernels::scan_rows_split(a.rows(), bs.rows(), c.rows(), sink, rows, sums, reverse, parts);
+      } else {
+        lease space(*this, w, kernels::scan_scratch_size<T>(rows, a.rows(), bs.rows(), c.rows(), sink));
+        kernels::scan_rows(a.rows(), bs.rows(), c.rows(), sink, 0, rows, sums, reverse, space.p);
+      }
+    };
+    if constexpr (E != J)
+      scan(group_sink<E>{*this, slot[E], group_width<S::chain_start[E], E>(c.cols())});
+    else
+      scan(kernels::matrix_sink<T>{slot[J]});
+  }
+
+  // ---- fused groups of row-wise steps -------------------------------------
+  // The widest row a group First ... Last handles (its source's and members' columns).
+  template <std::size_t First, std::size_t Last>
+  index group_width(index source_cols) const {
+    index widest = source_cols;
+    for_members<First, Last>([&]<std::size_t M>() {
       widest = std::max(widest, static_cast<index>(S::template node_type<M>::shape::cols::extent(in_.table)));
     });
-    scratch_buffer rowbuf;
-    T* in = scratch(rowbuf, static_cast<std::size_t>(2 * widest), b, h);
-    T* tmp = in + widest;
-    matrix<T>& out = slot[K];
-    for (index i = 0; i < src.rows; ++i) {
-      for (index j = 0; j < src.cols; ++j) in[j] = src(i, j);
-      T const* cur = in;
-      index cols = src.cols;
-      T* spare[2] = {tmp, in};
-      int which = 0;
-      for_members<first, K>([&]<std::size_t M>() {
-        using MN = typename S::template node_type<M>;
-        T* dst = M == K ? out.row_mut(i) : spare[which];
-        row<typename MN::op_type>::run(S::template node_at<M>(plan_), i, cur, cols, dst);
-        cur = dst;
-        cols = static_cast<index>(MN::shape::cols::extent(in_.table));
-        which ^= 1;
-      });
-    }
+    return widest;
+  }
+  // Row i of group First ... Last from `in` (the source's row i, contiguous,
+  // `cols` wide) into `dst`, each member after the other between two rows of
+  // `work` (2 x widest), so its intermediate rows are never stored.
+  template <std::size_t First, std::size_t Last>
+  void group_row(index i, T const* in, index cols, T* dst, T* work, index widest) const {
+    T const* cur = in;
+    T* spare[2] = {work, work + widest};
+    int which = 0;
+    for_members<First, Last>([&]<std::size_t M>() {
+      using MN = typename S::template node_type<M>;
+      T* to = M == Last ? dst : spare[which];
+      row<typename MN::op_type>::run(S::template node_at<M>(plan_), i, cur, cols, to);
+      cur = to;
+      cols = static_cast<index>(MN::shape::cols::extent(in_.table));
+      which ^= 1;
+    });
+  }
+  // Row i of a group's source, contiguous: in place, or copied into `copy`.
+  static T const* source_row(matrix<T> const& src, index i, T* copy) {
+    if (src.cs == 1) return src.data + i * src.rs;
+    for (index j = 0; j < src.cols; ++j) copy[j] = src(i, j);
+    return copy;
   }
   // f.template operator()<M>() for the members of the group from First to K, in order.
   template <std::size_t First, std::size_t K, class F>
@@ -421,32 +476,115 @@ class program {
     if constexpr (First != K) for_members<S::absorbed_by[First], K>(f);
   }
 
-  // Memory for a step's result or a kernel's scratch: from the workspace when
-  // the program has one (reused next call), else a counted buffer of its own.
-  using scratch_buffer = buffer<T>;
-  matrix<T> fresh(index rows, index cols, std::size_t b, std::size_t h) const {
-    if (!ws_) return allocate<T>(rows, cols);
-    return view<T>(ws_->take(b * in_.heads + h, static_cast<std::size_t>(rows * cols)), rows, cols, cols, 1);
-  }
-  T* scratch(scratch_buffer& own, std::size_t n, std::size_t b, std::size_t h) const {
-    if (ws_) return ws_->take(b * in_.heads + h, n);
-    own = buffer<T>(n);
-    return own.get();
-  }
-
-  template <std::size_t J, std::size_t K>
-  static bool direct_of(std::array<bool, Outputs> const& direct) {
-    if constexpr (K < Outputs)
-      return direct[K];
-    else
-      return false;
+  // A group on its own: every row of its source through it into slot[K].
+  template <std::size_t K>
+  void rows_of_group(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
+    constexpr std::size_t first = S::chain_start[K];
+    matrix<T> src = operand<lina::detail::type_at_t<0, typename S::template operands<first>>>(slot, w);
+    index widest = group_width<first, K>(src.cols);
+    lease rowbuf(*this, w, static_cast<std::size_t>(3 * widest));
+    T* work = rowbuf.p;
+    matrix<T>& out = slot[K];
+    for (index i = 0; i < src.rows; ++i)
+      group_row<first, K>(i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest);
   }
 
-  // Release every result whose last reader was step J.
+  // A scan operand made chunk by chunk: the rows of group ... Last, from its source.
+  template <std::size_t Last>
+  struct group_source {
+    static constexpr std::size_t first = S::chain_start[Last];
+    program const& p;
+    matrix<T> src;
+    index width, widest;
+    index cols() const { return width; }
+    T const* in_place() const { return nullptr; }
+    index stride() const { return 0; }
+    std::size_t work() const { return static_cast<std::size_t>(3 * widest); }
+    void pack(index first_row, index n, bool reverse, T* to, index ld, T* work) const {
+      for (index t = 0; t < n; ++t) {
+        index i = reverse ? first_row - t : first_row + t;
+        T* dst = to + t * ld;
+        p.template group_row<first, Last>(i, source_row(src, i, work + 2 * widest), src.cols, dst, work, widest);
+        std::fill(dst + width, dst + ld, T(0));
+      }
+    }
+  };
+  // A scan's finished rows through the group ... Last it emits, into `out`.
+  template <std::size_t Last>
+  struct group_sink {
+    static constexpr std::size_t first = S::chain_start[Last];
+    program const& p;
+    matrix<T>& out;
+    index widest;
+    T* in_place() const { return nullptr; }
+    index stride() const { return 0; }
+    std::size_t work() const { return static_cast<std::size_t>(2 * widest); }
+    void take(index first_row, index n, bool reverse, T const* rows, index ld, T* work) const {
+      for (index t = 0; t < n; ++t) {
+        index i = reverse ? first_row - t : first_row + t;
+        p.template group_row<first, Last>(i, rows + t * ld, ld, out.row_mut(i), work, widest);
+      }
+    }
+  };
+  // A scan's operand O: a group it loads, or a matrix.
+  template <class M>
+  struct matrix_source {
+    M m;
+    index cols() const { return m.cols; }
+    kernels::matrix_rows<T> rows() const { return {m}; }
+  };
+  template <class G>
+  struct made_source {
+    G g;
+    index cols() const { return g.cols(); }
+    G const& rows() const { return g; }
+  };
+  template <std::size_t J, class O>
+  auto source(std::array<matrix<T>, steps + 1> const& slot, turn& w) const {
+    if constexpr (requires { O::step; }) {
+      if constexpr (S::absorbed_by[O::step] == J) {
+        constexpr std::size_t G = O::step, first = S::chain_start[G];
+        matrix<T> src = operand<lina::detail::type_at_t<0, typename S::template operands<first>>>(slot, w);
+        index width = static_cast<index>(S::template node_type<G>::shape::cols::extent(in_.table));
+        index widest = group_width<first, G>(src.cols);
+        return made_source<group_source<G>>{group_source<G>{*this, std::move(src), width, widest}};
+      } else {
+        return matrix_source<matrix<T>>{operand<O>(slot, w)};
+      }
+    } else {
+      return matrix_source<matrix<T>>{operand<O>(slot, w)};
+    }
+  }
+
+  // A kernel's scratch from the run's arena, given back when it goes.
+  struct lease {
+    workspace<T>* ws = nullptr;
+    std::size_t arena = 0;
+    T* p = nullptr;
+    lease(program const& prog, turn const& w, std::size_t n)
+        : ws(&prog.ws_), arena(w.arena), p(n ? ws->take(arena, n) : nullptr) {}
+    lease(lease const&) = delete;
+    lease& operator=(lease&& o) noexcept {
+      std::swap(ws, o.ws);
+      std::swap(arena, o.arena);
+      std::swap(p, o.p);
+      return *this;
+    }
+    ~lease() {
+      if (p) ws->give(arena, p);
+    }
+  };
+
+  // Release every result whose last reader was step J (its memory back to the arena).
   template <std::size_t J>
-  static void release(std::array<matrix<T>, steps + 1>& slot) {
+  void release(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
+    auto one = [&](std::size_t i) {
+      if (w.pooled[i]) ws_.give(w.arena, slot[i].data);
+      w.pooled[i] = false;
+      slot[i] = matrix<T>{};
+    };
     [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((S::last_use[I] == J ? void(slot[I] = matrix<T>{}) : void()), ...);
+      ((S::last_use[I] == J ? one(I) : void()), ...);
     }(std::make_index_sequence<J + 1>{});
   }
 
@@ -454,7 +592,8 @@ class program {
   Bound const& in_;
   std::array<tensor_view<T>, Outputs> outs_;
   state<T>* st_;
-  workspace<T>* ws_;
+  workspace<T>& ws_;
+  bool per_thread_;
   std::array<bool, steps + 1> share_{};
 };
 
@@ -462,8 +601,19 @@ class program {
 template <class T, class Plan, class Bound, std::size_t Outputs>
 void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st = nullptr,
                 workspace<T>* ws = nullptr) {
-  if (ws) ws->begin(in.batch * in.heads);
-  program<T, Plan, Bound, Outputs> prog(plan, in, outs, st, ws);
+  workspace<T> per_call;
+  bool per_thread = ws == nullptr;
+  if (per_thread) {
+    ws = &per_call;
+#ifdef _OPENMP
+    ws->begin(static_cast<std::size_t>(omp_get_max_threads()));
+#else
+    ws->begin(1);
+#endif
+  } else {
+    ws->begin(in.batch * in.heads);
+  }
+  program<T, Plan, Bound, Outputs> prog(plan, in, outs, st, *ws, per_thread);
   long total = static_cast<long>(in.batch * in.heads);
 #pragma omp parallel for schedule(dynamic, 1) if (worth_threads(in))
   for (long bh = 0; bh < total; ++bh)

@@ -199,22 +199,21 @@ void scan_column(T* state, index da, index db, index q, T const* a, T const* b, 
   for (; p0 < da; p0 += L) scan_column_block<1, Vec>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
 }
 
-// Rows [t0, t0 + n) of the scan order (backwards when reversed) of x into
-// `to`, each row `ld` wide with zeros past x's columns.
+// Rows first, first + 1, ... (first, first - 1, ... when reversed) of x,
+// n of them, into `to`, each row `ld` wide with zeros past x's columns.
 template <class T>
-void pack_rows(matrix<T> const& x, index t0, index n, bool reverse, T* to, index ld) {
-  index rows = x.rows;
-  auto row_of = [&](index t) { return reverse ? rows - 1 - (t0 + t) : t0 + t; };
+void pack_rows(matrix<T> const& x, index first, index n, bool reverse, T* to, index ld) {
+  index step = reverse ? -1 : 1;
   if (x.cs == 1) {
     for (index t = 0; t < n; ++t) {
-      T const* from = x.data + row_of(t) * x.rs;
+      T const* from = x.data + (first + step * t) * x.rs;
       T* dst = to + t * ld;
       std::copy(from, from + x.cols, dst);
       std::fill(dst + x.cols, dst + ld, T(0));
     }
   } else {  // column by column: a transposed view reads along its rows
     for (index j = 0; j < x.cols; ++j)
-      for (index t = 0; t < n; ++t) to[t * ld + j] = x.data[row_of(t) * x.rs + j * x.cs];
+      for (index t = 0; t < n; ++t) to[t * ld + j] = x.data[(first + step * t) * x.rs + j * x.cs];
     for (index t = 0; t < n; ++t) std::fill(to + t * ld + x.cols, to + (t + 1) * ld, T(0));
   }
 }
@@ -245,60 +244,129 @@ inline constexpr index scan_chunk_rows = 64;
 // rows and N one-row calls (recurrent steps) agree bit for bit. (A GEMM-shaped
 // chunk, out = A_c S + mask(A_c B_c^T) C_c, would round differently for every
 // chunk boundary, and so differently for steps and blocks.)
-// The scratch scan_contract needs (elements), for callers that bring their own.
+//
+// The scan reads its operands through row sources and hands its output to a
+// row sink, so that a backend can make operand rows as they are loaded and
+// finish output rows as they leave (a fused group: φ(K) or [V|1] computed
+// chunk by chunk, the normaliser's division applied to each finished chunk),
+// and no N-row temporary exists. A matrix is the plain source and sink.
+//
+// A source has cols() and pack(first, n, reverse, to, ld, work): rows
+// first, first +- 1, ... into `to`, `ld` wide, zero past cols(); in_place()
+// is a pointer to row 0 with unit column stride (row stride stride()) when
+// the rows can be read where they are, else nullptr. A sink has in_place()
+// and stride() likewise, and take(first, n, reverse, rows, ld, work) for
+// finished rows when it is not in place. work() is the scratch (elements)
+// pack or take may use, given to each call from the scan's own scratch, so
+// that threads scanning parts of one sequence never share it.
 template <class T>
-std::size_t scan_scratch_size(matrix<T> const& b, matrix<T> const& c) {
-  using shape = detail::scan_tile_shape<T>;
-  index n = b.rows, da = b.cols, db = c.cols;
-  if (n == 0 || db == 0 || da == 0) return 0;
-  index rows = std::min(scan_chunk_rows, n);
-  index ldab = std::max(detail::round_up(da, shape::rows), detail::round_up(da, shape::lanes));
-  index ab_size = detail::round_up(rows * ldab, 16), c_size = c.cs != 1 ? rows * db : 0;
-  return static_cast<std::size_t>(2 * ab_size + c_size);
+struct matrix_rows {
+  matrix<T> const& m;
+  index cols() const { return m.cols; }
+  T const* in_place() const { return m.cs == 1 ? m.data : nullptr; }
+  index stride() const { return m.rs; }
+  std::size_t work() const { return 0; }
+  void pack(index first, index n, bool reverse, T* to, index ld, T*) const {
+    detail::pack_rows(m, first, n, reverse, to, ld);
+  }
+};
+template <class T>
+struct matrix_sink {  // rows contiguous (out.cs == 1), as every destination
+  matrix<T>& m;
+  T* in_place() const { return m.row_mut(0); }
+  index stride() const { return m.rs; }
+  std::size_t work() const { return 0; }
+  void take(index, index, bool, T const*, index, T*) const {}
+};
+
+namespace detail {
+template <class T>
+struct scan_layout {  // the scratch of one scan over chunks of `rows` rows
+  using shape = scan_tile_shape<T>;
+  index rows, ldab, ab_size, c_size, o_size, w_size;
+  scan_layout(index n, index da, index db, bool pack_c, bool buffer_out, std::size_t work)
+      : rows(std::min(scan_chunk_rows, n)),
+        ldab(std::max(round_up(da, shape::rows), round_up(da, shape::lanes))),
+        ab_size(round_up(rows * ldab, 16)),
+        c_size(pack_c ? round_up(rows * db, 16) : 0),
+        o_size(buffer_out ? round_up(rows * db, 16) : 0),
+        w_size(static_cast<index>(work)) {}
+  std::size_t size() const { return static_cast<std::size_t>(2 * ab_size + c_size + o_size + w_size); }
+};
+template <class... X>
+std::size_t work_of(X const&... x) {
+  return std::max({x.work()...});
+}
+}  // namespace detail
+
+// The scratch scan_rows needs (elements), for callers that bring their own.
+template <class T, class A, class B, class C, class Out>
+std::size_t scan_scratch_size(index n, A const& a, B const& b, C const& c, Out const& out) {
+  if (n == 0 || c.cols() == 0) return 0;
+  return detail::scan_layout<T>(n, b.cols(), c.cols(), !c.in_place(), !out.in_place(),
+                                detail::work_of(a, b, c, out))
+      .size();
+}
+template <class T>
+std::size_t scan_scratch_size(matrix<T> const& b, matrix<T> const& c) {  // into a matrix
+  if (b.rows == 0 || b.cols == 0 || c.cols == 0) return 0;
+  return detail::scan_layout<T>(b.rows, b.cols, c.cols, c.cs != 1, false, 0).size();
 }
 
-// scan_contract with caller-provided scratch of scan_scratch_size(b, c) elements.
-template <class T>
-void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, matrix<T>& out, T* state, bool reverse,
-                   T* scratch) {
+// Rows [lo, hi) of the scan (from hi - 1 down when reversed), sources a, b
+// (da columns), c (db), into `out`, from and leaving `state`; scratch of
+// scan_scratch_size(hi - lo, a, b, c, out) elements.
+template <class T, class A, class B, class C, class Out>
+void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, index hi, T* state, bool reverse,
+               T* scratch) {
   using shape = detail::scan_tile_shape<T>;
   using vec = typename shape::vec;
   constexpr int P = shape::rows, L = shape::lanes, V = shape::vectors;
-  index n = b.rows, da = b.cols, db = c.cols;
-  if (n == 0 || db == 0) return;
-  if (da == 0) {
-    for (index i = 0; i < n; ++i) std::fill_n(out.row_mut(i), db, T(0));
-    return;
-  }
-  index rows = std::min(scan_chunk_rows, n);
-  index ldab = std::max(detail::round_up(da, P), detail::round_up(da, L));
-  bool pack_c = c.cs != 1;
-  index ab_size = detail::round_up(rows * ldab, 16);
+  index n = hi - lo, da = b.cols(), db = c.cols();
+  if (n <= 0 || db == 0) return;
+  T* out_rows = out.in_place();
+  detail::scan_layout<T> lay(n, da, db, !c.in_place(), !out_rows, detail::work_of(a, b, c, out));
+  index ldab = lay.ldab;
   T* pa = scratch;
-  T* pb = pa + ab_size;
-  T* pc = pb + ab_size;
-  for (index t0 = 0; t0 < n; t0 += rows) {
-    index m = std::min(rows, n - t0);
-    index first = reverse ? n - 1 - t0 : t0;  // the chunk's first row in scan order
-    detail::pack_rows(a, t0, m, reverse, pa, ldab);
-    detail::pack_rows(b, t0, m, reverse, pb, ldab);
-    T const* pc_rows = c.data + first * c.rs;
-    index ldc = reverse ? -c.rs : c.rs;
-    if (pack_c) {
-      detail::pack_rows(c, t0, m, reverse, pc, db);
-      pc_rows = pc;
-      ldc = db;
-    }
-    T* po = out.row_mut(first);
-    index ldo = reverse ? -out.rs : out.rs;
+  T* pb = pa + lay.ab_size;
+  T* pc = pb + lay.ab_size;
+  T* pbuf = pc + lay.c_size;
+  T* work = pbuf + lay.o_size;
+  for (index t0 = 0; t0 < n; t0 += lay.rows) {
+    index m = std::min(lay.rows, n - t0);
+    index first = reverse ? hi - 1 - t0 : lo + t0;  // the chunk's first row in scan order
+    T* po = out_rows ? out_rows + first * out.stride() : pbuf;
+    index ldo = out_rows ? (reverse ? -out.stride() : out.stride()) : db;
     for (index t = 0; t < m; ++t) std::fill_n(po + t * ldo, db, T(0));
-    index q0 = 0;
-    for (; q0 + V * L <= db; q0 += V * L)
-      detail::scan_strip<P, V, vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
-    for (; q0 + L <= db; q0 += L)
-      detail::scan_strip<P, 1, vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
-    for (; q0 < db; ++q0) detail::scan_column<vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+    if (da > 0) {
+      a.pack(first, m, reverse, pa, ldab, work);
+      b.pack(first, m, reverse, pb, ldab, work);
+      T const* pc_rows = c.in_place();
+      index ldc = reverse ? -c.stride() : c.stride();
+      if (pc_rows) {
+        pc_rows += first * c.stride();
+      } else {
+        c.pack(first, m, reverse, pc, db, work);
+        pc_rows = pc;
+        ldc = db;
+      }
+      index q0 = 0;
+      for (; q0 + V * L <= db; q0 += V * L)
+        detail::scan_strip<P, V, vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+      for (; q0 + L <= db; q0 += L)
+        detail::scan_strip<P, 1, vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+      for (; q0 < db; ++q0) detail::scan_column<vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+    }
+    if (!out_rows) out.take(first, m, reverse, po, db, work);
   }
+}
+
+// scan_rows over matrices, with caller-provided scratch of scan_scratch_size(b, c) elements.
+template <class T>
+void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, matrix<T>& out, T* state, bool reverse,
+                   T* scratch) {
+  scan_rows(matrix_rows<T>{a}, matrix_rows<T>{b}, matrix_rows<T>{c}, matrix_sink<T>{out}, 0, b.rows, state, reverse,
+            scratch);
 }
 template <class T>
 void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c, matrix<T>& out, T* state, bool reverse) {
@@ -312,50 +380,88 @@ matrix<T> rows_of(matrix<T> const& m, index from, index to) {
   return view(m.data + from * m.rs, to - from, m.cols, m.rs, m.cs);
 }
 
-// scan_contract with the sequence split across `parts` threads, for one long
-// sequence on a machine with idle cores. Each part scans its rows from a zero
-// state (in parallel), the parts' sums are added up in scan order to give the
-// state each part really starts from, and every part but the first adds
-// A_p S_p to its outputs (in parallel again) - 5/4 of the work of one scan,
-// in 5/8 of its time on two threads. The sums are associated differently
-// from one sequential scan, so results agree to rounding, not bit for bit.
-template <class T>
-void scan_contract_split(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, matrix<T>& out, T* state,
-                         bool reverse, int parts) {
-  index n = b.rows, da = b.cols, db = c.cols;
+// sums += Σ b_i c_iᵀ over rows [lo, hi) (no outputs): a chunk at a time,
+// packed, as a product of the chunk's B rows (transposed) and C rows.
+template <class T, class B, class C>
+void scan_sums(B const& b, C const& c, index lo, index hi, T* sums, T* scratch) {
+  index n = hi - lo, da = b.cols(), db = c.cols();
+  if (n <= 0 || da == 0 || db == 0) return;
+  index rows = std::min(scan_chunk_rows, n);
+  T* pb = scratch;
+  T* pc = pb + rows * da;
+  T* work = pc + rows * db;
+  matrix<T> s = view<T>(sums, da, db, db, 1);
+  for (index t0 = lo; t0 < hi; t0 += rows) {
+    index m = std::min(rows, hi - t0);
+    b.pack(t0, m, false, pb, da, work);
+    c.pack(t0, m, false, pc, db, work);
+    gemm(view<T>(pb, da, m, 1, da), view<T>(pc, m, db, db, 1), s, true);
+  }
+}
+template <class T, class B, class C>
+std::size_t scan_sums_scratch_size(index n, B const& b, C const& c) {
+  index rows = std::min(scan_chunk_rows, n);
+  return static_cast<std::size_t>(rows * (b.cols() + c.cols())) + detail::work_of(b, c);
+}
+
+// scan_rows with the sequence split into `parts`, one per thread, for one long
+// sequence on a machine with idle cores. First the sums Σ b_i c_iᵀ of every
+// part but the last are computed (each part's rows shared by all threads),
+// which gives the state each part starts from; then every part runs the whole
+// scan from its own start, in parallel - 5/4 of the work of one scan, in 5/8
+// of its time on two threads, and the sources and sink see every row once in
+// the second phase, as in one scan. The sums are associated differently from
+// one sequential scan, so results agree to rounding, not bit for bit.
+template <class T, class A, class B, class C, class Out>
+void scan_rows_split(A const& a, B const& b, C const& c, Out const& out, index n, T* state, bool reverse,
+                     int parts) {
+  index da = b.cols(), db = c.cols();
   std::size_t ab = static_cast<std::size_t>(da * db);
   auto bound = [&](int p) { return static_cast<index>(static_cast<long long>(n) * p / parts); };
   // part p in scan order covers rows [lo, hi): forward from the top, reverse from the bottom
   auto range = [&](int p) {
     return reverse ? std::pair{n - bound(p + 1), n - bound(p)} : std::pair{bound(p), bound(p + 1)};
   };
-  buffer<T> sums(ab * static_cast<std::size_t>(parts));
+  // phase 1: the sums of parts 0 .. parts-2, each cut into `parts` pieces
+  int pieces = (parts - 1) * parts;
+  buffer<T> sums(ab * static_cast<std::size_t>(pieces));
   std::fill_n(sums.get(), sums.size(), T(0));
+#pragma omp parallel num_threads(parts)
+  {
+    buffer<T> scratch(scan_sums_scratch_size<T>(n / parts + 1, b, c));
+#pragma omp for schedule(static)
+    for (int k = 0; k < pieces; ++k) {
+      auto [lo, hi] = range(k / parts);
+      index len = hi - lo, j = k % parts;
+      index from = lo + len * j / parts, to = lo + len * (j + 1) / parts;
+      scan_sums(b, c, from, to, sums.get() + ab * static_cast<std::size_t>(k), scratch.get());
+    }
+  }
+  // enter[p]: the state entering part p = the state + the sums of parts 0 .. p-1
+  buffer<T> enter(ab * static_cast<std::size_t>(parts));
+  auto at = [&](buffer<T>& x, int p) { return x.get() + ab * static_cast<std::size_t>(p); };
+  std::copy_n(state, ab, at(enter, 0));
+  for (int p = 1; p < parts; ++p) {
+    std::copy_n(at(enter, p - 1), ab, at(enter, p));
+    for (int j = 0; j < parts; ++j) {
+      T const* piece = at(sums, (p - 1) * parts + j);
+      for (std::size_t e = 0; e < ab; ++e) at(enter, p)[e] += piece[e];
+    }
+  }
+  // phase 2: every part from its own start
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
   for (int p = 0; p < parts; ++p) {
     auto [lo, hi] = range(p);
-    T* s = sums.get() + ab * static_cast<std::size_t>(p);
-    if (p == 0) std::copy_n(state, ab, s);  // the first part starts from the state itself
-    matrix<T> o = rows_of(out, lo, hi);
-    o.cs = 1;
-    matrix<T> cp = rows_of(c, lo, hi);
-    buffer<T> scratch(scan_scratch_size(rows_of(b, lo, hi), cp));
-    scan_contract(rows_of(a, lo, hi), rows_of(b, lo, hi), cp, o, s, reverse, scratch.get());
+    buffer<T> scratch(scan_scratch_size<T>(hi - lo, a, b, c, out));
+    scan_rows(a, b, c, out, lo, hi, at(enter, p), reverse, scratch.get());
   }
-  // enter[p]: the state entering part p = part 0's end state + the sums of parts 1 .. p-1
-  buffer<T> enter(ab * static_cast<std::size_t>(parts + 1));
-  auto at = [&](buffer<T>& x, int p) { return x.get() + ab * static_cast<std::size_t>(p); };
-  std::copy_n(at(sums, 0), ab, at(enter, 1));
-  for (int p = 1; p < parts; ++p)
-    for (std::size_t e = 0; e < ab; ++e) at(enter, p + 1)[e] = at(enter, p)[e] + at(sums, p)[e];
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-  for (int p = 1; p < parts; ++p) {
-    auto [lo, hi] = range(p);
-    matrix<T> o = rows_of(out, lo, hi);
-    o.cs = 1;
-    gemm(rows_of(a, lo, hi), view<T>(at(enter, p), da, db, db, 1), o, true);
-  }
-  std::copy_n(at(enter, parts), ab, state);  // the state after the last part
+  std::copy_n(at(enter, parts - 1), ab, state);  // the state after the last part
+}
+template <class T>
+void scan_contract_split(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, matrix<T>& out, T* state,
+                         bool reverse, int parts) {
+  scan_rows_split(matrix_rows<T>{a}, matrix_rows<T>{b}, matrix_rows<T>{c}, matrix_sink<T>{out}, b.rows, state,
+                  reverse, parts);
 }
 
 // Rows copied to a contiguous buffer, for maps that read whole rows.
