@@ -4,7 +4,9 @@
 // normalize behaves as a weighted average; layouts bind without copies.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
+#include <vector>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
 
@@ -64,6 +66,28 @@ void check_orders(Expr const& expr, bool causal, bool normalized, std::uint64_t 
 }
 
 double elu1(double x) { return elu_plus_one::value(x); }
+
+// The same numbers stored [B,N,H,*], seen as [B,H,N,*] through strides.
+template <class T>
+struct bnhd {
+  std::vector<T> buf;
+  std::array<std::size_t, 4> shape;
+  tensor_view<T> view() {
+    auto [b, h, n, last] = shape;
+    return {buf.data(), {b, h, n, last},
+            strides4{std::ptrdiff_t(n * h * last), std::ptrdiff_t(last), std::ptrdiff_t(h * last), 1}};
+  }
+};
+template <class T>
+bnhd<T> bnhd_copy(tensor<T> const& t) {
+  auto s = t.shape();
+  bnhd<T> c{std::vector<T>(t.size()), {s[0], s[1], s[2], s[3]}};
+  for (std::size_t i = 0; i < s[0]; ++i)
+    for (std::size_t j = 0; j < s[1]; ++j)
+      for (std::size_t x = 0; x < s[2]; ++x)
+        for (std::size_t y = 0; y < s[3]; ++y) c.buf[((i * s[2] + x) * s[1] + j) * s[3] + y] = t(i, j, x, y);
+  return c;
+}
 
 }  // namespace
 
@@ -179,28 +203,14 @@ TEST_CASE_TEMPLATE("[B,N,H,D] views bind without copies and give the same result
   std::size_t b = 2, h = 3, n = 37, d = 5, m = 7;
   auto q = tensor<T>::random({b, h, n, d}, 1), k = tensor<T>::random({b, h, n, d}, 2);
   auto v = tensor<T>::random({b, h, n, m}, 3);
-  // The same numbers stored [B,N,H,*].
-  auto to_bnhd = [&](tensor<T> const& t) {
-    auto s = t.shape();
-    std::vector<T> buf(t.size());
-    for (std::size_t i = 0; i < s[0]; ++i)
-      for (std::size_t j = 0; j < s[1]; ++j)
-        for (std::size_t x = 0; x < s[2]; ++x)
-          for (std::size_t y = 0; y < s[3]; ++y) buf[((i * s[2] + x) * s[1] + j) * s[3] + y] = t(i, j, x, y);
-    return buf;
-  };
-  auto qb = to_bnhd(q), kb = to_bnhd(k), vb = to_bnhd(v);
-  auto strides = [&](std::size_t last) {
-    return strides4{std::ptrdiff_t(n * h * last), std::ptrdiff_t(last), std::ptrdiff_t(h * last), 1};
-  };
-  tensor_view<T> qv(qb.data(), {b, h, n, d}, strides(d)), kv(kb.data(), {b, h, n, d}, strides(d));
-  tensor_view<T> vv(vb.data(), {b, h, n, m}, strides(m));
+  auto qb = bnhd_copy(q), kb = bnhd_copy(k), vb = bnhd_copy(v);
+  auto qv = qb.view(), kv = kb.view(), vv = vb.view();
   auto plan = compile(e);
   auto expected = cpu::evaluate(plan, Q = q, K = k, V = v);
   CHECK(max_abs_diff(cpu::evaluate(plan, Q = qv, K = kv, V = vv), expected) == 0);
   // And into a [B,N,H,M] output.
-  std::vector<T> ob(b * n * h * m, T(-7));
-  tensor_view<T> ov(ob.data(), {b, h, n, m}, strides(m));
+  bnhd<T> ob{std::vector<T>(b * n * h * m, T(-7)), {b, h, n, m}};
+  tensor_view<T> ov = ob.view();
   cpu::evaluate_into(plan, ov, Q = qv, K = kv, V = vv);
   CHECK(max_abs_diff(ov, expected) == 0);
 }
@@ -259,4 +269,59 @@ TEST_CASE_TEMPLATE("one long sequence split across threads agrees with the refer
   CHECK(max_abs_diff(gl[Q], gq[Q]) <= test::rounding_bound<T>(double(n * d * 4), 1 + test::max_abs(gq[Q])));
   CHECK(max_abs_diff(gl[K], gq[K]) <= test::rounding_bound<T>(double(n * d * 4), 1 + test::max_abs(gq[K])));
   CHECK(max_abs_diff(gl[V], gq[V]) <= test::rounding_bound<T>(double(n * d * 4), 1 + test::max_abs(gq[V])));
+}
+
+// The fast path (chunked scans, groups fused into them, the sequence split)
+// against its oracle, the simple path (operands in full, the plain scan), in
+// one process: forward, gradients and chained blocks with a state, on
+// [B,N,H,D] views, N = 0, 1, around the chunk (64) and past the split.
+TEST_CASE_TEMPLATE("the fast path agrees with the simple path, its oracle", T, float, double) {
+  struct restore {
+    cpu::path was = cpu::current_path();
+    ~restore() { cpu::use_path(was); }
+  } guard;
+  constexpr auto e = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+  constexpr auto plan = compile<order::linear>(e);
+  test::rng r{91};
+  std::size_t split = 2 * static_cast<std::size_t>(cpu::sequence_split_min_rows) + 5;
+  for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(63), std::size_t(64), std::size_t(65),
+                        std::size_t(200), split, test::length(r)}) {
+    std::size_t b = 1, h = n >= split ? 1 : r.in(1, 3), d = r.in(1, 24), m = r.in(1, 24);
+    CAPTURE(n); CAPTURE(h); CAPTURE(d); CAPTURE(m);
+    auto q = bnhd_copy(tensor<T>::random({b, h, n, d}, r.next())), k = bnhd_copy(tensor<T>::random({b, h, n, d}, r.next()));
+    auto v = bnhd_copy(tensor<T>::random({b, h, n, m}, r.next()));
+    auto dout = tensor<T>::random({b, h, n, m}, r.next());
+    struct results {
+      tensor<T> out, dq, dk, dv, second, sums;
+    };
+    auto run = [&](cpu::path p) {
+      cpu::use_path(p);
+      auto qv = q.view(), kv = k.view(), vv = v.view();
+      auto out = cpu::evaluate(plan, Q = qv, K = kv, V = vv);
+      auto g = cpu::gradient(plan, dout, Q = qv, K = kv, V = vv);
+      cpu::state<T> st;  // two blocks, the first ending off the chunk grid
+      std::size_t cut = n / 3;
+      auto block = [&](tensor_view<T> t, std::size_t from, std::size_t to) {
+        auto s = t.shape();
+        return tensor_view<T const>(t.data() + std::ptrdiff_t(from) * t.strides()[2], {s[0], s[1], to - from, s[3]},
+                                    t.strides());
+      };
+      cpu::evaluate(plan, st, Q = block(qv, 0, cut), K = block(kv, 0, cut), V = block(vv, 0, cut));
+      auto second = cpu::evaluate(plan, st, Q = block(qv, cut, n), K = block(kv, cut, n), V = block(vv, cut, n));
+      tensor<T> sums({1, 1, d, m + 1});
+      if (n > 0)
+        for (std::size_t x = 0; x < d; ++x)
+          for (std::size_t y = 0; y <= m; ++y) sums(0, 0, x, y) = st[0](0, 0, x, y);
+      return results{std::move(out), std::move(g[Q]), std::move(g[K]), std::move(g[V]), std::move(second),
+                     std::move(sums)};
+    };
+    results fast = run(cpu::path::fast), simple = run(cpu::path::simple);
+    double bound = test::rounding_bound<T>(double(4 * n * d + 1), 1 + test::max_abs(simple.out));
+    CHECK(max_abs_diff(fast.out, simple.out) <= bound);
+    CHECK(max_abs_diff(fast.second, simple.second) <= bound);
+    CHECK(max_abs_diff(fast.sums, simple.sums) <= test::rounding_bound<T>(double(4 * n + 1), 1 + test::max_abs(simple.sums)));
+    CHECK(max_abs_diff(fast.dq, simple.dq) <= test::rounding_bound<T>(double(4 * n * d + 1), 1 + test::max_abs(simple.dq)));
+    CHECK(max_abs_diff(fast.dk, simple.dk) <= test::rounding_bound<T>(double(4 * n * d + 1), 1 + test::max_abs(simple.dk)));
+    CHECK(max_abs_diff(fast.dv, simple.dv) <= test::rounding_bound<T>(double(4 * n * d + 1), 1 + test::max_abs(simple.dv)));
+  }
 }

@@ -32,6 +32,10 @@ std::size_t largest_allocation(Plan const& plan, std::size_t n) {
 }  // namespace
 
 TEST_CASE("a linear forward allocates no N-row temporary: φ(Q), φ(K), [V|1] and rowdiv run inside the scan") {
+  if (cpu::current_path() == cpu::path::simple) {
+    MESSAGE("the simple path materialises every operand: checked on the fast path");
+    return;
+  }
   std::size_t first = 0;
   for (std::size_t n : {1000u, 4000u, 16000u}) {
     std::size_t lin = largest_allocation(compile<order::linear>(attn), n);

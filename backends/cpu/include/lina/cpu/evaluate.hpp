@@ -27,6 +27,7 @@
 #include "lina/bind.hpp"
 #include "lina/cpu/kernels.hpp"
 #include "lina/cpu/matrix.hpp"
+#include "lina/cpu/path.hpp"
 #include "lina/cpu/state.hpp"
 #include "lina/node.hpp"
 #include "lina/schedule.hpp"
@@ -281,7 +282,8 @@ class program {
   // may be split across threads); else one per slice, kept across calls.
   program(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st,
           workspace<T>& ws, bool per_thread)
-      : plan_(plan), in_(in), outs_(outs), st_(st), ws_(ws), per_thread_(per_thread) {
+      : plan_(plan), in_(in), outs_(outs), st_(st), ws_(ws), per_thread_(per_thread),
+        simple_(current_path() == path::simple) {
     static_assert(S::outputs::size == Outputs, "lina::cpu: one output tensor per output of the schedule");
     // Same-typed steps with values: shared when their values are equal (once per call).
     [&]<std::size_t... J>(std::index_sequence<J...>) {
@@ -319,6 +321,25 @@ class program {
   struct turn {
     std::size_t b, h, arena;
     std::array<bool, steps + 1> pooled;
+  };
+
+  // A kernel's scratch from the run's arena, given back when it goes.
+  struct lease {
+    workspace<T>* ws = nullptr;
+    std::size_t arena = 0;
+    T* p = nullptr;
+    lease(program const& prog, turn const& w, std::size_t n)
+        : ws(&prog.ws_), arena(w.arena), p(n ? ws->take(arena, n) : nullptr) {}
+    lease(lease const&) = delete;
+    lease& operator=(lease&& o) noexcept {
+      std::swap(ws, o.ws);
+      std::swap(arena, o.arena);
+      std::swap(p, o.p);
+      return *this;
+    }
+    ~lease() {
+      if (p) ws->give(arena, p);
+    }
   };
 
   // An operand: a bound input's slice, an earlier result, or a view of either.
@@ -423,7 +444,9 @@ class program {
         sums = sums_space.p;
         std::fill_n(sums, state_size, T(0));
       }
-      if (int parts = sequence_parts(rows); parts > 1 && per_thread_) {
+      if (simple_) {
+        simple_scan(a, bs, c, sink, rows, sums, reverse, w);
+      } else if (int parts = sequence_parts(rows); parts > 1 && per_thread_) {
         kernels::scan_rows_split(a.rows(), bs.rows(), c.rows(), sink, rows, sums, reverse, parts);
       } else {
         lease space(*this, w, kernels::scan_scratch_size<T>(rows, a.rows(), bs.rows(), c.rows(), sink));
@@ -434,6 +457,26 @@ class program {
       scan(group_sink<E>{*this, slot[E], group_width<S::chain_start[E], E>(c.cols())});
     else
       scan(kernels::matrix_sink<T>{slot[J]});
+  }
+
+  // The simple path's scan: operands in full (a group it would load made
+  // into a matrix first), the plain row-by-row scan into a full result, which
+  // then goes through the group it would emit into.
+  template <class A, class B, class C, class Out>
+  void simple_scan(A const& a, B const& b, C const& c, Out const& sink, index rows, T* sums, bool reverse,
+                   turn& w) const {
+    std::array<lease, 4> mem{lease(*this, w, 0), lease(*this, w, 0), lease(*this, w, 0), lease(*this, w, 0)};
+    auto whole = [&](auto const& x, lease& m) { return x.whole(rows, m, *this, w); };
+    matrix<T> am = whole(a, mem[0]), bm = whole(b, mem[1]), cm = whole(c, mem[2]);
+    if constexpr (std::is_same_v<Out, kernels::matrix_sink<T>>) {
+      kernels::scan_simple(am, bm, cm, sink.m, sums, reverse);
+    } else {
+      mem[3] = lease(*this, w, static_cast<std::size_t>(rows * cm.cols));
+      matrix<T> out = view<T>(mem[3].p, rows, cm.cols, cm.cols, 1);
+      kernels::scan_simple(am, bm, cm, out, sums, reverse);
+      lease work(*this, w, sink.work());
+      sink.take(0, rows, false, mem[3].p, cm.cols, work.p);
+    }
   }
 
   // ---- fused groups of row-wise steps -------------------------------------
@@ -532,12 +575,19 @@ class program {
     M m;
     index cols() const { return m.cols; }
     kernels::matrix_rows<T> rows() const { return {m}; }
+    matrix<T> whole(index, lease&, program const&, turn&) const { return alias(m); }
   };
   template <class G>
   struct made_source {
     G g;
     index cols() const { return g.cols(); }
     G const& rows() const { return g; }
+    matrix<T> whole(index n, lease& mem, program const& p, turn& w) const {  // every row, into memory of its own
+      mem = lease(p, w, static_cast<std::size_t>(n * g.cols()));
+      lease work(p, w, g.work());
+      g.pack(0, n, false, mem.p, g.cols(), work.p);
+      return view<T>(mem.p, n, g.cols(), g.cols(), 1);
+    }
   };
   template <std::size_t J, class O>
   auto source(std::array<matrix<T>, steps + 1> const& slot, turn& w) const {
@@ -556,24 +606,6 @@ class program {
     }
   }
 
-  // A kernel's scratch from the run's arena, given back when it goes.
-  struct lease {
-    workspace<T>* ws = nullptr;
-    std::size_t arena = 0;
-    T* p = nullptr;
-    lease(program const& prog, turn const& w, std::size_t n)
-        : ws(&prog.ws_), arena(w.arena), p(n ? ws->take(arena, n) : nullptr) {}
-    lease(lease const&) = delete;
-    lease& operator=(lease&& o) noexcept {
-      std::swap(ws, o.ws);
-      std::swap(arena, o.arena);
-      std::swap(p, o.p);
-      return *this;
-    }
-    ~lease() {
-      if (p) ws->give(arena, p);
-    }
-  };
 
   // Release every result whose last reader was step J (its memory back to the arena).
   template <std::size_t J>
@@ -594,6 +626,7 @@ class program {
   state<T>* st_;
   workspace<T>& ws_;
   bool per_thread_;
+  bool simple_;  // cpu::path::simple, the oracle
   std::array<bool, steps + 1> share_{};
 };
 

@@ -374,6 +374,24 @@ void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c, matrix
   scan_contract(a, b, c, out, state, reverse, scratch.get());
 }
 
+// The scan as written, the fast path's oracle: for each row in scan order,
+// S += b_i c_iᵀ, then out_i = a_iᵀ S (cpu::path::simple).
+template <class T>
+void scan_simple(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, matrix<T>& out, T* state, bool reverse) {
+  index n = b.rows, da = b.cols, db = c.cols;
+  for (index t = 0; t < n; ++t) {
+    index i = reverse ? n - 1 - t : t;
+    for (index p = 0; p < da; ++p)
+      for (index q = 0; q < db; ++q) state[p * db + q] += b(i, p) * c(i, q);
+    T* o = out.row_mut(i);
+    for (index q = 0; q < db; ++q) {
+      T sum = 0;
+      for (index p = 0; p < da; ++p) sum += a(i, p) * state[p * db + q];
+      o[q] = sum;
+    }
+  }
+}
+
 // Rows [from, to) of a matrix, as a view.
 template <class T>
 matrix<T> rows_of(matrix<T> const& m, index from, index to) {
