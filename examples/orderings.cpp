@@ -73,6 +73,9 @@ void compare(char const* title, Expr const& expr, options const& opt) {
   auto linear = compile<order::linear>(expr);
   auto [thresholds, count] = select_thresholds<decltype(automatic)>();
   std::size_t predicted = count ? thresholds[0] : 0;
+  // the CPU backend's calibrated model (docs/benchmarks.md), next to the core's counting one
+  auto [cpu_thresholds, cpu_count] = select_thresholds<decltype(compile<order::automatic, cpu::cost_model>(expr))>();
+  std::size_t cpu_predicted = cpu_count ? cpu_thresholds[0] : 0;
 
   fmt::print("\n== {} ==\n", title);
   fmt::print("expression      {}\n", expr);
@@ -108,11 +111,12 @@ void compare(char const* title, Expr const& expr, options const& opt) {
     if (!linear_wins) measured = 0;
   }
   if (measured)
-    fmt::print("crossover: measured N = {} (linear faster from there on, grid {}..{}), cost model predicts N = {}\n",
-               measured, grid.front(), grid.back(), predicted);
+    fmt::print("crossover: measured N = {} (linear faster from there on, grid {}..{}); predicted N = {} by the "
+               "counting model (compile()), N = {} by cpu::cost_model\n",
+               measured, grid.front(), grid.back(), predicted, cpu_predicted);
   else
-    fmt::print("crossover: not found on the grid {}..{}; cost model predicts N = {}\n", grid.front(), grid.back(),
-               predicted);
+    fmt::print("crossover: not found on the grid {}..{}; predicted N = {} by the counting model, N = {} by "
+               "cpu::cost_model\n", grid.front(), grid.back(), predicted, cpu_predicted);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // the printed forms, and the cost model's numbers.
 #include <doctest/doctest.h>
 
+#include <lina/cpu/cost_model.hpp>
 #include <lina/lina.hpp>
 #include <lina/state.hpp>
 #include <string>
@@ -163,6 +164,23 @@ TEST_CASE("estimate counts the plan's flops and bytes") {
   auto quad = estimate<double>(compile<order::quadratic>(causal_attn), N = 1000);
   CHECK(quad.flops == doctest::Approx(2 * n * d + 2 * n * d * n + 2 * n * n * m1 + n * 16));
   CHECK(quad.bytes == doctest::Approx(8 * (2 * n * d + n * n + n * m1 + n * m1 + n * 16)));
+  // the fused scan's share (outer, prefix, contract), which cpu::cost_model weighs apart
+  CHECK(lin.scan_flops == doctest::Approx(4 * n * d * m1));
+  CHECK(quad.scan_flops == 0);
+}
+
+TEST_CASE("cpu::cost_model weighs scan flops apart: an earlier causal crossover, the same non-causal one") {
+  auto [counting, c1] = select_thresholds<decltype(compile(causal_attn))>();
+  auto [cpu_model, c2] = select_thresholds<decltype(compile<order::automatic, cpu::cost_model>(causal_attn))>();
+  REQUIRE(c1 == 1);
+  REQUIRE(c2 == 1);
+  CHECK(cpu_model[0] < counting[0]);  // the linear scan is cheaper than its flop count says
+  constexpr auto full = normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V;
+  auto [counting_full, c3] = select_thresholds<decltype(compile(full))>();
+  auto [cpu_full, c4] = select_thresholds<decltype(compile<order::automatic, cpu::cost_model>(full))>();
+  REQUIRE(c3 == 1);
+  REQUIRE(c4 == 1);
+  CHECK(cpu_full[0] == counting_full[0]);  // no scan in the non-causal orders
 }
 
 TEST_CASE("the select threshold is where the cost model's preference flips") {

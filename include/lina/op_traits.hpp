@@ -33,9 +33,13 @@ enum class prec { sum = 1, product = 2, atom = 3 };
 struct cost_estimate {
   double flops = 0;
   double bytes = 0;
+  // The part of `flops` done inside fused scans (contract, prefix/suffix, ⊗),
+  // which a backend may run at another rate than products (cpu::cost_model).
+  double scan_flops = 0;
   constexpr cost_estimate& operator+=(cost_estimate const& o) {
     flops += o.flops;
     bytes += o.bytes;
+    scan_flops += o.scan_flops;
     return *this;
   }
 };
@@ -275,7 +279,8 @@ template <>
 struct op_traits<op::outer_rows> : detail::infix_notation<"outer_rows", "⊗"> {
   template <class S, class B, class C, class Src>  // one multiply per state entry and row
   static constexpr cost_estimate cost(Src const& s, double) {
-    return {detail::ext<typename S::rows>(s) * detail::ext<typename S::a>(s) * detail::ext<typename S::b>(s), 0};
+    double f = detail::ext<typename S::rows>(s) * detail::ext<typename S::a>(s) * detail::ext<typename S::b>(s);
+    return {f, 0, f};
   }
   static constexpr bool differentiable = true;  // B⊗C -> contract(C, rowsᵀ(G)), contract(B, G)
   template <class N, class G>
@@ -288,7 +293,7 @@ struct scan_cost {  // one add per state entry and row; the state itself
   template <class S, class X, class Src>
   static constexpr cost_estimate cost(Src const& s, double elem) {
     double ab = ext<typename S::a>(s) * ext<typename S::b>(s);
-    return {ext<typename S::rows>(s) * ab, ab * elem};
+    return {ext<typename S::rows>(s) * ab, ab * elem, ext<typename S::rows>(s) * ab};
   }
 };
 }  // namespace detail
@@ -321,7 +326,7 @@ struct op_traits<op::contract_rows> : detail::call_notation<"contract"> {
   template <class S, class A, class Seq, class Src>  // out_i = A_iᵀ S_i: a x b multiply-adds per row
   static constexpr cost_estimate cost(Src const& s, double elem) {
     double r = detail::ext<typename S::rows>(s), a = detail::ext<typename Seq::a>(s), b = detail::ext<typename Seq::b>(s);
-    return {2 * r * a * b, r * b * elem};
+    return {2 * r * a * b, r * b * elem, 2 * r * a * b};
   }
   static constexpr bool differentiable = true;  // contract(A, S) -> contract(G, rowsᵀ(S)), A⊗G
   template <class N, class G>

@@ -1,12 +1,14 @@
 // The CPU backend's cost model: compile<order::automatic, cpu::cost_model>(e).
 //
-// The quadratic order streams its N x N similarity through memory twice,
-// which is what moves the crossover; one byte of intermediate written weighs
-// as much as one flop here, the value whose predicted crossover (N = 65 at
-// D = M = 64) matched the measured one of examples/orderings best
-// (docs/benchmarks.md: 62 non-causal; the causal scan crosses later, at 120,
-// until the scan kernels are tuned). It equals the core's counting model
-// today; it lives here because its constants are the CPU's, and a backend
+// Two rates, fitted to the crossovers examples/orderings measures with the
+// current kernels (docs/benchmarks.md has the table, measured against
+// predicted): a byte of intermediate written weighs `flops_per_byte` flops
+// (the quadratic order streams its N x N similarity through memory, which is
+// what moves the non-causal crossover, where no scan is involved), and a flop
+// inside a fused scan weighs `scan_flop` (the chunked scan runs near the FMA
+// peak, with phi, [V|1] and the normaliser made inside it, while the quadratic
+// order's products and element-wise passes do not; that moves the causal
+// crossover). The core decides with counting_cost_model (both 1); a backend
 // with other costs (a GPU: flops cheap, bytes dear) brings its own.
 #pragma once
 
@@ -15,8 +17,17 @@
 namespace lina::cpu {
 
 struct cost_model : counting_cost_model {
-  static constexpr double flops_per_byte = 1;  // measured crossover, see above
-  static constexpr double weight(cost_estimate c) { return c.flops + flops_per_byte * c.bytes; }
+  // Fitted on a 2-core AVX-512 EPYC (2026-11-30), D = M = 64, fp32: measured
+  // crossovers N = 62 non-causal (flop-bound: any flops_per_byte in 0.5..1.25
+  // predicts 65) and N = 12 causal (scan_flop = 0.1 predicts 12; 1 predicted
+  // 65). A scan flop weighs a tenth of the quadratic order's: at these lengths
+  // the quadratic causal plan's cost is its passes over the N x N similarity
+  // (product, mask, normalise, product), not its flop count.
+  static constexpr double flops_per_byte = 1;
+  static constexpr double scan_flop = 0.1;
+  static constexpr double weight(cost_estimate c) {
+    return c.flops + (scan_flop - 1) * c.scan_flops + flops_per_byte * c.bytes;
+  }
 };
 
 }  // namespace lina::cpu
