@@ -454,7 +454,7 @@ class program {
       }
     };
     if constexpr (E != J)
-      scan(group_sink<E>{*this, slot[E], group_width<S::chain_start[E], E>(c.cols())});
+      scan(group_sink<E>{*this, slot[E], c.cols(), group_width<S::chain_start[E], E>(c.cols())});
     else
       scan(kernels::matrix_sink<T>{slot[J]});
   }
@@ -558,14 +558,14 @@ class program {
     static constexpr std::size_t first = S::chain_start[Last];
     program const& p;
     matrix<T>& out;
-    index widest;
+    index cols, widest;  // the scan's row width, the group's widest row
     T* in_place() const { return nullptr; }
     index stride() const { return 0; }
     std::size_t work() const { return static_cast<std::size_t>(2 * widest); }
     void take(index first_row, index n, bool reverse, T const* rows, index ld, T* work) const {
       for (index t = 0; t < n; ++t) {
         index i = reverse ? first_row - t : first_row + t;
-        p.template group_row<first, Last>(i, rows + t * ld, ld, out.row_mut(i), work, widest);
+        p.template group_row<first, Last>(i, rows + t * ld, cols, out.row_mut(i), work, widest);
       }
     }
   };

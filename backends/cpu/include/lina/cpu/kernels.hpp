@@ -147,11 +147,20 @@ void scan_strip(T* state, index da, index db, index q0, T const* a, T const* b, 
 template <class Vec, class T>
 inline T lane_sum(Vec const& v) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
-  T t[L];
-  std::memcpy(t, &v, sizeof(Vec));
-  for (int w = L / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) t[l] += t[l + w];
-  return t[0];
+  using half = simd::vector_of<T, static_cast<int>(sizeof(Vec)) / 2>;
+  if constexpr (L > 1 && half::lanes == L / 2) {
+    // halves added as vectors, in registers (the same order as lane by lane below)
+    typename half::type lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<char const*>(&v) + sizeof(lo), sizeof(hi));
+    return lane_sum<typename half::type, T>(lo + hi);
+  } else {
+    T t[L];
+    std::memcpy(t, &v, sizeof(Vec));
+    for (int w = L / 2; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) t[l] += t[l + w];
+    return t[0];
+  }
 }
 
 // State rows [p0, p0 + K x lanes) of one state column q, for the columns
@@ -283,13 +292,14 @@ namespace detail {
 template <class T>
 struct scan_layout {  // the scratch of one scan over chunks of `rows` rows
   using shape = scan_tile_shape<T>;
-  index rows, ldab, ab_size, c_size, o_size, w_size;
+  index rows, ldab, ldc, ab_size, c_size, o_size, w_size;
   scan_layout(index n, index da, index db, bool pack_c, bool buffer_out, std::size_t work)
       : rows(std::min(scan_chunk_rows, n)),
         ldab(std::max(round_up(da, shape::rows), round_up(da, shape::lanes))),
+        ldc(round_up(db, shape::lanes)),  // packed C and buffered output rows start on whole vectors
         ab_size(round_up(rows * ldab, 16)),
-        c_size(pack_c ? round_up(rows * db, 16) : 0),
-        o_size(buffer_out ? round_up(rows * db, 16) : 0),
+        c_size(pack_c ? rows * ldc : 0),
+        o_size(buffer_out ? rows * ldc : 0),
         w_size(static_cast<index>(work)) {}
   std::size_t size() const { return static_cast<std::size_t>(2 * ab_size + c_size + o_size + w_size); }
 };
@@ -336,7 +346,7 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
     index m = std::min(lay.rows, n - t0);
     index first = reverse ? hi - 1 - t0 : lo + t0;  // the chunk's first row in scan order
     T* po = out_rows ? out_rows + first * out.stride() : pbuf;
-    index ldo = out_rows ? (reverse ? -out.stride() : out.stride()) : db;
+    index ldo = out_rows ? (reverse ? -out.stride() : out.stride()) : lay.ldc;
     for (index t = 0; t < m; ++t) std::fill_n(po + t * ldo, db, T(0));
     if (da > 0) {
       a.pack(first, m, reverse, pa, ldab, work);
@@ -346,9 +356,9 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
       if (pc_rows) {
         pc_rows += first * c.stride();
       } else {
-        c.pack(first, m, reverse, pc, db, work);
+        c.pack(first, m, reverse, pc, lay.ldc, work);
         pc_rows = pc;
-        ldc = db;
+        ldc = lay.ldc;
       }
       index q0 = 0;
       for (; q0 + V * L <= db; q0 += V * L)
@@ -357,7 +367,7 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
         detail::scan_strip<P, 1, vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
       for (; q0 < db; ++q0) detail::scan_column<vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
     }
-    if (!out_rows) out.take(first, m, reverse, po, db, work);
+    if (!out_rows) out.take(first, m, reverse, po, lay.ldc, work);
   }
 }
 
