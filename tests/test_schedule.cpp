@@ -115,6 +115,21 @@ TEST_CASE("common subexpressions: value-free ones are one step, valued ones name
   CHECK(twins == 2);
 }
 
+TEST_CASE("the backward's φ′ steps take the rows of the scan they read as it finishes them") {
+  using S = backward_schedule;
+  auto steps = steps_of(backward);
+  std::size_t emitted = 0;
+  for (std::size_t j = 0; j < S::size; ++j) {
+    if (steps[j].rfind("φ′", 0) != 0) continue;  // φ′(X)⊙contract(…)
+    std::size_t scan = S::runs_in[j];
+    REQUIRE(scan < j);
+    CHECK(S::emits[scan] == j);
+    CHECK(steps[scan].rfind("contract(", 0) == 0);
+    ++emitted;
+  }
+  CHECK(emitted == 2);  // ∂Q's and ∂K's; ∂V's scan result is an output's view (dropcol)
+}
+
 TEST_CASE("a chain of row-wise steps is one fused group") {
   using S = softmax_schedule;
   auto steps = steps_of(compile(softmax));

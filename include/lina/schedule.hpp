@@ -105,6 +105,19 @@ constexpr bool row_wise() {
            std::is_same_v<Op, op::append_ones> || std::is_same_v<Op, op::row_divide>;
 }
 
+// Ops whose row i reads row i of each of their two operands and nothing else
+// (the backward's adjoints): not part of chains, but a scan may hand its
+// finished rows to one of them.
+template <class N>
+constexpr bool row_local_pair() {
+  using Op = typename N::op_type;
+  if constexpr (N::arity != 2)
+    return false;  // (a parametric φ′ also reads its projection)
+  else
+    return requires { typename Op::vjp_of; } || std::is_same_v<Op, op::hadamard> || std::is_same_v<Op, op::add> ||
+           std::is_same_v<Op, op::normalize_vjp> || std::is_same_v<Op, op::row_divide_vjp>;
+}
+
 // ---- occurrences: (path, node) of every computing node, kids first ------------
 template <class Path, class N>
 struct occurrence {
@@ -422,12 +435,23 @@ struct schedule_of {
   // a scan loading the group), or none.
   static constexpr std::array<std::size_t, size + 1> absorbed_by = loaded_steps(std::make_index_sequence<size>{});
 
+  template <std::size_t J>
+  static constexpr bool lone_scan = J != sched::none && is_scan<J % size> && readers[J % size] == 1;
   template <std::size_t F>
   static constexpr std::size_t emitting_scan() {  // the scan a group's first step F reads, when it may emit F's group
     if constexpr (is_row_wise<F> && chain_start[F] == F) {
       constexpr std::size_t j = direct_step<detail::type_at_t<0, operands<F>>>();
-      if constexpr (j != sched::none && is_scan<j % size>)
-        return readers[j] == 1 ? j : sched::none;
+      return lone_scan<j> ? j : sched::none;
+    } else if constexpr (sched::row_local_pair<node_type<F>>()) {
+      // one operand the scan, the other ready before it (an input or an earlier step)
+      constexpr std::size_t x = direct_step<detail::type_at_t<0, operands<F>>>();
+      constexpr std::size_t y = direct_step<detail::type_at_t<1, operands<F>>>();
+      constexpr std::size_t y_at = sched::reads<detail::type_at_t<1, operands<F>>>::step;
+      constexpr std::size_t x_at = sched::reads<detail::type_at_t<0, operands<F>>>::step;
+      if constexpr (lone_scan<x> && (y_at == sched::none || y_at < x))
+        return x;
+      else if constexpr (lone_scan<y> && (x_at == sched::none || x_at < y))
+        return y;
       else
         return sched::none;
     } else {

@@ -182,12 +182,67 @@ class workspace {
 };
 
 // ---- backward ops ----
+// Row-local pairs (sched::row_local_pair): row<Op>::run(n, i, x, y, x_cols,
+// y_cols, out) makes row i from row i of each operand, so a step runs them
+// row by row and a scan can hand them its finished rows.
+template <class Map>
+struct row<op::phi_vjp<Map>> {  // J_φ(x_i)ᵀ g_i
+  template <class N, class T>
+  static void run(N const&, index, T const* x, T const* g, index cols, index, T* out) {
+    if constexpr (concepts::elementwise_map<Map>) {
+#pragma omp simd
+      for (index j = 0; j < cols; ++j) out[j] = g[j] * Map::derivative(x[j]);
+    } else {
+      Map::vjp(x, static_cast<std::size_t>(cols), g, out);
+    }
+  }
+};
+template <>
+struct row<op::hadamard> {
+  template <class N, class T>
+  static void run(N const&, index, T const* x, T const* y, index cols, index, T* out) {
+#pragma omp simd
+    for (index j = 0; j < cols; ++j) out[j] = x[j] * y[j];
+  }
+};
+template <>
+struct row<op::add> {
+  template <class N, class T>
+  static void run(N const&, index, T const* x, T const* y, index cols, index, T* out) {
+#pragma omp simd
+    for (index j = 0; j < cols; ++j) out[j] = x[j] + y[j];
+  }
+};
+template <>
+struct row<op::normalize_vjp> {  // g_j / d - (Σ_k g_k s_k) / d², d = Σ_k s_k + eps
+  template <class N, class T>
+  static void run(N const& n, index, T const* s, T const* g, index cols, index, T* out) {
+    T sum = 0, dot = 0;
+    for (index j = 0; j < cols; ++j) {
+      sum += s[j];
+      dot += g[j] * s[j];
+    }
+    T den = sum + static_cast<T>(n.op.eps);
+    for (index j = 0; j < cols; ++j) out[j] = g[j] / den - dot / (den * den);
+  }
+};
+template <>
+struct row<op::row_divide_vjp> {  // g_e / d for the leading columns, -Σ_e g_e y_e / d² for the last
+  template <class N, class T>
+  static void run(N const& n, index, T const* y, T const* g, index cols, index, T* out) {
+    index m = cols - 1;
+    T den = y[m] + static_cast<T>(n.op.eps);
+    T dot = 0;
+    for (index e = 0; e < m; ++e) {
+      out[e] = g[e] / den;
+      dot += g[e] * y[e];
+    }
+    out[m] = -dot / (den * den);
+  }
+};
+// A parametric map's adjoints read the whole projection W: lowered as matrices.
 template <class Map>
 struct lower<op::phi_vjp<Map>> {
-  template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& g) {
-    kernels::feature_map_vjp<Map>(x, g, out);
-  }
   template <class N, class T>
   static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w, matrix<T> const& g) {
     kernels::feature_map_vjp<Map, false>(x, w, g, out);
@@ -198,34 +253,6 @@ struct lower<op::phi_param_vjp<Map>> {
   template <class N, class T>
   static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w, matrix<T> const& g) {
     kernels::feature_map_vjp<Map, true>(x, w, g, out);
-  }
-};
-template <>
-struct lower<op::normalize_vjp> {
-  template <class N, class T>
-  static void run(N const& n, matrix<T>& out, matrix<T> const& s, matrix<T> const& g) {
-    kernels::normalize_vjp(s, g, out, static_cast<T>(n.op.eps));
-  }
-};
-template <>
-struct lower<op::row_divide_vjp> {
-  template <class N, class T>
-  static void run(N const& n, matrix<T>& out, matrix<T> const& y, matrix<T> const& g) {
-    kernels::row_divide_vjp(y, g, out, static_cast<T>(n.op.eps));
-  }
-};
-template <>
-struct lower<op::hadamard> {
-  template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> const& b) {
-    kernels::zip(a, b, out, [](T x, T y) { return x * y; });
-  }
-};
-template <>
-struct lower<op::add> {
-  template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> const& b) {
-    kernels::zip(a, b, out, [](T x, T y) { return x + y; });
   }
 };
 
@@ -388,6 +415,8 @@ class program {
         destination<J>(slot, direct, w);
         if constexpr (sched::row_wise<N>()) {
           rows_of_group<J>(slot, w);
+        } else if constexpr (sched::row_local_pair<N>()) {
+          rows_of_pair<J>(slot, w);
         } else {
           [&]<class... O>(lina::detail::type_list<O...>) {
             lower<typename N::op_type>::run(S::template node_at<J>(plan_), slot[J], operand<O>(slot, w)...);
@@ -453,10 +482,12 @@ class program {
         kernels::scan_rows(a.rows(), bs.rows(), c.rows(), sink, 0, rows, sums, reverse, space.p);
       }
     };
-    if constexpr (E != J)
+    if constexpr (E == J)
+      scan(kernels::matrix_sink<T>{slot[J]});
+    else if constexpr (sched::row_wise<typename S::template node_type<E>>())
       scan(group_sink<E>{*this, slot[E], c.cols(), group_width<S::chain_start[E], E>(c.cols())});
     else
-      scan(kernels::matrix_sink<T>{slot[J]});
+      scan(pair_sink<E, J>{*this, slot[E], c.cols(), operand<typename pair_sink<E, J>::side>(slot, w)});
   }
 
   // The simple path's scan: operands in full (a group it would load made
@@ -569,6 +600,47 @@ class program {
       }
     }
   };
+  // A row-local pair on its own: row i of each operand into row i of slot[K].
+  template <std::size_t K>
+  void rows_of_pair(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
+    using ops = typename S::template operands<K>;
+    matrix<T> x = operand<lina::detail::type_at_t<0, ops>>(slot, w);
+    matrix<T> y = operand<lina::detail::type_at_t<1, ops>>(slot, w);
+    lease copies(*this, w, static_cast<std::size_t>(x.cols + y.cols));
+    auto const& n = S::template node_at<K>(plan_);
+    using Op = typename S::template node_type<K>::op_type;
+    for (index i = 0; i < x.rows; ++i)
+      row<Op>::run(n, i, source_row(x, i, copies.p), source_row(y, i, copies.p + x.cols), x.cols, y.cols,
+                   slot[K].row_mut(i));
+  }
+  // A scan's finished rows as one operand of the row-local pair K (the
+  // other, `side`, read row by row), into `out`.
+  template <std::size_t K, std::size_t Scan>
+  struct pair_sink {
+    using ops = typename S::template operands<K>;
+    static constexpr bool scan_first = std::is_same_v<lina::detail::type_at_t<0, ops>, sched::step_operand<Scan>>;
+    using side = lina::detail::type_at_t<scan_first ? 1 : 0, ops>;
+    program const& p;
+    matrix<T>& out;
+    index cols;  // the scan's row width
+    matrix<T> side_rows;
+    T* in_place() const { return nullptr; }
+    index stride() const { return 0; }
+    std::size_t work() const { return static_cast<std::size_t>(side_rows.cols); }
+    void take(index first_row, index n, bool reverse, T const* rows, index ld, T* work) const {
+      auto const& node = S::template node_at<K>(p.plan_);
+      using Op = typename S::template node_type<K>::op_type;
+      for (index t = 0; t < n; ++t) {
+        index i = reverse ? first_row - t : first_row + t;
+        T const* other = source_row(side_rows, i, work);
+        if constexpr (scan_first)
+          row<Op>::run(node, i, rows + t * ld, other, cols, side_rows.cols, out.row_mut(i));
+        else
+          row<Op>::run(node, i, other, rows + t * ld, side_rows.cols, cols, out.row_mut(i));
+      }
+    }
+  };
+
   // A scan's operand O: a group it loads, or a matrix.
   template <class M>
   struct matrix_source {

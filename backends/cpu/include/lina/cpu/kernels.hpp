@@ -510,35 +510,7 @@ void feature_map(matrix<T> const& x, matrix<T> const& w, matrix<T>& out) {
   }
 }
 
-// out_ij = f(a_ij, b_ij)
-template <class T, class F>
-void zip(matrix<T> const& a, matrix<T> const& b, matrix<T>& out, F f) {
-  for (index i = 0; i < a.rows; ++i) {
-    T* o = out.row_mut(i);
-    for (index j = 0; j < a.cols; ++j) o[j] = f(a(i, j), b(i, j));
-  }
-}
-
 // ---- backward ---------------------------------------------------------------
-
-// J_φ(X_i)^T G_i for every row (φ'(X) ⊙ G for an element-wise map).
-template <class Map, class T>
-void feature_map_vjp(matrix<T> const& x, matrix<T> const& g, matrix<T>& out) {
-  if constexpr (concepts::elementwise_map<Map>) {
-    for (index i = 0; i < x.rows; ++i) {
-      T* o = out.row_mut(i);
-      for (index j = 0; j < x.cols; ++j) o[j] = g(i, j) * Map::derivative(x(i, j));
-    }
-  } else {
-    buffer<T> xr(static_cast<std::size_t>(x.cols)), gr(static_cast<std::size_t>(g.cols));
-    for (index i = 0; i < x.rows; ++i) {
-      for (index j = 0; j < x.cols; ++j) xr.get()[j] = x(i, j);
-      for (index j = 0; j < g.cols; ++j) gr.get()[j] = g(i, j);
-      Map::vjp(static_cast<T const*>(xr.get()), static_cast<std::size_t>(x.cols), static_cast<T const*>(gr.get()),
-               out.row_mut(i));
-    }
-  }
-}
 
 // A parametric map's row-wise adjoints: dx (Param = false, d columns) or the
 // h of ∂L/∂W = Σ_i x_i h_iᵀ (Param = true, m columns).
@@ -554,38 +526,6 @@ void feature_map_vjp(matrix<T> const& x, matrix<T> const& w, matrix<T> const& g,
       Map::param_vjp(static_cast<T const*>(xr.get()), d, wc.data, m, static_cast<T const*>(gr.get()), out.row_mut(i));
     else
       Map::vjp(static_cast<T const*>(xr.get()), d, wc.data, m, static_cast<T const*>(gr.get()), out.row_mut(i));
-  }
-}
-
-// The adjoint of normalize(S): G_ij / d_i - (sum_k G_ik S_ik) / d_i^2, d_i = sum_k S_ik + eps.
-template <class T>
-void normalize_vjp(matrix<T> const& s, matrix<T> const& g, matrix<T>& out, T eps) {
-  for (index i = 0; i < s.rows; ++i) {
-    T sum = 0, dot = 0;
-    for (index j = 0; j < s.cols; ++j) {
-      sum += s(i, j);
-      dot += g(i, j) * s(i, j);
-    }
-    T den = sum + eps;
-    T* o = out.row_mut(i);
-    for (index j = 0; j < s.cols; ++j) o[j] = g(i, j) / den - dot / (den * den);
-  }
-}
-
-// The adjoint of row_divide(Y): G_e / d for the leading columns and
-// -sum_e G_e Y_e / d^2 for the last, d = Y_last + eps.
-template <class T>
-void row_divide_vjp(matrix<T> const& y, matrix<T> const& g, matrix<T>& out, T eps) {
-  index m = y.cols - 1;
-  for (index i = 0; i < y.rows; ++i) {
-    T den = y(i, m) + eps;
-    T dot = 0;
-    T* o = out.row_mut(i);
-    for (index e = 0; e < m; ++e) {
-      o[e] = g(i, e) / den;
-      dot += g(i, e) * y(i, e);
-    }
-    o[m] = -dot / (den * den);
   }
 }
 
