@@ -86,8 +86,9 @@ struct scan_tile_shape {
 // packed rows' first of these P columns (row stride ldab), `c`, `o` the rows'
 // first of these columns (row strides ldc, ldo; negative in a reverse scan).
 // Every element sees the same operations in the same order whatever n is, so
-// a scan split into several calls gives the same bits as one call.
-template <int P, int V, class Vec, class T>
+// a scan split into several calls gives the same bits as one call. Out =
+// false: the state only (the sums of scan_sums), `a` and `o` untouched.
+template <int P, int V, class Vec, bool Out = true, class T>
 inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const* __restrict b, index ldab,
                       T const* __restrict c, index ldc, T* __restrict o, index ldo, index n) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
@@ -105,19 +106,23 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       cv[v] = simd::load<Vec>(ci + v * L);
-      ov[v] = simd::load<Vec>(oi + v * L);
+      if constexpr (Out) ov[v] = simd::load<Vec>(oi + v * L);
     }
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
-      Vec bp = simd::broadcast<Vec>(bi[p]), ap = simd::broadcast<Vec>(ai[p]);
+      Vec bp = simd::broadcast<Vec>(bi[p]);
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) {
-        acc[p][v] += bp * cv[v];
-        ov[v] += ap * acc[p][v];
+      for (int v = 0; v < V; ++v) acc[p][v] += bp * cv[v];
+      if constexpr (Out) {
+        Vec ap = simd::broadcast<Vec>(ai[p]);
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) ov[v] += ap * acc[p][v];
       }
     }
+    if constexpr (Out) {
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) simd::store(oi + v * L, ov[v]);
+      for (int v = 0; v < V; ++v) simd::store(oi + v * L, ov[v]);
+    }
   }
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
@@ -129,17 +134,17 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
 // db), for a chunk of n rows. A tile that reaches past the state's last row
 // goes through a zeroed copy (the packed rows are zero there, so it stays
 // zero).
-template <int P, int V, class Vec, class T>
+template <int P, int V, class Vec, bool Out = true, class T>
 void scan_strip(T* state, index da, index db, index q0, T const* a, T const* b, index ldab, T const* c, index ldc,
                 T* o, index ldo, index n) {
   constexpr int W = V * static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
   for (; p0 + P <= da; p0 += P)
-    scan_tile<P, V, Vec>(state + p0 * db + q0, db, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
+    scan_tile<P, V, Vec, Out>(state + p0 * db + q0, db, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
   if (p0 == da) return;
   alignas(64) T tile[P * W] = {};
   for (index p = 0; p < da - p0; ++p) std::copy_n(state + (p0 + p) * db + q0, W, tile + p * W);
-  scan_tile<P, V, Vec>(tile, W, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
+  scan_tile<P, V, Vec, Out>(tile, W, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
   for (index p = 0; p < da - p0; ++p) std::copy_n(tile + p * W, W, state + (p0 + p) * db + q0);
 }
 
@@ -167,7 +172,7 @@ inline T lane_sum(Vec const& v) {
 // left over after whole-vector strips: here vectors run along the state's
 // rows, and each output element adds its dot product with a_i as a sum of
 // lanes. Rows of `a` and `b` are zero from da up to whole vectors.
-template <int K, class Vec, class T>
+template <int K, class Vec, bool Out = true, class T>
 inline void scan_column_block(T* state, index da, index db, index q, index p0, T const* __restrict a,
                               T const* __restrict b, index ldab, T const* __restrict c, index ldc, T* __restrict o,
                               index ldo, index n) {
@@ -186,26 +191,26 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
       s[k] += simd::load<Vec>(bi + k * L) * cq;
-      ov += simd::load<Vec>(ai + k * L) * s[k];
+      if constexpr (Out) ov += simd::load<Vec>(ai + k * L) * s[k];
     }
-    o[i * ldo + q] += lane_sum<Vec, T>(ov);
+    if constexpr (Out) o[i * ldo + q] += lane_sum<Vec, T>(ov);
   }
 #pragma GCC unroll 8
   for (int k = 0; k < K; ++k) simd::store(col + k * L, s[k]);
   for (index p = 0; p < pn; ++p) state[(p0 + p) * db + q] = col[p];
 }
 
-template <class Vec, class T>
+template <class Vec, bool Out = true, class T>
 void scan_column(T* state, index da, index db, index q, T const* a, T const* b, index ldab, T const* c, index ldc,
                  T* o, index ldo, index n) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
-  for (; p0 + 4 * L <= da; p0 += 4 * L) scan_column_block<4, Vec>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
+  for (; p0 + 4 * L <= da; p0 += 4 * L) scan_column_block<4, Vec, Out>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
   if (p0 + 2 * L <= da) {
-    scan_column_block<2, Vec>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
+    scan_column_block<2, Vec, Out>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
     p0 += 2 * L;
   }
-  for (; p0 < da; p0 += L) scan_column_block<1, Vec>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
+  for (; p0 < da; p0 += L) scan_column_block<1, Vec, Out>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
 }
 
 // Rows first, first + 1, ... (first, first - 1, ... when reversed) of x,
@@ -326,7 +331,7 @@ std::size_t scan_scratch_size(matrix<T> const& b, matrix<T> const& c) {  // into
 // Rows [lo, hi) of the scan (from hi - 1 down when reversed), sources a, b
 // (da columns), c (db), into `out`, from and leaving `state`; scratch of
 // scan_scratch_size(hi - lo, a, b, c, out) elements.
-template <class T, class A, class B, class C, class Out>
+template <bool Outputs = true, class T, class A, class B, class C, class Out>
 void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, index hi, T* state, bool reverse,
                T* scratch) {
   using shape = detail::scan_tile_shape<T>;
@@ -347,9 +352,10 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
     index first = reverse ? hi - 1 - t0 : lo + t0;  // the chunk's first row in scan order
     T* po = out_rows ? out_rows + first * out.stride() : pbuf;
     index ldo = out_rows ? (reverse ? -out.stride() : out.stride()) : lay.ldc;
-    for (index t = 0; t < m; ++t) std::fill_n(po + t * ldo, db, T(0));
+    if constexpr (Outputs)
+      for (index t = 0; t < m; ++t) std::fill_n(po + t * ldo, db, T(0));
     if (da > 0) {
-      a.pack(first, m, reverse, pa, ldab, work);
+      if constexpr (Outputs) a.pack(first, m, reverse, pa, ldab, work);
       b.pack(first, m, reverse, pb, ldab, work);
       T const* pc_rows = c.in_place();
       index ldc = reverse ? -c.stride() : c.stride();
@@ -362,12 +368,13 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
       }
       index q0 = 0;
       for (; q0 + V * L <= db; q0 += V * L)
-        detail::scan_strip<P, V, vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+        detail::scan_strip<P, V, vec, Outputs>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
       for (; q0 + L <= db; q0 += L)
-        detail::scan_strip<P, 1, vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
-      for (; q0 < db; ++q0) detail::scan_column<vec>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+        detail::scan_strip<P, 1, vec, Outputs>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+      for (; q0 < db; ++q0)
+        detail::scan_column<vec, Outputs>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
     }
-    if (!out_rows) out.take(first, m, reverse, po, lay.ldc, work);
+    if (Outputs && !out_rows) out.take(first, m, reverse, po, lay.ldc, work);
   }
 }
 
@@ -408,28 +415,22 @@ matrix<T> rows_of(matrix<T> const& m, index from, index to) {
   return view(m.data + from * m.rs, to - from, m.cols, m.rs, m.cs);
 }
 
-// sums += Σ b_i c_iᵀ over rows [lo, hi) (no outputs): a chunk at a time,
-// packed, as a product of the chunk's B rows (transposed) and C rows.
+// sums += Σ b_i c_iᵀ over rows [lo, hi): the scan's state update alone (no
+// outputs, so no A and half the arithmetic), with the state in registers.
+template <class T>
+struct no_outputs {
+  T* in_place() const { return nullptr; }
+  index stride() const { return 0; }
+  std::size_t work() const { return 0; }
+  void take(index, index, bool, T const*, index, T*) const {}
+};
 template <class T, class B, class C>
 void scan_sums(B const& b, C const& c, index lo, index hi, T* sums, T* scratch) {
-  index n = hi - lo, da = b.cols(), db = c.cols();
-  if (n <= 0 || da == 0 || db == 0) return;
-  index rows = std::min(scan_chunk_rows, n);
-  T* pb = scratch;
-  T* pc = pb + rows * da;
-  T* work = pc + rows * db;
-  matrix<T> s = view<T>(sums, da, db, db, 1);
-  for (index t0 = lo; t0 < hi; t0 += rows) {
-    index m = std::min(rows, hi - t0);
-    b.pack(t0, m, false, pb, da, work);
-    c.pack(t0, m, false, pc, db, work);
-    gemm(view<T>(pb, da, m, 1, da), view<T>(pc, m, db, db, 1), s, true);
-  }
+  scan_rows<false>(b, b, c, no_outputs<T>{}, lo, hi, sums, false, scratch);
 }
 template <class T, class B, class C>
 std::size_t scan_sums_scratch_size(index n, B const& b, C const& c) {
-  index rows = std::min(scan_chunk_rows, n);
-  return static_cast<std::size_t>(rows * (b.cols() + c.cols())) + detail::work_of(b, c);
+  return scan_scratch_size<T>(n, b, b, c, no_outputs<T>{});
 }
 
 // scan_rows with the sequence split into `parts`, one per thread, for one long
