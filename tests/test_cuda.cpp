@@ -645,6 +645,150 @@ TEST_CASE("device: launched kernels agree with the emulation") {
 // Without a GPU every entry point that needs one throws cuda_error saying "no
 // CUDA device" and naming the call; nothing else is reachable here. (Where a
 // device exists the device tests below run instead.)
+TEST_CASE("no device: device tensors, copies, evaluate and chained launches throw cuda_error naming the call") {
+  if (cuda::probe_device().available) {
+    MESSAGE("not applicable: a CUDA device is present (the device tests run instead)");
+    return;
+  }
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  auto expect = [](auto f, std::string const& call) {
+    CAPTURE(call);
+    try {
+      f();
+      FAIL("no cuda_error");
+    } catch (cuda::cuda_error const& e) {
+      CHECK(e.call() == call);
+      CHECK(std::string(e.what()).find(call) != std::string::npos);
+      CHECK(std::string(e.what()).find("no CUDA device") != std::string::npos);
+    }
+  };
+  auto q = tensor<float>::random({1, 2, 10, 4}, 1), v = tensor<float>::random({1, 2, 10, 3}, 2);
+  expect([&] { cuda::tensor<float> t({1, 2, 10, 4}); }, "cuda::tensor");
+  expect([&] { cuda::tensor<cuda::bf16> t({1, 1, 1, 1}); }, "cuda::tensor");
+  CHECK_NOTHROW(cuda::tensor<float>({1, 2, 0, 4}));  // nothing to allocate
+  expect([&] { (void)cuda::to_device(q); }, "cuda::to_device");
+  try {
+    (void)cuda::to_device(q);
+  } catch (cuda::cuda_error const& e) {
+    MESSAGE("what a caller sees: " << std::string(e.what()));
+  }
+  expect([&] { (void)cuda::to_device<cuda::bf16>(q.view()); }, "cuda::to_device");
+  cuda::tensor<float> empty;
+  expect([&] { (void)cuda::to_host(empty); }, "cuda::to_host");
+
+  shape4 sq{1, 2, 10, 4}, sv{1, 2, 10, 3};
+  std::vector<float> fake(80);  // never read: nothing is launched
+  cuda::device_view<float const> dq(fake.data(), sq), dv(fake.data(), sv);
+  cuda::device_view<float> dout(fake.data(), sv);
+  expect([&] { (void)cuda::evaluate(plan, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate");
+  expect([&] { (void)cuda::evaluate<cuda::bf16>(plan, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate");
+  expect([&] { cuda::evaluate_into(plan, dout, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate_into");
+  cuda::state st(plan, 1, 2);
+  expect([&] { cuda::evaluate_into(plan, dout, st, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate_into");
+  CHECK(!st.sized());  // the failed first use left the state as it was
+  expect([&] { (void)cuda::evaluate(plan, st, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate");
+  // States: to the device needs one; a host copy of a host state does not.
+  cuda::state host(plan, 1, 2, cuda::memory::host);
+  cuda::emulate(plan, {}, host, Q = q, K = q, V = v);
+  expect([&] { (void)cuda::to_device(host); }, "cuda::to_device");
+  expect([&] { (void)cuda::to_host(st); }, "cuda::to_host");
+  cuda::state copy = cuda::to_host(host);
+  CHECK(copy.where() == cuda::memory::host);
+  CHECK(copy.shape() == host.shape());
+  CHECK(std::equal(host.data(), host.data() + host.size(), copy.data()));
+  // The kernel launcher itself says so too.
+  cuda::forward_args a;
+  expect([&] { cuda::launch(cuda::program_of(plan, {}, D = 4, M = 3), a); }, "launch");
+}
+
+namespace {
+// A float tensor as a device tensor of element type E (rounded to it).
+template <class E>
+cuda::tensor<E> device_copy(tensor<float> const& x) {
+  return cuda::to_device<E>(x);
+}
+template <class E>
+cuda::dtype dtype_for() {
+  return cuda::dtype_of<E>;
+}
+}  // namespace
+
+TEST_CASE("device: to_device / to_host round trip, evaluate = CPU backend, chained launches = emulation") {
+  auto dev = cuda::probe_device();
+  if (!dev.available) {
+    MESSAGE("skipped: no CUDA device (" << dev.reason << ")");
+    return;
+  }
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  constexpr auto linear = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  // Round trips: fp32 exactly, 16-bit types as rounded on the host.
+  auto x = tensor<float>::random({2, 3, 37, 5}, 7);
+  CHECK(max_abs_diff(cuda::to_host(cuda::to_device(x)), x) == 0.0);
+  CHECK(max_abs_diff(cuda::to_host(cuda::to_device<cuda::bf16>(x)), rounded(x, cuda::dtype::bf16)) == 0.0);
+  CHECK(max_abs_diff(cuda::to_host(cuda::to_device<cuda::f16>(x)), rounded(x, cuda::dtype::f16)) == 0.0);
+  {  // a strided host view comes back dense, with the same values
+    auto t = tensor<float>::like(tensor_view<float const>(x.data(), {2, 5, 37, 3}, {555, 1, 15, 5}));
+    for (std::size_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<float>(i);
+    CHECK(max_abs_diff(cuda::to_host(cuda::to_device(t)), t) == 0.0);
+  }
+  cuda::tensor<float> moved = cuda::to_device(x);
+  float const* where = moved.data();
+  cuda::tensor<float> owner = std::move(moved);
+  CHECK(owner.data() == where);
+  CHECK(moved.data() == nullptr);
+
+  auto run = [&]<class E>(shape s, std::uint64_t seed) {
+    cuda::dtype const dt = dtype_for<E>();
+    CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
+    auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
+    auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
+    auto dq = device_copy<E>(q), dk = device_copy<E>(k), dv = device_copy<E>(v);
+    // evaluate → a device tensor, against the CPU backend on the same inputs.
+    auto got = cuda::to_host(cuda::evaluate(plan, nullptr, Q = dq, K = dk, V = dv));
+    CHECK(relative_rms(got, cpu::evaluate(plan, Q = q, K = k, V = v)) <= tolerance(dt));
+    auto wide = cuda::to_host(cuda::evaluate<float>(plan, nullptr, Q = dq, K = dk, V = dv));  // fp32 out
+    CHECK(relative_rms(wide, cuda::emulate(plan, {dt, cuda::dtype::f32}, Q = q, K = k, V = v)) <= 1e-6);
+    // Two chained launches = the chained emulation, state included.
+    std::size_t at = s.n / 3 + 1;
+    cuda::state st(plan, s.b, s.h), host(plan, s.b, s.h, cuda::memory::host);
+    auto sub = [&](cuda::tensor<E> const& t, std::size_t from, std::size_t to) {
+      auto vw = t.view();
+      auto sh = vw.shape();
+      return cuda::device_view<E const>(vw.data() + static_cast<std::ptrdiff_t>(from) * vw.strides()[2],
+                                        {sh[0], sh[1], to - from, sh[3]}, vw.strides());
+    };
+    cuda::tensor<E> out({s.b, s.h, s.n, s.m});
+    for (auto [from, to] : {std::pair{std::size_t{0}, at}, std::pair{at, s.n}}) {
+      auto ov = out.view();
+      cuda::device_view<E> rows(ov.data() + static_cast<std::ptrdiff_t>(from) * ov.strides()[2],
+                                {s.b, s.h, to - from, s.m}, ov.strides());
+      cuda::evaluate_into(plan, rows, st, nullptr, Q = sub(dq, from, to), K = sub(dk, from, to), V = sub(dv, from, to));
+      cuda::emulate(plan, {dt, dt}, host, Q = test::tokens(q, from, to), K = test::tokens(k, from, to),
+                    V = test::tokens(v, from, to));
+    }
+    auto once = cuda::emulate(linear, {dt, dt}, Q = q, K = k, V = v);
+    CHECK(relative_rms(cuda::to_host(out), once) <= tolerance(dt));
+    cuda::state back = cuda::to_host(st);
+    tensor<float> a(back.shape()), b(host.shape());
+    std::copy(back.data(), back.data() + back.size(), a.data());
+    std::copy(host.data(), host.data() + host.size(), b.data());
+    CHECK(relative_rms(a, b) <= 1e-6);
+    // A host state continued on the device, and a device state copied on the device.
+    cuda::state resumed = cuda::to_device(host);
+    cuda::state twin = cuda::to_device(st);
+    auto y1 = cuda::to_host(cuda::evaluate(plan, resumed, nullptr, Q = sub(dq, 0, at), K = sub(dk, 0, at), V = sub(dv, 0, at)));
+    auto y2 = cuda::to_host(cuda::evaluate(plan, twin, nullptr, Q = sub(dq, 0, at), K = sub(dk, 0, at), V = sub(dv, 0, at)));
+    auto y3 = cuda::emulate(plan, {dt, dt}, host, Q = test::tokens(q, 0, at), K = test::tokens(k, 0, at), V = test::tokens(v, 0, at));
+    CHECK(relative_rms(y1, y3) <= tolerance(dt) / 4);
+    CHECK(relative_rms(y2, y3) <= tolerance(dt) / 4);
+  };
+  for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{2, 2, 150, 16, 100}}) {
+    run.template operator()<float>(s, 300);
+    run.template operator()<cuda::bf16>(s, 400);
+  }
+}
+
 TEST_CASE("NVRTC on-disk cache: keyed by source and architecture, checked on read") {
   namespace fs = std::filesystem;
   fs::path dir = fs::temp_directory_path() / ("lina-cuda-cache-test-" + std::to_string(::getpid()));

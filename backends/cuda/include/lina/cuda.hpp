@@ -6,6 +6,11 @@
 //   cuda::emulate(plan, opts, Q = q, K = k, V = v)   the result through the host emulation
 //   cuda::emulate_into(plan, opts, out, Q = q, …)    the same into a view of any layout
 //   cuda::evaluate_into(plan, out, stream, Q = q, …)  a launch on the GPU, on device views
+//   cuda::evaluate(plan, stream, Q = dq, …)          the same into a new cuda::tensor
+//   cuda::tensor<T>, to_device(host), to_host(dev)   owning device tensors and copies
+//   cuda::state                                      a causal plan's running sums between
+//     emulate_into(plan, opts, out, st, Q = q, …)    evaluations (chaining blocks of a
+//     evaluate_into(plan, out, st, stream, …)        sequence), in host or device memory
 //
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
 // live in translation units of their own that never see it.
@@ -325,6 +330,94 @@ inline constexpr bool is_device_view = false;
 template <class E>
 inline constexpr bool is_device_view<device_view<E>> = true;
 
+// cuda::tensor<T>: an owning dense [B, H, N, D] tensor in device memory (T:
+// float, cuda::bf16 or cuda::f16). Move-only; freed when it dies. Binds like
+// a host tensor: Q = dq. Made by to_device, by evaluate, or empty here and
+// written by evaluate_into. Allocating needs a device: without one the
+// constructor throws cuda_error naming the call ("no CUDA device (…)"); a
+// tensor of no elements allocates nothing.
+template <class T>
+class tensor {
+  static_assert(device_element<T> && !std::is_const_v<T>,
+                "lina::cuda::tensor<T>: T is float, cuda::bf16 or cuda::f16");
+
+ public:
+  using element_type = T;
+  tensor() = default;
+  explicit tensor(shape4 shape, std::string const& call = "cuda::tensor")
+      : shape_(shape), buffer_(count(shape) * sizeof(T), call) {}
+
+  shape4 const& shape() const noexcept { return shape_; }
+  strides4 strides() const noexcept { return tensor_view<T>::contiguous_strides(shape_); }
+  std::size_t size() const noexcept { return count(shape_); }
+  std::size_t bytes() const noexcept { return size() * sizeof(T); }
+  T* data() noexcept { return static_cast<T*>(buffer_.get()); }
+  T const* data() const noexcept { return static_cast<T const*>(buffer_.get()); }
+  device_view<T> view() noexcept { return {data(), shape_}; }
+  device_view<T const> view() const noexcept { return {data(), shape_}; }
+
+ private:
+  static std::size_t count(shape4 const& s) { return s[0] * s[1] * s[2] * s[3]; }
+  shape4 shape_{0, 0, 0, 0};
+  device_buffer buffer_;
+};
+template <class T>
+device_view<T const> view_of(tensor<T> const& t) {
+  return t.view();
+}
+
+// Copy a host tensor (any layout) to a new device tensor of element type T,
+// rounding to it (nearest even) for bf16 and f16: to_device<cuda::bf16>(q).
+// Returns once the copy is done (`stream` is synchronised).
+template <class T = float>
+tensor<T> to_device(tensor_view<float const> host, void* stream = nullptr) {
+  static_assert(device_element<T> && !std::is_const_v<T>, "lina::cuda::to_device<T>: T is float, cuda::bf16 or cuda::f16");
+  char const* call = "cuda::to_device";
+  require_device(call);
+  shape4 const s = host.shape();
+  using E = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;
+  std::vector<E> staging(s[0] * s[1] * s[2] * s[3]);
+  std::size_t x = 0;
+  for (std::size_t b = 0; b < s[0]; ++b)
+    for (std::size_t h = 0; h < s[1]; ++h)
+      for (std::size_t n = 0; n < s[2]; ++n)
+        for (std::size_t c = 0; c < s[3]; ++c, ++x) {
+          float const v = host(b, h, n, c);
+          if constexpr (std::is_same_v<T, bf16>)
+            staging[x] = bf16_bits(v);
+          else if constexpr (std::is_same_v<T, f16>)
+            staging[x] = f16_bits(v);
+          else
+            staging[x] = v;
+        }
+  tensor<T> d(s, call);
+  copy_to_device(d.data(), staging.data(), d.bytes(), stream, call);
+  synchronize_stream(stream, call);
+  return d;
+}
+
+// Copy a device tensor back to a new host float tensor [B, H, N, D] (16-bit
+// elements widened exactly). Returns once the copy is done.
+template <class T>
+lina::tensor<float> to_host(tensor<T> const& d, void* stream = nullptr) {
+  char const* call = "cuda::to_host";
+  require_device(call);
+  using E = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;
+  std::vector<E> staging(d.size());
+  copy_to_host(staging.data(), d.data(), d.bytes(), stream, call);
+  synchronize_stream(stream, call);
+  lina::tensor<float> r(d.shape());
+  for (std::size_t i = 0; i < staging.size(); ++i) {
+    if constexpr (std::is_same_v<T, bf16>)
+      r.data()[i] = from_bf16_bits(staging[i]);
+    else if constexpr (std::is_same_v<T, f16>)
+      r.data()[i] = from_f16_bits(staging[i]);
+    else
+      r.data()[i] = staging[i];
+  }
+  return r;
+}
+
 // ---- state: chaining causal evaluations --------------------------------------------------------
 // Where a state's running sums live.
 enum class memory : std::uint8_t { host, device };
@@ -477,8 +570,8 @@ namespace diagnose {
 template <bool Device>
 struct device_bindings {
   static_assert(Device,
-                "lina::cuda::evaluate: bind device memory (cuda::device_view), or run the host emulation with "
-                "cuda::emulate");
+                "lina::cuda::evaluate: bind device memory (cuda::tensor, cuda::device_view); copy host tensors to "
+                "the device with cuda::to_device, or run the host emulation with cuda::emulate");
   static constexpr bool ok = Device;
 };
 }  // namespace diagnose
@@ -709,6 +802,35 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
     st.prepare(linear, in, stream, "cuda::evaluate_into");
     detail::launch_bound(linear, out, in, &st, stream, "cuda::evaluate_into");
   }
+}
+
+// evaluate(plan, stream, Q = dq, K = dk, V = dv): a new device tensor [B, H,
+// N, M] of element type Out (by default that of the inputs), written by a
+// launch on `stream` (asynchronous; to_host on the same stream waits for it).
+// Needs a device: without one, cuda_error naming cuda::evaluate.
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, void* stream, B const&... bindings) {
+  auto in = bind<Plan>(bindings...);
+  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
+  using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
+  require_device("cuda::evaluate");
+  tensor<O> out(result_shape<Plan>(in), "cuda::evaluate");
+  evaluate_into(plan, out.view(), stream, bindings...);
+  return out;
+}
+// The same, chained through a device state.
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
+  using L = decltype(longest_branch(plan));
+  auto in = bind<L>(bindings...);
+  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
+  using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
+  require_device("cuda::evaluate");
+  tensor<O> out(result_shape<L>(in), "cuda::evaluate");
+  evaluate_into(plan, out.view(), st, stream, bindings...);
+  return out;
 }
 
 }  // namespace lina::cuda
