@@ -405,7 +405,7 @@ TEST_CASE("chained: two emulated blocks = one pass = the CPU's chained result, a
   check_chained(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 44, poly2_shapes(), true);
 }
 
-TEST_CASE("chained: the program loads and stores the state; non-causal plans have none") {
+TEST_CASE("chained: the program loads and stores the state, and non-causal plans have none") {
   constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   auto p = chained_program(plan, {}, 16, 130);
   CHECK(p.m_tiles == 3);
