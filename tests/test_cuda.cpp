@@ -553,6 +553,20 @@ TEST_CASE("golden: the emitted sources of a few small plans") {
                "cuda_causal_elu1_d16_m8_bf16_state.cu");
 }
 
+// The kernels scripts/gpu-check's benchmark launches first compile here, so a
+// device session is not spent finding an NVRTC error.
+TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp) compile for sm_80 and sm_90") {
+  constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  cuda::options const bf16{cuda::dtype::bf16, cuda::dtype::bf16};
+  for (std::size_t d : {128, 64}) {
+    CAPTURE(d);
+    auto p = cuda::program_of(plan, bf16, D = d, M = d);
+    CHECK(p.shared_bytes() <= cuda::shared_memory_budget);
+    check_compiles(p);
+    check_compiles(chained_program(plan, bf16, d, d));
+  }
+}
+
 TEST_CASE("NVRTC errors name the call and the kernel and carry the log") {
   std::string bad = "extern \"C\" __global__ void broken_kernel() { this is not CUDA; }\n";
   try {
