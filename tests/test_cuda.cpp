@@ -282,10 +282,235 @@ TEST_CASE("emulation reads and writes strided layouts in place: [B,N,H,D] = [B,H
 }
 
 namespace {
-// The emitted source of `plan` equals tests/golden/<file> byte for byte.
+// Rows [from, to) of a [B, H, N, M] tensor, writable (a block of the output).
+tensor_view<float> rows_of(tensor<float>& t, std::size_t from, std::size_t to) {
+  auto s = t.shape();
+  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
+}
+
+// The chained program of `plan` (what emulate_into with a state runs).
 template <class Plan>
-void check_golden(Plan const& plan, cuda::options opt, std::string const& file) {
-  std::string src = cuda::source(plan, opt);
+cuda::program chained_program(Plan const& plan, cuda::options opt, std::size_t d, std::size_t m) {
+  auto s = cuda::spec_of(plan, opt);
+  s.d = d;
+  s.m = m;
+  s.chained = true;
+  return cuda::program_of(s);
+}
+
+// Two chained blocks of the emulated kernel, split at `at`, against one pass
+// of the same kernel and against the CPU backend chained the same way: the
+// outputs by relative RMS within the dtype's tolerance, the final state
+// against the CPU's (both fp32 sums of the same rounded inputs) within 1e-5.
+// A third chain starts from the CPU's state after the first block, written
+// into a fresh CUDA state: the sums mean the same on both sides.
+template <class Expr>
+void check_chained(Expr const& expr, std::uint64_t seed, std::vector<shape> const& fixed, bool positive = false) {
+  auto const plan = compile(expr);  // a select: chaining runs its linear branch
+  auto const linear = compile<order::linear>(expr);
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    double worst = 0;
+    for (shape s : fixed) {
+      auto q = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+      auto k = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+      if (positive)
+        for (auto* x : {&q, &k})
+          for (std::size_t i = 0; i < x->size(); ++i) x->data()[i] = std::abs(x->data()[i]);
+      q = rounded(q, dt);
+      k = rounded(k, dt);
+      auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      cuda::options opt{dt, dt};
+      int const chunk = chained_program(linear, opt, s.d, s.m).tiles.chunk;
+      std::size_t mid = s.n < 3 ? s.n / 2 : r.in(1, s.n - 1);
+      if (mid > 0 && mid % static_cast<std::size_t>(chunk) == 0) --mid;  // inside a chunk
+      auto once = cuda::emulate(linear, opt, Q = q, K = k, V = v);
+      for (std::size_t at : {std::size_t{0}, mid, s.n}) {
+        CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(at);
+        cuda::state st(cuda::memory::host);
+        tensor<float> chained(once.shape());
+        cuda::emulate_into(plan, opt, rows_of(chained, 0, at), st, Q = test::tokens(q, 0, at), K = test::tokens(k, 0, at),
+                           V = test::tokens(v, 0, at));
+        cuda::emulate_into(plan, opt, rows_of(chained, at, s.n), st, Q = test::tokens(q, at, s.n),
+                           K = test::tokens(k, at, s.n), V = test::tokens(v, at, s.n));
+        cpu::state<float> cst;
+        tensor<float> cpu_chained(once.shape());
+        cpu::evaluate(plan, cst, Q = test::tokens(q, 0, at), K = test::tokens(k, 0, at), V = test::tokens(v, 0, at));
+        auto second = cpu::evaluate(plan, cst, Q = test::tokens(q, at, s.n), K = test::tokens(k, at, s.n),
+                                    V = test::tokens(v, at, s.n));
+        auto first = cpu::evaluate(plan, Q = test::tokens(q, 0, at), K = test::tokens(k, 0, at), V = test::tokens(v, 0, at));
+        for (std::size_t i = 0; i < s.b; ++i)
+          for (std::size_t j = 0; j < s.h; ++j)
+            for (std::size_t t = 0; t < s.n; ++t)
+              for (std::size_t c = 0; c < s.m; ++c) cpu_chained(i, j, t, c) = t < at ? first(i, j, t, c) : second(i, j, t - at, c);
+        double e_once = relative_rms(chained, once), e_cpu = relative_rms(chained, cpu_chained);
+        CHECK(e_once <= tolerance(dt));
+        CHECK(e_cpu <= tolerance(dt));
+        // The final sums: [B, H, C, W], W = M + 1 when normalised.
+        REQUIRE(st.shape() == shape4{s.b, s.h, cuda::features(cuda::spec_of(linear).map_q, s.d),
+                                     s.m + (cuda::spec_of(linear).normalized ? 1 : 0)});
+        REQUIRE(cst[0].shape() == st.shape());
+        tensor<float> ours(st.shape()), theirs(st.shape());
+        for (std::size_t i = 0; i < ours.size(); ++i) ours.data()[i] = st.data()[i];
+        for (std::size_t i = 0; i < s.b; ++i)
+          for (std::size_t j = 0; j < s.h; ++j)
+            for (std::size_t a = 0; a < st.shape()[2]; ++a)
+              for (std::size_t c = 0; c < st.shape()[3]; ++c) theirs(i, j, a, c) = cst[0](i, j, a, c);
+        double e_state = relative_rms(ours, theirs);
+        CHECK(e_state <= 1e-5);
+        worst = std::max({worst, e_once / tolerance(dt), e_cpu / tolerance(dt), e_state / 1e-5});
+
+        // Start a fresh CUDA state from the CPU's sums after the first block.
+        cpu::state<float> prefix;
+        cpu::evaluate(plan, prefix, Q = test::tokens(q, 0, at), K = test::tokens(k, 0, at), V = test::tokens(v, 0, at));
+        cuda::state seeded(plan, s.b, s.h, cuda::memory::host);
+        cuda::emulate(plan, opt, seeded, Q = test::tokens(q, 0, 0), K = test::tokens(k, 0, 0), V = test::tokens(v, 0, 0));
+        auto sums = seeded.sums();  // sized by the empty block, zero
+        for (std::size_t i = 0; i < s.b; ++i)
+          for (std::size_t j = 0; j < s.h; ++j)
+            for (std::size_t a = 0; a < sums.shape()[2]; ++a)
+              for (std::size_t c = 0; c < sums.shape()[3]; ++c) {
+                CHECK(sums(i, j, a, c) == 0.0f);
+                sums(i, j, a, c) = prefix[0](i, j, a, c);
+              }
+        auto rest = cuda::emulate(plan, opt, seeded, Q = test::tokens(q, at, s.n), K = test::tokens(k, at, s.n),
+                                  V = test::tokens(v, at, s.n));
+        CHECK(relative_rms(rest, second) <= tolerance(dt));
+      }
+      check_compiles(chained_program(linear, opt, s.d, s.m));
+    }
+    MESSAGE(cuda::name_of(dt) << " chained: largest error / tolerance: " << worst);
+  }
+}
+
+// Edge shapes (several M tiles: M > 64, so blocks of one (batch, head) share z;
+// D ≠ M; N = 1, 2) and random ones.
+std::vector<shape> chain_shapes(std::uint64_t seed) {
+  std::vector<shape> s = {{1, 1, 1, 5, 3}, {1, 2, 2, 4, 7}, {2, 1, 150, 16, 100}, {1, 2, 130, 48, 130}, {1, 1, 97, 96, 40}};
+  test::rng r{seed};
+  for (int i = 0; i < 3; ++i) {
+    shape x{r.in(1, 2), r.in(1, 3), r.in(2, 260), r.in(1, 40), 0};
+    do x.m = r.in(1, 80);
+    while (x.m == x.d);
+    s.push_back(x);
+  }
+  return s;
+}
+}  // namespace
+
+TEST_CASE("chained: two emulated blocks = one pass = the CPU's chained result, and the same state") {
+  check_chained(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 41, chain_shapes(41));
+  check_chained(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 42, chain_shapes(42));
+  check_chained(causal(Q * transpose(K)) * V, 43, chain_shapes(43));
+  check_chained(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 44, poly2_shapes(), true);
+}
+
+TEST_CASE("chained: the program loads and stores the state, and non-causal plans have none") {
+  constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  auto p = chained_program(plan, {}, 16, 130);
+  CHECK(p.m_tiles == 3);
+  REQUIRE(p.prologue.size() == 1);
+  CHECK(p.prologue[0].op == cuda::opcode::load_state);
+  CHECK(p.prologue[0].z_column);
+  REQUIRE(p.epilogue.size() == 1);
+  CHECK(p.epilogue[0].op == cuda::opcode::store_state);
+  CHECK(p.kernel_name.ends_with("_state"));
+  auto plain = cuda::program_of(plan, {}, D = 16, M = 130);
+  CHECK(plain.prologue[0].op == cuda::opcode::zero);
+  CHECK(plain.epilogue.empty());
+  CHECK(plain.kernel_name != p.kernel_name);
+  MESSAGE(cuda::listing(p));
+
+  // Non-causal: no running state (compile-time for plans, tests/compile_fail_cuda/state_needs_causal.cpp).
+  auto s = cuda::spec_of(compile<order::linear>(normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V));
+  s.d = 8;
+  s.m = 8;
+  s.chained = true;
+  CHECK_THROWS_WITH_AS(cuda::program_of(s), doctest::Contains("only a causal attention carries a state"), std::invalid_argument);
+
+  // The emulation refuses a chained program without a state, or with one buffer for in and out.
+  std::vector<float> qk(2 * 16, 0.5f), v(2 * 130, 0.25f), o(2 * 130), sums(2 * 16 * 131);
+  cuda::forward_args a;
+  a.in[0] = a.in[1] = {qk.data(), {0, 0, 16, 1}, 16};
+  a.in[2] = {v.data(), {0, 0, 130, 1}, 130};
+  a.out = {o.data(), {0, 0, 130, 1}, 130};
+  a.batch = a.heads = 1;
+  a.n = 2;
+  CHECK_THROWS_WITH_AS(cuda::emulate(p, a), doctest::Contains("needs a state in and out"), std::invalid_argument);
+  a.state_in = {sums.data(), {0, 0, 131, 1}, 131};
+  a.state_out = {sums.data() + 16 * 131 - 1, {0, 0, 131, 1}, 131};  // its first element is state_in's last
+  CHECK_THROWS_WITH_AS(cuda::emulate(p, a), doctest::Contains("overlap"), std::invalid_argument);
+  a.state_out.data = sums.data() + 16 * 131;
+  CHECK_NOTHROW(cuda::emulate(p, a));
+}
+
+TEST_CASE("chained: a state of another plan, batch, heads or extent is refused before anything runs") {
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  constexpr auto other = compile(normalize(causal(phi<relu>(Q) * transpose(phi<relu>(K)))) * V);
+  auto q = tensor<float>::random({2, 3, 10, 4}, 1), v = tensor<float>::random({2, 3, 10, 6}, 2);
+  auto expect = [](auto f, std::string symbol, std::string dimension, std::size_t got, std::size_t want) {
+    try {
+      f();
+      FAIL("no shape_error");
+    } catch (shape_error const& err) {
+      CHECK(err.symbol() == symbol);
+      CHECK(err.dimension() == dimension);
+      CHECK(err.extent() == got);
+      CHECK(err.expected_extent() == want);
+    }
+  };
+  cuda::state st(plan, 2, 3, cuda::memory::host);
+  auto out = tensor<float>({2, 3, 10, 6});
+  cuda::emulate_into(plan, {}, out.view(), st, Q = q, K = q, V = v);  // fixes D = 4, M = 6
+  auto const before = tensor<float>(out);
+  std::vector<float> sums(st.data(), st.data() + st.size());
+  auto unchanged = [&] {
+    CHECK(max_abs_diff(out, before) == 0.0);
+    CHECK(std::equal(sums.begin(), sums.end(), st.data()));
+  };
+  CHECK_THROWS_WITH_AS(cuda::emulate_into(other, {}, out.view(), st, Q = q, K = q, V = v),
+                       doctest::Contains("this state belongs to the plan"), state_error);
+  auto qb = tensor<float>::random({1, 3, 10, 4}, 3), vb = tensor<float>::random({1, 3, 10, 6}, 4);
+  auto ob = tensor<float>({1, 3, 10, 6});
+  expect([&] { cuda::emulate_into(plan, {}, ob.view(), st, Q = qb, K = qb, V = vb); }, "Q", "B (batch)", 1, 2);
+  auto qh = tensor<float>::random({2, 1, 10, 4}, 5), vh = tensor<float>::random({2, 1, 10, 6}, 6);
+  auto oh = tensor<float>({2, 1, 10, 6});
+  expect([&] { cuda::emulate_into(plan, {}, oh.view(), st, Q = qh, K = qh, V = vh); }, "Q", "H (heads)", 1, 3);
+  auto qd = tensor<float>::random({2, 3, 10, 5}, 7);
+  expect([&] { cuda::emulate_into(plan, {}, out.view(), st, Q = qd, K = qd, V = v); }, "Q", "D", 5, 4);
+  auto wrong = tensor<float>({2, 3, 10, 7});
+  expect([&] { cuda::emulate_into(plan, {}, wrong.view(), st, Q = q, K = q, V = v); }, "out", "cols", 7, 6);
+  unchanged();
+  // A longer or shorter block is fine: N may change from one block to the next.
+  auto q5 = tensor<float>::random({2, 3, 5, 4}, 8), v5 = tensor<float>::random({2, 3, 5, 6}, 9);
+  CHECK_NOTHROW(cuda::emulate(plan, {}, st, Q = q5, K = q5, V = v5));
+  sums.assign(st.data(), st.data() + st.size());
+
+  // Memory in the wrong place: a device state for the emulation, a host one for a launch.
+  cuda::state on_device(plan, 2, 3);
+  CHECK(on_device.where() == cuda::memory::device);
+  CHECK_THROWS_WITH_AS(cuda::emulate_into(plan, {}, out.view(), on_device, Q = q, K = q, V = v),
+                       doctest::Contains("the state is in device memory"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(on_device.sums(), doctest::Contains("cuda::to_host"), std::invalid_argument);
+  shape4 sq{2, 3, 10, 4}, sv{2, 3, 10, 6};
+  std::vector<float> fake(2 * 3 * 10 * 6);  // never read: every check comes before the launch
+  cuda::device_view<float const> dq(fake.data(), sq), dv(fake.data(), sv);
+  cuda::device_view<float> dout(fake.data(), sv);
+  CHECK_THROWS_WITH_AS(cuda::evaluate_into(plan, dout, st, nullptr, Q = dq, K = dq, V = dv),
+                       doctest::Contains("the state is in host memory"), std::invalid_argument);
+  // A device state of another plan or batch: refused before any launch or allocation.
+  cuda::state foreign(other, 2, 3);
+  CHECK_THROWS_WITH_AS(cuda::evaluate_into(plan, dout, foreign, nullptr, Q = dq, K = dq, V = dv),
+                       doctest::Contains("this state belongs to the plan"), state_error);
+  cuda::state small(plan, 1, 3);
+  expect([&] { cuda::evaluate_into(plan, dout, small, nullptr, Q = dq, K = dq, V = dv); }, "Q", "B (batch)", 2, 1);
+  unchanged();
+}
+
+namespace {
+// The emitted source of program p equals tests/golden/<file> byte for byte.
+void check_golden(cuda::program const& p, std::string const& file) {
+  std::string src = cuda::emit(p);
   std::string const path = std::string(LINA_GOLDEN_DIR) + "/" + file;
   if (char const* update = std::getenv("LINA_UPDATE_GOLDEN"); update && *update) {
     std::ofstream(path, std::ios::binary) << src;
@@ -297,7 +522,13 @@ void check_golden(Plan const& plan, cuda::options opt, std::string const& file) 
   want << in.rdbuf();
   CHECK_MESSAGE(src == want.str(), "the emitted source differs from " << path
                                    << "; if the change is intended, rerun with LINA_UPDATE_GOLDEN=1 and review the diff");
-  check_compiles(cuda::program_of(plan, opt));
+  check_compiles(p);
+}
+// The emitted source of `plan` (static extents) equals tests/golden/<file>.
+template <class Plan>
+void check_golden(Plan const& plan, cuda::options opt, std::string const& file) {
+  CHECK(cuda::source(plan, opt) == cuda::emit(cuda::program_of(plan, opt)));
+  check_golden(cuda::program_of(plan, opt), file);
 }
 }  // namespace
 
@@ -316,6 +547,24 @@ TEST_CASE("golden: the emitted sources of a few small plans") {
   constexpr auto Kp = input<"K">(N, Dp);
   check_golden(compile<order::linear>(normalize(causal(phi<poly2>(Qp) * transpose(phi<poly2>(Kp)))) * Vs), {},
                "cuda_causal_poly2_d4_m8_f32.cu");
+  // Chained: the state loaded before the chunks and stored after them.
+  check_golden(chained_program(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Qs) * transpose(phi<elu_plus_one>(Ks)))) * Vs),
+                               {cuda::dtype::bf16, cuda::dtype::bf16}, 16, 8),
+               "cuda_causal_elu1_d16_m8_bf16_state.cu");
+}
+
+// The kernels scripts/gpu-check's benchmark launches first compile here, so a
+// device session is not spent finding an NVRTC error.
+TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp) compile for sm_80 and sm_90") {
+  constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  cuda::options const bf16{cuda::dtype::bf16, cuda::dtype::bf16};
+  for (std::size_t d : {128, 64}) {
+    CAPTURE(d);
+    auto p = cuda::program_of(plan, bf16, D = d, M = d);
+    CHECK(p.shared_bytes() <= cuda::shared_memory_budget);
+    check_compiles(p);
+    check_compiles(chained_program(plan, bf16, d, d));
+  }
 }
 
 TEST_CASE("NVRTC errors name the call and the kernel and carry the log") {
@@ -405,6 +654,153 @@ TEST_CASE("device: launched kernels agree with the emulation") {
   CHECK_THROWS_AS(cuda::evaluate_into(causal_plan, cuda::device_view<float>(static_cast<float*>(dout.get()), v.shape()),
                                       nullptr, Q = hq, K = hq, V = hv),
                   std::invalid_argument);
+}
+
+// Without a GPU every entry point that needs one throws cuda_error saying "no
+// CUDA device" and naming the call; nothing else is reachable here. (Where a
+// device exists the device tests below run instead.)
+TEST_CASE("no device: device tensors, copies, evaluate and chained launches throw cuda_error naming the call") {
+  if (cuda::probe_device().available) {
+    MESSAGE("not applicable: a CUDA device is present (the device tests run instead)");
+    return;
+  }
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  auto expect = [](auto f, std::string const& call) {
+    CAPTURE(call);
+    try {
+      f();
+      FAIL("no cuda_error");
+    } catch (cuda::cuda_error const& e) {
+      CHECK(e.call() == call);
+      CHECK(std::string(e.what()).find(call) != std::string::npos);
+      CHECK(std::string(e.what()).find("no CUDA device") != std::string::npos);
+    }
+  };
+  auto q = tensor<float>::random({1, 2, 10, 4}, 1), v = tensor<float>::random({1, 2, 10, 3}, 2);
+  expect([&] { cuda::tensor<float> t({1, 2, 10, 4}); }, "cuda::tensor");
+  expect([&] { cuda::tensor<cuda::bf16> t({1, 1, 1, 1}); }, "cuda::tensor");
+  CHECK_NOTHROW(cuda::tensor<float>({1, 2, 0, 4}));  // nothing to allocate
+  expect([&] { (void)cuda::to_device(q); }, "cuda::to_device");
+  try {
+    (void)cuda::to_device(q);
+  } catch (cuda::cuda_error const& e) {
+    MESSAGE("what a caller sees: " << std::string(e.what()));
+  }
+  expect([&] { (void)cuda::to_device<cuda::bf16>(q.view()); }, "cuda::to_device");
+  cuda::tensor<float> empty;
+  expect([&] { (void)cuda::to_host(empty); }, "cuda::to_host");
+
+  shape4 sq{1, 2, 10, 4}, sv{1, 2, 10, 3};
+  std::vector<float> fake(80);  // never read: nothing is launched
+  cuda::device_view<float const> dq(fake.data(), sq), dv(fake.data(), sv);
+  cuda::device_view<float> dout(fake.data(), sv);
+  expect([&] { (void)cuda::evaluate(plan, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate");
+  expect([&] { (void)cuda::evaluate<cuda::bf16>(plan, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate");
+  expect([&] { cuda::evaluate_into(plan, dout, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate_into");
+  cuda::state st(plan, 1, 2);
+  expect([&] { cuda::evaluate_into(plan, dout, st, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate_into");
+  CHECK(!st.sized());  // the failed first use left the state as it was
+  expect([&] { (void)cuda::evaluate(plan, st, nullptr, Q = dq, K = dq, V = dv); }, "cuda::evaluate");
+  // States: to the device needs one; a host copy of a host state does not.
+  cuda::state host(plan, 1, 2, cuda::memory::host);
+  cuda::emulate(plan, {}, host, Q = q, K = q, V = v);
+  expect([&] { (void)cuda::to_device(host); }, "cuda::to_device");
+  expect([&] { (void)cuda::to_host(st); }, "cuda::to_host");
+  cuda::state copy = cuda::to_host(host);
+  CHECK(copy.where() == cuda::memory::host);
+  CHECK(copy.shape() == host.shape());
+  CHECK(std::equal(host.data(), host.data() + host.size(), copy.data()));
+  // The kernel launcher itself says so too.
+  cuda::forward_args a;
+  expect([&] { cuda::launch(cuda::program_of(plan, {}, D = 4, M = 3), a); }, "launch");
+}
+
+namespace {
+// A float tensor as a device tensor of element type E (rounded to it).
+template <class E>
+cuda::tensor<E> device_copy(tensor<float> const& x) {
+  return cuda::to_device<E>(x);
+}
+template <class E>
+cuda::dtype dtype_for() {
+  return cuda::dtype_of<E>;
+}
+}  // namespace
+
+TEST_CASE("device: to_device / to_host round trip, evaluate = CPU backend, chained launches = emulation") {
+  auto dev = cuda::probe_device();
+  if (!dev.available) {
+    MESSAGE("skipped: no CUDA device (" << dev.reason << ")");
+    return;
+  }
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  constexpr auto linear = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  // Round trips: fp32 exactly, 16-bit types as rounded on the host.
+  auto x = tensor<float>::random({2, 3, 37, 5}, 7);
+  CHECK(max_abs_diff(cuda::to_host(cuda::to_device(x)), x) == 0.0);
+  CHECK(max_abs_diff(cuda::to_host(cuda::to_device<cuda::bf16>(x)), rounded(x, cuda::dtype::bf16)) == 0.0);
+  CHECK(max_abs_diff(cuda::to_host(cuda::to_device<cuda::f16>(x)), rounded(x, cuda::dtype::f16)) == 0.0);
+  {  // a strided host view comes back dense, with the same values
+    auto t = tensor<float>::like(tensor_view<float const>(x.data(), {2, 5, 37, 3}, {555, 1, 15, 5}));
+    for (std::size_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<float>(i);
+    CHECK(max_abs_diff(cuda::to_host(cuda::to_device(t)), t) == 0.0);
+  }
+  cuda::tensor<float> moved = cuda::to_device(x);
+  float const* where = moved.data();
+  cuda::tensor<float> owner = std::move(moved);
+  CHECK(owner.data() == where);
+  CHECK(moved.data() == nullptr);
+
+  auto run = [&]<class E>(shape s, std::uint64_t seed) {
+    cuda::dtype const dt = dtype_for<E>();
+    CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
+    auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
+    auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
+    auto dq = device_copy<E>(q), dk = device_copy<E>(k), dv = device_copy<E>(v);
+    // evaluate → a device tensor, against the CPU backend on the same inputs.
+    auto got = cuda::to_host(cuda::evaluate(plan, nullptr, Q = dq, K = dk, V = dv));
+    CHECK(relative_rms(got, cpu::evaluate(plan, Q = q, K = k, V = v)) <= tolerance(dt));
+    auto wide = cuda::to_host(cuda::evaluate<float>(plan, nullptr, Q = dq, K = dk, V = dv));  // fp32 out
+    CHECK(relative_rms(wide, cuda::emulate(plan, {dt, cuda::dtype::f32}, Q = q, K = k, V = v)) <= 1e-6);
+    // Two chained launches = the chained emulation, state included.
+    std::size_t at = s.n / 3 + 1;
+    cuda::state st(plan, s.b, s.h), host(plan, s.b, s.h, cuda::memory::host);
+    auto sub = [&](cuda::tensor<E> const& t, std::size_t from, std::size_t to) {
+      auto vw = t.view();
+      auto sh = vw.shape();
+      return cuda::device_view<E const>(vw.data() + static_cast<std::ptrdiff_t>(from) * vw.strides()[2],
+                                        {sh[0], sh[1], to - from, sh[3]}, vw.strides());
+    };
+    cuda::tensor<E> out({s.b, s.h, s.n, s.m});
+    for (auto [from, to] : {std::pair{std::size_t{0}, at}, std::pair{at, s.n}}) {
+      auto ov = out.view();
+      cuda::device_view<E> rows(ov.data() + static_cast<std::ptrdiff_t>(from) * ov.strides()[2],
+                                {s.b, s.h, to - from, s.m}, ov.strides());
+      cuda::evaluate_into(plan, rows, st, nullptr, Q = sub(dq, from, to), K = sub(dk, from, to), V = sub(dv, from, to));
+      cuda::emulate(plan, {dt, dt}, host, Q = test::tokens(q, from, to), K = test::tokens(k, from, to),
+                    V = test::tokens(v, from, to));
+    }
+    auto once = cuda::emulate(linear, {dt, dt}, Q = q, K = k, V = v);
+    CHECK(relative_rms(cuda::to_host(out), once) <= tolerance(dt));
+    cuda::state back = cuda::to_host(st);
+    tensor<float> a(back.shape()), b(host.shape());
+    std::copy(back.data(), back.data() + back.size(), a.data());
+    std::copy(host.data(), host.data() + host.size(), b.data());
+    CHECK(relative_rms(a, b) <= 1e-6);
+    // A host state continued on the device, and a device state copied on the device.
+    cuda::state resumed = cuda::to_device(host);
+    cuda::state twin = cuda::to_device(st);
+    auto y1 = cuda::to_host(cuda::evaluate(plan, resumed, nullptr, Q = sub(dq, 0, at), K = sub(dk, 0, at), V = sub(dv, 0, at)));
+    auto y2 = cuda::to_host(cuda::evaluate(plan, twin, nullptr, Q = sub(dq, 0, at), K = sub(dk, 0, at), V = sub(dv, 0, at)));
+    auto y3 = cuda::emulate(plan, {dt, dt}, host, Q = test::tokens(q, 0, at), K = test::tokens(k, 0, at), V = test::tokens(v, 0, at));
+    CHECK(relative_rms(y1, y3) <= tolerance(dt) / 4);
+    CHECK(relative_rms(y2, y3) <= tolerance(dt) / 4);
+  };
+  for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{2, 2, 150, 16, 100}}) {
+    run.template operator()<float>(s, 300);
+    run.template operator()<cuda::bf16>(s, 400);
+  }
 }
 
 TEST_CASE("NVRTC on-disk cache: keyed by source and architecture, checked on read") {

@@ -13,17 +13,19 @@
 
 namespace lina::cuda {
 
-static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 5 * 48 + 24,
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 7 * 48 + 24,
               "forward_args must keep the layout of lina::tile::forward_args (tiles.cuh)");
 
 cuda_error::cuda_error(std::string call, std::string kernel, std::string status)
-    : std::runtime_error(fmt::format("lina::cuda: {} failed for kernel {}: {}", call, kernel, status)),
+    : std::runtime_error(kernel.empty() || kernel == "-"
+                             ? fmt::format("lina::cuda: {} failed: {}", call, status)
+                             : fmt::format("lina::cuda: {} failed for kernel {}: {}", call, kernel, status)),
       call_(std::move(call)),
       kernel_(std::move(kernel)) {}
 
 namespace {
 
-void check(cudaError_t e, char const* call, std::string const& kernel) {
+void check(cudaError_t e, std::string const& call, std::string const& kernel) {
   if (e != cudaSuccess) throw cuda_error(call, kernel, fmt::format("{} ({})", cudaGetErrorName(e), cudaGetErrorString(e)));
 }
 
@@ -81,17 +83,38 @@ device_status probe_device() {
   return s;
 }
 
+namespace {
+std::string unavailable(device_status const& s) {
+  return s.count == 0 ? fmt::format("no CUDA device ({})", s.reason) : s.reason;
+}
+}  // namespace
+
+device_status require_device(std::string const& call) {
+  device_status dev = probe_device();
+  if (!dev.available) throw cuda_error(call, "-", unavailable(dev));
+  return dev;
+}
+
 void launch(program const& p, forward_args const& args, void* stream) {
   std::string const& name = p.kernel_name;
   device_status dev = probe_device();
-  if (!dev.available) throw cuda_error("launch", name, dev.reason);
+  if (!dev.available) throw cuda_error("launch", name, unavailable(dev));
 
   std::int64_t blocks = blocks_of(p, args);
   if (blocks > 0x7fffffff) throw std::invalid_argument(fmt::format("lina::cuda: {} blocks is too many for kernel {}", blocks, name));
-  if (blocks == 0 || args.n == 0) return;
-  for (std::size_t s = 0; s < p.inputs.size(); ++s)
-    check_device_pointer(args.in[s].data, ("input " + p.inputs[s].name).c_str(), name);
-  check_device_pointer(args.out.data, "the output", name);
+  if (blocks == 0 || (args.n == 0 && !p.spec.chained)) return;
+  if (args.n > 0) {
+    for (std::size_t s = 0; s < p.inputs.size(); ++s)
+      check_device_pointer(args.in[s].data, ("input " + p.inputs[s].name).c_str(), name);
+    check_device_pointer(args.out.data, "the output", name);
+  }
+  if (p.spec.chained) {
+    check_device_pointer(args.state_in.data, "the state in", name);
+    check_device_pointer(args.state_out.data, "the state out", name);
+    if (overlap(args.state_in, args.state_out, args.batch, args.heads,
+                static_cast<std::int64_t>(features(p.spec.map_q, p.spec.d))))
+      throw std::invalid_argument(fmt::format("lina::cuda: the state in and the state out of kernel {} overlap", name));
+  }
 
   std::size_t const smem = p.shared_bytes();
   int optin = 0;
@@ -125,8 +148,11 @@ void launch(program const& p, forward_args const& args, void* stream) {
         "cudaLaunchKernel", name);
 }
 
-device_buffer::device_buffer(std::size_t bytes) : bytes_(bytes) {
-  if (bytes) check(cudaMalloc(&ptr_, bytes), "cudaMalloc", "-");
+device_buffer::device_buffer(std::size_t bytes, std::string const& call) : bytes_(bytes) {
+  if (bytes) {
+    require_device(call);
+    check(cudaMalloc(&ptr_, bytes), call == "cudaMalloc" ? call : "cudaMalloc in " + call, "-");
+  }
 }
 device_buffer& device_buffer::operator=(device_buffer&& o) noexcept {
   if (this != &o) {
@@ -149,5 +175,29 @@ void device_buffer::download(void* host, std::size_t bytes) const {
 }
 
 void synchronize(std::string const& kernel) { check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", kernel); }
+
+namespace {
+void copy(void* to, void const* from, std::size_t bytes, cudaMemcpyKind kind, void* stream, std::string const& call) {
+  if (bytes == 0) return;
+  check(cudaMemcpyAsync(to, from, bytes, kind, static_cast<cudaStream_t>(stream)), "cudaMemcpyAsync in " + call, "-");
+}
+}  // namespace
+
+void copy_to_device(void* device, void const* host, std::size_t bytes, void* stream, std::string const& call) {
+  copy(device, host, bytes, cudaMemcpyHostToDevice, stream, call);
+}
+void copy_to_host(void* host, void const* device, std::size_t bytes, void* stream, std::string const& call) {
+  copy(host, device, bytes, cudaMemcpyDeviceToHost, stream, call);
+}
+void copy_on_device(void* to, void const* from, std::size_t bytes, void* stream, std::string const& call) {
+  copy(to, from, bytes, cudaMemcpyDeviceToDevice, stream, call);
+}
+void fill_zero(void* device, std::size_t bytes, void* stream, std::string const& call) {
+  if (bytes == 0) return;
+  check(cudaMemsetAsync(device, 0, bytes, static_cast<cudaStream_t>(stream)), "cudaMemsetAsync in " + call, "-");
+}
+void synchronize_stream(void* stream, std::string const& call) {
+  check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize in " + call, "-");
+}
 
 }  // namespace lina::cuda

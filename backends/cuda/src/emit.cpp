@@ -86,6 +86,14 @@ struct emitter {
         line(ind, "tl::store<out_type, {}, {}>({}, args.out, out_base, r0, {}, rows, {});", rows(i.dst), cols(i.dst), t,
              i.by_m_tile ? "m0" : "0", width(i));
         break;
+      case opcode::load_state:
+        line(ind, "tl::load_state<{}, {}, {}>({}, args.state_in, state_in_base, m0, {});", rows(i.dst), cols(i.dst),
+             yes(i.z_column), t, width(i));
+        break;
+      case opcode::store_state:
+        line(ind, "tl::store_state<{}, {}, {}>({}, args.state_out, state_out_base, m0, {});", rows(i.dst), cols(i.dst),
+             yes(i.z_column), t, width(i));
+        break;
     }
   }
 
@@ -127,8 +135,13 @@ struct emitter {
       line(2, "const long long in{}_base = b * args.in[{}].stride[0] + h * args.in[{}].stride[1];  // {}", s, s, s,
            p.inputs[s].name);
     line(2, "const long long out_base = b * args.out.stride[0] + h * args.out.stride[1];");
+    if (p.spec.chained) {
+      line(2, "const long long state_in_base = b * args.state_in.stride[0] + h * args.state_in.stride[1];");
+      line(2, "const long long state_out_base = b * args.state_out.stride[0] + h * args.state_out.stride[1];");
+    }
     for (auto const& i : p.prologue) {
-      if (i.op != opcode::zero) throw std::logic_error("lina::cuda::emit: a prologue holds only zero instructions");
+      if (i.op != opcode::zero && i.op != opcode::load_state)
+        throw std::logic_error("lina::cuda::emit: a prologue holds only zero and load_state instructions");
       instruction(2, i);
     }
     for (auto const& pass : p.passes) {
@@ -136,6 +149,11 @@ struct emitter {
       line(4, "const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);");
       for (auto const& i : pass) instruction(4, i);
       line(2, "}}");
+    }
+    for (auto const& i : p.epilogue) {
+      if (i.op != opcode::store_state)
+        throw std::logic_error("lina::cuda::emit: an epilogue holds only store_state instructions");
+      instruction(2, i);
     }
     line(0, "}}");
     return std::move(out);

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "lina/cuda/numeric.hpp"
@@ -122,6 +123,31 @@ struct block {
           for (int c = 0; c + 1 < t.cols; ++c) t.at(r, c) = t.at(r, c) / den;
         }
         break;
+      case opcode::load_state: {
+        operand const& s = a.state_in;
+        auto const* data = static_cast<float const*>(s.data);
+        std::int64_t base = slice_offset(s), c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
+        for (int r = 0; r < t.rows; ++r)
+          for (int c = 0; c < t.cols; ++c) {
+            float x = 0.0f;
+            if (i.z_column && c == t.cols - 1)
+              x = data[base + r * s.stride[2] + (s.cols - 1) * s.stride[3]];
+            else if (c < i.width && c0 + c < m_cols)
+              x = data[base + r * s.stride[2] + (c0 + c) * s.stride[3]];
+            t.at(r, c) = x;
+          }
+        break;
+      }
+      case opcode::store_state: {
+        operand const& s = a.state_out;
+        auto* data = static_cast<float*>(const_cast<void*>(s.data));
+        std::int64_t base = slice_offset(s), c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
+        for (int r = 0; r < t.rows; ++r) {
+          for (int c = 0; c < i.width && c0 + c < m_cols; ++c) data[base + r * s.stride[2] + (c0 + c) * s.stride[3]] = t.at(r, c);
+          if (i.z_column && m_tile == 0) data[base + r * s.stride[2] + (s.cols - 1) * s.stride[3]] = t.at(r, t.cols - 1);
+        }
+        break;
+      }
       case opcode::store: {
         operand const& o = a.out;
         std::int64_t base = slice_offset(o), c0 = col0(i);
@@ -145,6 +171,7 @@ struct block {
         int rows = static_cast<int>(std::min(t, a.n - r0));
         for (auto const& i : pass) run(i, r0, rows);
       }
+    for (auto const& i : p.epilogue) run(i, a.n, 0);
   }
 };
 
@@ -154,6 +181,14 @@ void emulate(program const& p, forward_args const& args) {
   if (args.batch < 0 || args.heads < 0 || args.n < 0) throw std::invalid_argument("lina::cuda::emulate: negative extent");
   if (args.out.data == nullptr && args.batch * args.heads * args.n > 0)
     throw std::invalid_argument("lina::cuda::emulate: no output");
+  if (p.spec.chained && args.batch * args.heads > 0) {
+    if (args.state_in.data == nullptr || args.state_out.data == nullptr)
+      throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " is chained and needs a state in and out");
+    auto const rows = static_cast<std::int64_t>(features(p.spec.map_q, p.spec.d));
+    if (overlap(args.state_in, args.state_out, args.batch, args.heads, rows))
+      throw std::invalid_argument("lina::cuda::emulate: the state in and the state out of kernel " + p.kernel_name +
+                                  " overlap (one block may store its z before another loads it)");
+  }
   std::int64_t blocks = blocks_of(p, args);
   for (std::int64_t x = 0; x < blocks; ++x) {
     block blk{p, args, 0, 0, 0, {}};

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <stdexcept>
+#include <utility>
 
 namespace lina::cuda {
 
@@ -35,6 +36,8 @@ std::string_view name_of(opcode o) {
     case opcode::mask_causal: return "mask_causal";
     case opcode::row_divide: return "row_divide";
     case opcode::store: return "store";
+    case opcode::load_state: return "load_state";
+    case opcode::store_state: return "store_state";
   }
   return "?";
 }
@@ -103,6 +106,12 @@ struct builder {
   static instruction store(int t, int width) {
     return {.op = opcode::store, .dst = t, .width = width, .by_m_tile = true};
   }
+  static instruction load_state(int t, int width, bool z) {
+    return {.op = opcode::load_state, .dst = t, .width = width, .by_m_tile = true, .z_column = z};
+  }
+  static instruction store_state(int t, int width, bool z) {
+    return {.op = opcode::store_state, .dst = t, .width = width, .by_m_tile = true, .z_column = z};
+  }
 };
 
 }  // namespace
@@ -126,6 +135,10 @@ tile_config choose_tiles(attention_spec const& s) {
 }
 
 program program_of(attention_spec const& s) {
+  if (s.chained && !s.causal)
+    throw std::invalid_argument(
+        "lina::cuda: only a causal attention carries a state from one evaluation to the next: every row of a "
+        "non-causal one reads the whole sequence, so it has no running state");
   builder b;
   program& p = b.p;
   p.spec = s;
@@ -137,11 +150,12 @@ program program_of(attention_spec const& s) {
   bool const row_map = c != d;  // poly2: loaded rows go through a register of D columns
   int const w = tm + (s.normalized ? 1 : 0);
   p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
-  p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}", s.causal ? "causal" : "full",
+  p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}", s.causal ? "causal" : "full",
                               id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
-                              s.normalized ? "" : "_unnormalized");
-  p.description = fmt::format("{} linear attention, forward{}: {}", s.causal ? "causal" : "non-causal",
-                              s.normalized ? "" : " (unnormalized)", plan_text(s));
+                              s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "");
+  p.description = fmt::format("{} linear attention, forward{}{}: {}", s.causal ? "causal" : "non-causal",
+                              s.normalized ? "" : " (unnormalized)",
+                              s.chained ? ", chained (the state comes in and goes out)" : "", plan_text(s));
   p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}};
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
@@ -174,7 +188,9 @@ program program_of(attention_spec const& s) {
     body.push_back(builder::store(o, tm));
   };
 
-  p.prologue.push_back(builder::zero(st));
+  // A chained scan starts from the caller's sums and leaves them there; else from 0.
+  p.prologue.push_back(s.chained ? builder::load_state(st, tm, s.normalized) : builder::zero(st));
+  if (s.chained) p.epilogue.push_back(builder::store_state(st, tm, s.normalized));
   if (s.causal) {
     // One pass: within a chunk the masked similarity, across chunks the state.
     int const a = b.reg("a", t, t, "causal(φ(Q)·φ(K)ᵀ) of the chunk (T, T)");
@@ -232,6 +248,12 @@ std::string listing(program const& p) {
                            nm(i.b), i.transpose_b ? "ᵀ" : "");
       case opcode::row_divide: return fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);
       case opcode::store: return fmt::format("store {} → out[:, m_tile·tile_m + {} cols]", nm(i.dst), i.width);
+      case opcode::load_state:
+        return fmt::format("load_state {} ← state_in[:, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
+                           i.z_column ? " | z" : "");
+      case opcode::store_state:
+        return fmt::format("store_state {} → state_out[:, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
+                           i.z_column ? " | z (m_tile 0)" : "");
       default: return fmt::format("{} {}", name_of(i.op), nm(i.dst));
     }
   };
@@ -240,7 +262,21 @@ std::string listing(program const& p) {
     r += "  for each chunk:\n";
     for (auto const& i : pass) r += "    " + one(i) + "\n";
   }
+  for (auto const& i : p.epilogue) r += "  " + one(i) + "\n";
   return r;
+}
+
+bool overlap(operand const& x, operand const& y, std::int64_t batch, std::int64_t heads, std::int64_t rows) {
+  if (batch <= 0 || heads <= 0 || rows <= 0 || x.cols <= 0 || y.cols <= 0 || !x.data || !y.data) return false;
+  auto span = [&](operand const& o) {
+    auto const* first = static_cast<char const*>(o.data);
+    std::int64_t last = (batch - 1) * o.stride[0] + (heads - 1) * o.stride[1] + (rows - 1) * o.stride[2] +
+                        (o.cols - 1) * o.stride[3];
+    return std::pair{first, first + (last + 1) * static_cast<std::int64_t>(sizeof(float))};
+  };
+  auto [x0, x1] = span(x);
+  auto [y0, y1] = span(y);
+  return x0 < y1 && y0 < x1;
 }
 
 }  // namespace lina::cuda

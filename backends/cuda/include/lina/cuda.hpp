@@ -6,6 +6,11 @@
 //   cuda::emulate(plan, opts, Q = q, K = k, V = v)   the result through the host emulation
 //   cuda::emulate_into(plan, opts, out, Q = q, …)    the same into a view of any layout
 //   cuda::evaluate_into(plan, out, stream, Q = q, …)  a launch on the GPU, on device views
+//   cuda::evaluate(plan, stream, Q = dq, …)          the same into a new cuda::tensor
+//   cuda::tensor<T>, to_device(host), to_host(dev)   owning device tensors and copies
+//   cuda::state                                      a causal plan's running sums between
+//     emulate_into(plan, opts, out, st, Q = q, …)    evaluations (chaining blocks of a
+//     evaluate_into(plan, out, st, stream, …)        sequence), in host or device memory
 //
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
 // live in translation units of their own that never see it.
@@ -20,9 +25,12 @@
 // crossover does not apply to it. Anything else is a compile error that says so.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "lina/bind.hpp"
@@ -34,6 +42,7 @@
 #include "lina/feature_maps.hpp"
 #include "lina/format.hpp"
 #include "lina/node.hpp"
+#include "lina/state.hpp"
 #include "lina/tensor.hpp"
 
 namespace lina::cuda {
@@ -270,6 +279,304 @@ std::string source(Plan const& plan, options opt, E const&... extents) {
   return emit(program_of(plan, opt, extents...));
 }
 
+// ---- device memory -------------------------------------------------------------------------
+// 16-bit element types of device memory, as bit patterns.
+struct bf16 {
+  std::uint16_t bits;
+};
+struct f16 {
+  std::uint16_t bits;
+};
+template <class E>
+inline constexpr dtype dtype_of = std::is_same_v<std::remove_const_t<E>, bf16>  ? dtype::bf16
+                                  : std::is_same_v<std::remove_const_t<E>, f16> ? dtype::f16
+                                                                                : dtype::f32;
+template <class E>
+inline constexpr bool device_element =
+    std::is_same_v<std::remove_const_t<E>, float> || std::is_same_v<std::remove_const_t<E>, bf16> ||
+    std::is_same_v<std::remove_const_t<E>, f16>;
+
+// A strided [B, H, rows, cols] view of device memory (E: float, f16, bf16,
+// const or not). Binds like a host view: Q = device_view<bf16 const>(…).
+template <class E>
+class device_view {
+  static_assert(device_element<E>, "lina::cuda::device_view: elements are float, cuda::f16 or cuda::bf16");
+
+ public:
+  using element_type_ = E;
+  device_view() = default;
+  device_view(E* data, shape4 shape, strides4 strides) : data_(data), shape_(shape), strides_(strides) {}
+  device_view(E* data, shape4 shape) : device_view(data, shape, tensor_view<E>::contiguous_strides(shape)) {}
+  E* data() const noexcept { return data_; }
+  shape4 const& shape() const noexcept { return shape_; }
+  strides4 const& strides() const noexcept { return strides_; }
+  operator device_view<E const>() const
+    requires(!std::is_const_v<E>)
+  {
+    return {data_, shape_, strides_};
+  }
+
+ private:
+  E* data_ = nullptr;
+  shape4 shape_{0, 0, 0, 0};
+  strides4 strides_{0, 0, 0, 0};
+};
+template <class E>
+device_view<E> view_of(device_view<E> const& v) {
+  return v;
+}
+template <class V>
+inline constexpr bool is_device_view = false;
+template <class E>
+inline constexpr bool is_device_view<device_view<E>> = true;
+
+// cuda::tensor<T>: an owning dense [B, H, N, D] tensor in device memory (T:
+// float, cuda::bf16 or cuda::f16). Move-only; freed when it dies. Binds like
+// a host tensor: Q = dq. Made by to_device, by evaluate, or empty here and
+// written by evaluate_into. Allocating needs a device: without one the
+// constructor throws cuda_error naming the call ("no CUDA device (…)"); a
+// tensor of no elements allocates nothing.
+template <class T>
+class tensor {
+  static_assert(device_element<T> && !std::is_const_v<T>,
+                "lina::cuda::tensor<T>: T is float, cuda::bf16 or cuda::f16");
+
+ public:
+  using element_type = T;
+  tensor() = default;
+  explicit tensor(shape4 shape, std::string const& call = "cuda::tensor")
+      : shape_(shape), buffer_(count(shape) * sizeof(T), call) {}
+
+  shape4 const& shape() const noexcept { return shape_; }
+  strides4 strides() const noexcept { return tensor_view<T>::contiguous_strides(shape_); }
+  std::size_t size() const noexcept { return count(shape_); }
+  std::size_t bytes() const noexcept { return size() * sizeof(T); }
+  T* data() noexcept { return static_cast<T*>(buffer_.get()); }
+  T const* data() const noexcept { return static_cast<T const*>(buffer_.get()); }
+  device_view<T> view() noexcept { return {data(), shape_}; }
+  device_view<T const> view() const noexcept { return {data(), shape_}; }
+
+ private:
+  static std::size_t count(shape4 const& s) { return s[0] * s[1] * s[2] * s[3]; }
+  shape4 shape_{0, 0, 0, 0};
+  device_buffer buffer_;
+};
+template <class T>
+device_view<T const> view_of(tensor<T> const& t) {
+  return t.view();
+}
+
+// Copy a host tensor (any layout) to a new device tensor of element type T,
+// rounding to it (nearest even) for bf16 and f16: to_device<cuda::bf16>(q).
+// Returns once the copy is done (`stream` is synchronised).
+template <class T = float>
+tensor<T> to_device(tensor_view<float const> host, void* stream = nullptr) {
+  static_assert(device_element<T> && !std::is_const_v<T>, "lina::cuda::to_device<T>: T is float, cuda::bf16 or cuda::f16");
+  char const* call = "cuda::to_device";
+  require_device(call);
+  shape4 const s = host.shape();
+  using E = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;
+  std::vector<E> staging(s[0] * s[1] * s[2] * s[3]);
+  std::size_t x = 0;
+  for (std::size_t b = 0; b < s[0]; ++b)
+    for (std::size_t h = 0; h < s[1]; ++h)
+      for (std::size_t n = 0; n < s[2]; ++n)
+        for (std::size_t c = 0; c < s[3]; ++c, ++x) {
+          float const v = host(b, h, n, c);
+          if constexpr (std::is_same_v<T, bf16>)
+            staging[x] = bf16_bits(v);
+          else if constexpr (std::is_same_v<T, f16>)
+            staging[x] = f16_bits(v);
+          else
+            staging[x] = v;
+        }
+  tensor<T> d(s, call);
+  copy_to_device(d.data(), staging.data(), d.bytes(), stream, call);
+  synchronize_stream(stream, call);
+  return d;
+}
+
+// Copy a device tensor back to a new host float tensor [B, H, N, D] (16-bit
+// elements widened exactly). Returns once the copy is done.
+template <class T>
+lina::tensor<float> to_host(tensor<T> const& d, void* stream = nullptr) {
+  char const* call = "cuda::to_host";
+  require_device(call);
+  using E = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;
+  std::vector<E> staging(d.size());
+  copy_to_host(staging.data(), d.data(), d.bytes(), stream, call);
+  synchronize_stream(stream, call);
+  lina::tensor<float> r(d.shape());
+  for (std::size_t i = 0; i < staging.size(); ++i) {
+    if constexpr (std::is_same_v<T, bf16>)
+      r.data()[i] = from_bf16_bits(staging[i]);
+    else if constexpr (std::is_same_v<T, f16>)
+      r.data()[i] = from_f16_bits(staging[i]);
+    else
+      r.data()[i] = staging[i];
+  }
+  return r;
+}
+
+// ---- state: chaining causal evaluations --------------------------------------------------------
+// Where a state's running sums live.
+enum class memory : std::uint8_t { host, device };
+
+// cuda::state: the running sums of a causal plan between evaluations, so that
+// consecutive blocks of a sequence give what one evaluation of all of them
+// gives (as cpu::state does on the CPU). fp32, [B, H, C, W] per the plan's
+// scan — C features, W = M + 1 with the normaliser z in the last column when
+// normalised, else M — the meaning lina/state.hpp gives every backend: the
+// same numbers as a cpu::state<float> of the same plan. It remembers its plan
+// (its linear form: compile(e) and compile<order::linear>(e) share states),
+// batch and heads; the other extents are fixed by its first evaluation, which
+// sizes it and zeroes it. A state of another plan is a state_error, another
+// batch, head count or D or M a shape_error, all before any launch.
+//
+// The sums live in host memory (memory::host: for emulate_into, the host
+// emulation) or device memory (memory::device, the default: for
+// evaluate_into), chosen when it is made; to_host / to_device copy a state
+// between the two. Move-only. A chained kernel reads the sums from one buffer
+// and writes them to a second (a block may store its final z while another
+// block of the same (batch, head) has still to load the initial one); the
+// state then points at the buffer written, so it holds twice its sums.
+class state : public state_info {
+ public:
+  explicit state(memory where = memory::device) : where_(where) {}
+  template <class Plan>
+    requires is_node<Plan>
+  state(Plan const& plan, std::size_t batch, std::size_t heads, memory where = memory::device)
+      : state_info(longest_branch(plan), batch, heads), where_(where) {}
+  state(state&&) noexcept = default;
+  state& operator=(state&&) noexcept = default;
+  state(state const&) = delete;
+  state& operator=(state const&) = delete;
+  ~state() = default;
+
+  memory where() const noexcept { return where_; }
+  // [B, H, C, W] once sized, [B, H, 0, 0] before.
+  shape4 shape() const {
+    return {batch(), heads(), sized() ? scan(0).a : 0, sized() ? scan(0).b : 0};
+  }
+  std::size_t size() const {
+    shape4 s = shape();
+    return s[0] * s[1] * s[2] * s[3];
+  }
+
+  // A host state's sums, [B, H, C, W] (write to them to start from given sums).
+  tensor_view<float> sums() {
+    if (where_ != memory::host)
+      throw std::invalid_argument(
+          "lina::cuda::state::sums: the state is in device memory; copy it to the host with cuda::to_host");
+    return {host_[current_].data(), shape()};
+  }
+  tensor_view<float const> sums() const { return const_cast<state*>(this)->sums(); }
+  // The current sums' first element, in host or device memory as where() says.
+  float const* data() const noexcept {
+    return where_ == memory::host ? host_[current_].data() : static_cast<float const*>(device_[current_].get());
+  }
+
+  // Zero the sums (a device state's on `stream`), as if no token had been seen.
+  void reset(void* stream = nullptr) {
+    if (where_ == memory::host)
+      std::fill(host_[current_].begin(), host_[current_].end(), 0.0f);
+    else
+      fill_zero(device_[current_].get(), size() * sizeof(float), stream, "cuda::state::reset");
+  }
+
+  // A copy in host or device memory (what to_host and to_device do).
+  state copy_to(memory where, void* stream, std::string const& call) const {
+    if (where == memory::device || where_ == memory::device) require_device(call);
+    state r(where);
+    static_cast<state_info&>(r) = *this;
+    std::size_t const n = size(), bytes = n * sizeof(float);
+    if (!sized()) return r;
+    if (where == memory::host) {
+      r.host_[0].resize(n);
+      r.host_[1].resize(n);
+      if (where_ == memory::host) {
+        r.host_[0] = host_[current_];
+      } else {
+        copy_to_host(r.host_[0].data(), device_[current_].get(), bytes, stream, call);
+        synchronize_stream(stream, call);
+      }
+    } else {
+      r.device_[0] = device_buffer(bytes, call);
+      r.device_[1] = device_buffer(bytes, call);
+      if (where_ == memory::host) {
+        copy_to_device(r.device_[0].get(), host_[current_].data(), bytes, stream, call);
+        synchronize_stream(stream, call);
+      } else {
+        copy_on_device(r.device_[0].get(), device_[current_].get(), bytes, stream, call);
+      }
+    }
+    return r;
+  }
+
+  // For the entry points below: check this state against an evaluation of the
+  // linear plan L (state_info::prepare: its plan, batch, heads, and the extents
+  // its first evaluation fixed) and size it at the first — zeroed, a device
+  // state on `stream`. Nothing changes when a check or an allocation throws.
+  template <class L, class Bound>
+  void prepare(L const& linear, Bound const& in, void* stream, std::string const& call) {
+    state_info info = *this;
+    if (info.prepare(linear, in)) {
+      std::size_t const n = in.batch * in.heads * info.scan(0).a * info.scan(0).b;
+      if (where_ == memory::host) {
+        std::vector<float> a(n, 0.0f), b(n, 0.0f);
+        host_[0] = std::move(a);
+        host_[1] = std::move(b);
+      } else {
+        device_buffer a(n * sizeof(float), call), b(n * sizeof(float), call);
+        fill_zero(a.get(), n * sizeof(float), stream, call);
+        device_[0] = std::move(a);
+        device_[1] = std::move(b);
+      }
+      current_ = 0;
+    }
+    static_cast<state_info&>(*this) = std::move(info);
+  }
+  // The sums a kernel reads (state_in) and the buffer it writes (state_out);
+  // after the run, flip() makes the written one current.
+  operand kernel_in() const { return operand_of_buffer(current_); }
+  operand kernel_out() const { return operand_of_buffer(current_ ^ 1); }
+  void flip() noexcept { current_ ^= 1; }
+
+ private:
+  operand operand_of_buffer(int k) const {
+    operand o;
+    o.data = where_ == memory::host ? static_cast<void const*>(host_[k].data()) : device_[k].get();
+    strides4 const st = tensor_view<float>::contiguous_strides(shape());
+    for (int i = 0; i < 4; ++i) o.stride[i] = st[static_cast<std::size_t>(i)];
+    o.cols = static_cast<std::int64_t>(shape()[3]);
+    return o;
+  }
+
+  memory where_ = memory::device;
+  int current_ = 0;
+  std::vector<float> host_[2];
+  device_buffer device_[2];
+};
+
+// Copies of a state in host and device memory (same plan, batch, heads and
+// sums). Either needs a device when one end is device memory; they return
+// once the copy is done, except device to device (queued on `stream`).
+inline state to_host(state const& s, void* stream = nullptr) { return s.copy_to(memory::host, stream, "cuda::to_host"); }
+inline state to_device(state const& s, void* stream = nullptr) {
+  return s.copy_to(memory::device, stream, "cuda::to_device");
+}
+
+namespace diagnose {
+template <bool Device>
+struct device_bindings {
+  static_assert(Device,
+                "lina::cuda::evaluate: bind device memory (cuda::tensor, cuda::device_view); copy host tensors to "
+                "the device with cuda::to_device, or run the host emulation with cuda::emulate");
+  static constexpr bool ok = Device;
+};
+}  // namespace diagnose
+
+// ---- the host emulation ---------------------------------------------------------------------
 namespace detail {
 // A float view as the kernel's operand: in place for fp32, else a dense copy
 // rounded to the 16-bit type (kept alive in `store`).
@@ -293,37 +600,26 @@ inline operand operand_of(tensor_view<float const> const& v, dtype t, std::vecto
   for (int i = 0; i < 4; ++i) o.stride[i] = dense[static_cast<std::size_t>(i)];
   return o;
 }
-}  // namespace detail
 
-// Evaluate `plan` through the host emulation of its generated kernel into
-// `out` (any strided layout, e.g. a [B,N,H,M] view):
-// emulate_into(plan, {.in = dtype::bf16, .out = dtype::bf16}, out, Q = q, K = k, V = v).
-// Bound tensors are float (any strided layout), read as if stored in opt.in;
-// the result is rounded to opt.out. An fp32 output is written by the
-// emulated kernel through out's strides; a 16-bit one goes through a dense
-// buffer of bit patterns, as a caller without 16-bit host types would.
-template <class Plan, class... B>
-  requires(is_node<Plan> && (is_binding<B> && ...))
-void emulate_into(Plan const& plan, options opt, tensor_view<float> out, B const&... bindings) {
-  auto in = bind<Plan>(bindings...);
-  static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
+// The emulated kernel of `plan` (checked: lowerable) on bound host inputs,
+// into `out` (its shape already checked); chained through `st` when given.
+template <class Plan, class Bound>
+void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound const& in, state* st) {
+  static_assert(std::is_same_v<typename Bound::value_type, float>,
                 "lina::cuda::emulate: bind float tensors (the kernels read fp32, fp16 or bf16; see options)");
-  using F = detail::forward_plan<Plan>;
+  using F = forward_plan<Plan>;
   attention_spec s = spec_of(plan, opt);
-  shape4 const want = result_shape<Plan>(in);
-  static constexpr char const* names[] = {"B (batch)", "H (heads)", "rows", "cols"};
-  for (int d = 0; d < 4; ++d)
-    if (out.shape()[d] != want[d]) throw shape_error("out", names[d], out.shape()[d], want[d], "of the plan's result");
   if constexpr (F::ok) {
-    using Bound = decltype(in);
+    shape4 const want = out.shape();
     s.d = static_cast<std::size_t>(F::q::input::cols::extent(in.table));
     s.m = static_cast<std::size_t>(F::v::input::cols::extent(in.table));
+    s.chained = st != nullptr;
     program p = program_of(s);
     std::vector<std::uint16_t> stores[3];
     forward_args a;
-    a.in[0] = detail::operand_of(in.views[Bound::template input_index<typename F::q::input>()], opt.in, stores[0]);
-    a.in[1] = detail::operand_of(in.views[Bound::template input_index<typename F::k::input>()], opt.in, stores[1]);
-    a.in[2] = detail::operand_of(in.views[Bound::template input_index<typename F::v::input>()], opt.in, stores[2]);
+    a.in[0] = operand_of(in.views[Bound::template input_index<typename F::q::input>()], opt.in, stores[0]);
+    a.in[1] = operand_of(in.views[Bound::template input_index<typename F::k::input>()], opt.in, stores[1]);
+    a.in[2] = operand_of(in.views[Bound::template input_index<typename F::v::input>()], opt.in, stores[2]);
     a.batch = static_cast<std::int64_t>(in.batch);
     a.heads = static_cast<std::int64_t>(in.heads);
     a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
@@ -338,7 +634,12 @@ void emulate_into(Plan const& plan, options opt, tensor_view<float> out, B const
       for (int i = 0; i < 4; ++i) a.out.stride[i] = dense[static_cast<std::size_t>(i)];
     }
     a.out.cols = static_cast<std::int64_t>(s.m);
+    if (st) {
+      a.state_in = st->kernel_in();
+      a.state_out = st->kernel_out();
+    }
     emulate(p, a);
+    if (st) st->flip();
     if (opt.out != dtype::f32) {
       std::size_t x = 0;
       for (std::size_t b = 0; b < want[0]; ++b)
@@ -350,61 +651,81 @@ void emulate_into(Plan const& plan, options opt, tensor_view<float> out, B const
   }
 }
 
+// Can a state chain the linear form L? A plan without a running state is
+// diagnosed as on the CPU (lina/state.hpp), one the backend cannot lower by
+// the message of spec_of.
+template <class L>
+constexpr bool chainable() {
+  constexpr bool stateful = check_stateful<L>();
+  if constexpr (stateful)
+    return diagnose::cuda_plan<forward_plan<L>::ok>::ok;
+  else
+    return false;
+}
+}  // namespace detail
+
+// Evaluate `plan` through the host emulation of its generated kernel into
+// `out` (any strided layout, e.g. a [B,N,H,M] view):
+// emulate_into(plan, {.in = dtype::bf16, .out = dtype::bf16}, out, Q = q, K = k, V = v).
+// Bound tensors are float (any strided layout), read as if stored in opt.in;
+// the result is rounded to opt.out. An fp32 output is written by the
+// emulated kernel through out's strides; a 16-bit one goes through a dense
+// buffer of bit patterns, as a caller without 16-bit host types would.
+template <class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void emulate_into(Plan const& plan, options opt, tensor_view<float> out, B const&... bindings) {
+  auto in = bind<Plan>(bindings...);
+  check_result_shape<Plan>(out.shape(), in);
+  detail::emulate_bound(plan, opt, out, in, nullptr);
+}
+
+// The same, chained: the kernel's scan starts from the sums in `st` (a host
+// state, cuda::memory::host) and leaves them updated, so consecutive blocks of
+// tokens give what one evaluation of all of them gives. Only causal plans
+// carry a state (a non-causal one is a compile error, as on the CPU); the
+// plan runs as its linear form (every select at its long-sequence branch).
+template <class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void emulate_into(Plan const& plan, options opt, tensor_view<float> out, state& st, B const&... bindings) {
+  auto linear = longest_branch(plan);
+  using L = decltype(linear);
+  constexpr bool ok = detail::chainable<L>();
+  auto in = bind<L>(bindings...);
+  check_result_shape<L>(out.shape(), in);
+  if (st.where() != memory::host)
+    throw std::invalid_argument(
+        "lina::cuda::emulate_into: the state is in device memory, and the emulation runs on the host: make it "
+        "with cuda::memory::host, or copy it with cuda::to_host");
+  if constexpr (ok) {
+    st.prepare(linear, in, nullptr, "cuda::emulate_into");
+    detail::emulate_bound(linear, opt, out, in, &st);
+  }
+}
+
 // The same into a new float tensor [B, H, N, M].
 template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
-tensor<float> emulate(Plan const& plan, options opt, B const&... bindings) {
+lina::tensor<float> emulate(Plan const& plan, options opt, B const&... bindings) {
   auto in = bind<Plan>(bindings...);  // (checked again by emulate_into; this sizes the result)
-  tensor<float> out(result_shape<Plan>(in));
+  lina::tensor<float> out(result_shape<Plan>(in));
   emulate_into(plan, opt, out.view(), bindings...);
   return out;
 }
 template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
-tensor<float> emulate(Plan const& plan, B const&... bindings) {
+lina::tensor<float> emulate(Plan const& plan, B const&... bindings) {
   return emulate(plan, options{}, bindings...);
 }
-
-// ---- device memory (a first sketch: no owning tensor, no state yet) -----------------------
-// 16-bit element types of device memory, as bit patterns.
-struct bf16 {
-  std::uint16_t bits;
-};
-struct f16 {
-  std::uint16_t bits;
-};
-template <class E>
-inline constexpr dtype dtype_of = std::is_same_v<std::remove_const_t<E>, bf16>  ? dtype::bf16
-                                  : std::is_same_v<std::remove_const_t<E>, f16> ? dtype::f16
-                                                                                : dtype::f32;
-
-// A strided [B, H, rows, cols] view of device memory (E: float, f16, bf16,
-// const or not). Binds like a host view: Q = device_view<bf16 const>(…).
-template <class E>
-class device_view {
-  static_assert(std::is_same_v<std::remove_const_t<E>, float> || std::is_same_v<std::remove_const_t<E>, bf16> ||
-                    std::is_same_v<std::remove_const_t<E>, f16>,
-                "lina::cuda::device_view: elements are float, cuda::f16 or cuda::bf16");
-
- public:
-  using element_type_ = E;
-  device_view() = default;
-  device_view(E* data, shape4 shape, strides4 strides) : data_(data), shape_(shape), strides_(strides) {}
-  device_view(E* data, shape4 shape) : device_view(data, shape, tensor_view<E>::contiguous_strides(shape)) {}
-  E* data() const noexcept { return data_; }
-  shape4 const& shape() const noexcept { return shape_; }
-  strides4 const& strides() const noexcept { return strides_; }
-
- private:
-  E* data_ = nullptr;
-  shape4 shape_{0, 0, 0, 0};
-  strides4 strides_{0, 0, 0, 0};
-};
-template <class E>
-device_view<E> view_of(device_view<E> const& v) {
-  return v;
+template <class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+lina::tensor<float> emulate(Plan const& plan, options opt, state& st, B const&... bindings) {
+  auto in = bind<decltype(longest_branch(plan))>(bindings...);
+  lina::tensor<float> out(result_shape<decltype(longest_branch(plan))>(in));
+  emulate_into(plan, opt, out.view(), st, bindings...);
+  return out;
 }
 
+// ---- on the GPU -------------------------------------------------------------------------------
 namespace detail {
 template <class View>
 operand device_operand(View const& v) {
@@ -414,38 +735,102 @@ operand device_operand(View const& v) {
   o.cols = static_cast<std::int64_t>(v.shape()[3]);
   return o;
 }
+
+// The launch of `plan`'s kernel on bound device inputs into `out` (shape
+// checked), chained through `st` when given (checked and sized).
+template <class Plan, class O, class Bound>
+void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* st, void* stream, char const* call) {
+  static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
+  using F = forward_plan<Plan>;
+  using T = typename Bound::value_type;
+  attention_spec s = spec_of(plan, options{dtype_of<T>, dtype_of<O>});
+  if constexpr (F::ok && is_device_view<typename Bound::view_type>) {
+    s.d = static_cast<std::size_t>(F::q::input::cols::extent(in.table));
+    s.m = static_cast<std::size_t>(F::v::input::cols::extent(in.table));
+    s.chained = st != nullptr;
+    forward_args a;
+    a.in[0] = device_operand(in.views[Bound::template input_index<typename F::q::input>()]);
+    a.in[1] = device_operand(in.views[Bound::template input_index<typename F::k::input>()]);
+    a.in[2] = device_operand(in.views[Bound::template input_index<typename F::v::input>()]);
+    a.out = device_operand(out);
+    a.batch = static_cast<std::int64_t>(in.batch);
+    a.heads = static_cast<std::int64_t>(in.heads);
+    a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
+    program const p = program_of(s);
+    require_device(call);
+    if (st) {
+      a.state_in = st->kernel_in();
+      a.state_out = st->kernel_out();
+    }
+    launch(p, a, stream);
+    if (st) st->flip();
+  }
+}
 }  // namespace detail
 
 // Evaluate `plan` on the GPU into `out` (device memory of any layout), on
 // `stream` (a cudaStream_t, nullptr for the default stream). Asynchronous
 // like any launch; errors found before the launch (shapes, host pointers, no
-// device) throw without writing to `out`.
+// device: cuda_error naming cuda::evaluate_into) throw without writing to `out`.
 template <class Plan, class O, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 void evaluate_into(Plan const& plan, device_view<O> out, void* stream, B const&... bindings) {
   static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
   auto in = bind<Plan>(bindings...);
-  using F = detail::forward_plan<Plan>;
-  using T = typename decltype(in)::value_type;
-  attention_spec s = spec_of(plan, options{dtype_of<T>, dtype_of<O>});
-  if constexpr (F::ok) {
-    using Bound = decltype(in);
-    shape4 want = result_shape<Plan>(in);
-    static constexpr char const* names[] = {"B (batch)", "H (heads)", "rows", "cols"};
-    for (int d = 0; d < 4; ++d)
-      if (out.shape()[d] != want[d]) throw shape_error("out", names[d], out.shape()[d], want[d], "of the plan's result");
-    s.d = static_cast<std::size_t>(F::q::input::cols::extent(in.table));
-    s.m = static_cast<std::size_t>(F::v::input::cols::extent(in.table));
-    forward_args a;
-    a.in[0] = detail::device_operand(in.views[Bound::template input_index<typename F::q::input>()]);
-    a.in[1] = detail::device_operand(in.views[Bound::template input_index<typename F::k::input>()]);
-    a.in[2] = detail::device_operand(in.views[Bound::template input_index<typename F::v::input>()]);
-    a.out = detail::device_operand(out);
-    a.batch = static_cast<std::int64_t>(in.batch);
-    a.heads = static_cast<std::int64_t>(in.heads);
-    a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
-    launch(program_of(s), a, stream);
+  check_result_shape<Plan>(out.shape(), in);
+  detail::launch_bound(plan, out, in, nullptr, stream, "cuda::evaluate_into");
+}
+
+// The same, chained through a device state (memory::device): the kernel loads
+// st's sums, scans from them and leaves them updated; later launches on the
+// same stream see them. The state is checked (plan, batch, heads, extents)
+// and sized at its first use before anything is launched.
+template <class Plan, class O, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream, B const&... bindings) {
+  static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
+  auto linear = longest_branch(plan);
+  using L = decltype(linear);
+  constexpr bool ok = detail::chainable<L>();
+  auto in = bind<L>(bindings...);
+  check_result_shape<L>(out.shape(), in);
+  if (st.where() != memory::device)
+    throw std::invalid_argument(
+        "lina::cuda::evaluate_into: the state is in host memory, and a kernel reads device memory: make it with "
+        "cuda::memory::device (the default), or copy it with cuda::to_device");
+  if constexpr (ok) {
+    st.prepare(linear, in, stream, "cuda::evaluate_into");
+    detail::launch_bound(linear, out, in, &st, stream, "cuda::evaluate_into");
   }
+}
+
+// evaluate(plan, stream, Q = dq, K = dk, V = dv): a new device tensor [B, H,
+// N, M] of element type Out (by default that of the inputs), written by a
+// launch on `stream` (asynchronous; to_host on the same stream waits for it).
+// Needs a device: without one, cuda_error naming cuda::evaluate.
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, void* stream, B const&... bindings) {
+  auto in = bind<Plan>(bindings...);
+  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
+  using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
+  require_device("cuda::evaluate");
+  tensor<O> out(result_shape<Plan>(in), "cuda::evaluate");
+  evaluate_into(plan, out.view(), stream, bindings...);
+  return out;
+}
+// The same, chained through a device state.
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
+  using L = decltype(longest_branch(plan));
+  auto in = bind<L>(bindings...);
+  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
+  using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
+  require_device("cuda::evaluate");
+  tensor<O> out(result_shape<L>(in), "cuda::evaluate");
+  evaluate_into(plan, out.view(), st, stream, bindings...);
+  return out;
 }
 
 }  // namespace lina::cuda

@@ -16,7 +16,9 @@
 
 namespace lina::cuda {
 
-// A CUDA runtime call failed: names the call and the kernel (or "-").
+// A CUDA runtime call failed, or a call needs a device and there is none:
+// names the call (a runtime function, or lina's, e.g. "cuda::to_device") and
+// the kernel (or "-" when none is involved).
 class cuda_error : public std::runtime_error {
  public:
   cuda_error(std::string call, std::string kernel, std::string status);
@@ -37,19 +39,26 @@ struct device_status {
 // Never throws: no driver or no device is a status, not an error.
 device_status probe_device();
 
+// The current device's status, or cuda_error(call, "-", "no CUDA device (…)")
+// when there is none (or "device … is sm_75; …" when it is too old).
+device_status require_device(std::string const& call);
+
 // Launch p with these arguments (device pointers) on `stream` (a cudaStream_t;
 // nullptr is the default stream). Compiles the kernel with NVRTC for the
 // current device's architecture the first time (kept in memory per source and
-// architecture), checks that every pointer is device memory and that the
-// shared memory fits, all before the launch; throws cuda_error or
-// std::invalid_argument, writing nothing, otherwise.
+// architecture), checks that every pointer is device memory, that a chained
+// program's state in and out do not overlap and that the shared memory fits,
+// all before the launch; throws cuda_error or std::invalid_argument, writing
+// nothing, otherwise. Nothing is launched for no blocks, nor for n = 0 unless
+// the program is chained (then the kernel copies state_in to state_out).
 void launch(program const& p, forward_args const& args, void* stream = nullptr);
 
-// Device memory for tests and examples: a buffer of bytes.
+// Device memory: a buffer of bytes (what cuda::tensor and cuda::state hold).
 class device_buffer {
  public:
   device_buffer() = default;
-  explicit device_buffer(std::size_t bytes);
+  // Allocates (cudaMalloc) when bytes > 0, after require_device(call).
+  explicit device_buffer(std::size_t bytes, std::string const& call = "cudaMalloc");
   device_buffer(device_buffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr, o.bytes_ = 0; }
   device_buffer& operator=(device_buffer&& o) noexcept;
   device_buffer(device_buffer const&) = delete;
@@ -67,5 +76,14 @@ class device_buffer {
 
 // Wait for the device and report any asynchronous launch error.
 void synchronize(std::string const& kernel = "-");
+
+// Copies and fills on `stream` (a cudaStream_t; nullptr is the default
+// stream), asynchronous with respect to the host; errors name `call`.
+void copy_to_device(void* device, void const* host, std::size_t bytes, void* stream, std::string const& call);
+void copy_to_host(void* host, void const* device, std::size_t bytes, void* stream, std::string const& call);
+void copy_on_device(void* to, void const* from, std::size_t bytes, void* stream, std::string const& call);
+void fill_zero(void* device, std::size_t bytes, void* stream, std::string const& call);
+// Wait for everything queued on `stream`.
+void synchronize_stream(void* stream, std::string const& call);
 
 }  // namespace lina::cuda

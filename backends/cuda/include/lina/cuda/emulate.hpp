@@ -10,7 +10,9 @@
 namespace lina::cuda {
 
 // Execute p over every block of the grid, reading and writing host memory
-// through the same argument block a launch gets.
+// through the same argument block a launch gets. A chained program reads
+// args.state_in and writes args.state_out (which must not overlap: checked,
+// std::invalid_argument), also when n = 0 (it then copies the state).
 void emulate(program const& p, forward_args const& args);
 
 }  // namespace lina::cuda

@@ -12,6 +12,7 @@
 //   for each pass:                every pass walks the chunks of the sequence,
 //     for r0 = 0, T, 2T, … < n:   rows [r0, r0 + rows), rows = min(T, n - r0)
 //       body                      in order
+//   epilogue                      once
 //
 // Registers are fp32 tiles (rows × cols) in shared memory; they persist across
 // chunks and passes (the state is just a tile that no pass zeroes). Every
@@ -38,6 +39,21 @@
 //   store t → out          out(r0 + i, c0 + j) = round(t[i][j]) for i < rows,
 //                          j < width, c0 + j < cols(out) (c0 as for load);
 //                          round: fp32 → output dtype, to nearest even
+//   load_state t           t[i][j] = state_in(i, c0 + j) for i < t.rows, j < width,
+//                          c0 + j < m_cols, with c0 = m_tile · tile_m and m_cols =
+//                          cols(state) − 1 when `z_column`, else cols(state);
+//                          z_column: t[i][t.cols − 1] = state_in(i, cols(state) − 1),
+//                          the normaliser z; 0 elsewhere. fp32, exact.
+//   store_state t          state_out(i, c0 + j) = t[i][j] for the same (i, j); the z
+//                          column (z_column) only from the block with m_tile = 0 —
+//                          every block of a (batch, head) holds the same z. state_in
+//                          and state_out must not overlap: while one block stores
+//                          its final z, another may not have loaded the initial one.
+//
+// The state of a (batch, head) is C × (M+1) fp32 when normalised — [s | z], s =
+// Σ φ(k_j) v_jᵀ and z = Σ φ(k_j) in the last column — and C × M otherwise: the
+// running sums of the plan's prefix scan, as lina/state.hpp defines them for
+// every backend (row-major; the state operand's strides say where).
 #pragma once
 
 #include <cstdint>
@@ -70,6 +86,7 @@ struct attention_spec {
   double eps = 1e-6;        // of rowdiv
   std::size_t d = 0, m = 0; // columns of Q and K (D), of V and the output (M)
   dtype in = dtype::f32, out = dtype::f32;
+  bool chained = false;     // causal only: the scan starts from state_in and leaves its sums in state_out
   std::string q_name = "Q", k_name = "K", v_name = "V";  // the plan's input symbols
   std::string description;  // the plan as the user's program printed it (messages)
 };
@@ -96,7 +113,9 @@ struct tile_register {
   std::string comment;  // what it holds, e.g. "φ(Q) chunk (T, D)"
 };
 
-enum class opcode : std::uint8_t { zero, load, map, ones_column, product, mask_causal, row_divide, store };
+enum class opcode : std::uint8_t {
+  zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state
+};
 std::string_view name_of(opcode o);
 
 struct instruction {
@@ -105,8 +124,9 @@ struct instruction {
   int a = -1, b = -1;           // product operands; map: the source of a row map (else -1)
   bool transpose_a = false, transpose_b = false, accumulate = false;  // product
   int slot = -1;                // load: input slot; store: unused (one output)
-  int width = 0;                // load/store: columns read or written (≤ the register's)
-  bool by_m_tile = false;       // load/store: columns start at m_tile · tile_m
+  int width = 0;                // load/store/load_state/store_state: columns read or written (≤ the register's)
+  bool by_m_tile = false;       // load/store: columns start at m_tile · tile_m (load_state/store_state: always)
+  bool z_column = false;        // load_state/store_state: the register's last column ↔ the state's last (z)
   feature_map map = feature_map::identity;  // map
   float eps = 0;                // row_divide
 };
@@ -124,8 +144,9 @@ struct program {
   int m_tiles = 1;           // blocks per (batch, head): ceil(M / tile_m)
   std::vector<input_slot> inputs;
   std::vector<tile_register> registers;
-  std::vector<instruction> prologue;
+  std::vector<instruction> prologue;                // zero or load_state, before the passes
   std::vector<std::vector<instruction>> passes;
+  std::vector<instruction> epilogue;                // store_state, after the passes
 
   // Registers lie one after another in shared memory, each starting at a
   // multiple of 16 bytes (ready for vector accesses).
@@ -135,7 +156,11 @@ struct program {
 };
 
 // The tile program of a forward attention (causal: one pass, the chunked scan;
-// non-causal: a pass accumulating the state, then a pass producing rows).
+// non-causal: a pass accumulating the state, then a pass producing rows). A
+// chained spec loads the state instead of zeroing it and stores it at the end;
+// only a causal spec can be chained (std::invalid_argument otherwise: every
+// row of a non-causal attention reads the whole sequence, so there is no
+// running state to carry — as on the CPU, lina/state.hpp).
 program program_of(attention_spec const& s);
 
 // The linear plan a spec computes, in lina's notation, written from the spec
@@ -157,9 +182,15 @@ struct operand {
 inline constexpr int max_inputs = 4;
 struct forward_args {
   operand in[max_inputs];
-  operand out;  // data points to writable memory
+  operand out;        // data points to writable memory
+  operand state_in;   // chained programs: fp32 [B, H, C, W], read by load_state
+  operand state_out;  // chained programs: fp32 [B, H, C, W], written by store_state; must not overlap state_in
   std::int64_t batch = 0, heads = 0, n = 0;
 };
+
+// Do the elements of two fp32 [batch, heads, rows, cols] operands overlap?
+// (From their strides, which must be non-negative.)
+bool overlap(operand const& x, operand const& y, std::int64_t batch, std::int64_t heads, std::int64_t rows);
 
 // Blocks to launch for a program on these arguments.
 inline std::int64_t blocks_of(program const& p, forward_args const& a) { return a.batch * a.heads * p.m_tiles; }

@@ -27,6 +27,8 @@ struct operand {
 struct forward_args {
   operand in[4];
   operand out;
+  operand state_in;   // chained kernels: the running sums they start from (fp32)
+  operand state_out;  // chained kernels: where they leave them (fp32; never overlaps state_in)
   long long batch, heads, n;
 };
 
@@ -166,6 +168,43 @@ __device__ void store(const float* t, const operand& out, long long base, long l
     const int i = e / C, j = e % C;
     if (j < width && c0 + j < out.cols)
       store_element(E{}, data, base + (r0 + i) * out.stride[2] + (c0 + j) * out.stride[3], t[e]);
+  }
+  __syncthreads();
+}
+
+// The state of a chained kernel: this block's part of the fp32 [C, W] running
+// sums of one (batch, head). t[i][j] = s(i, c0 + j) for j < width and c0 + j
+// < m_cols (m_cols = s.cols − 1 when Z, else s.cols); Z: t[i][C−1] = s(i,
+// s.cols − 1), the normaliser column; 0 elsewhere.
+template <int R, int C, bool Z>
+__device__ void load_state(float* t, const operand& s, long long base, long long c0, int width) {
+  const float* data = static_cast<const float*>(s.data);
+  const long long m_cols = Z ? s.cols - 1 : s.cols;
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    float x = 0.0f;
+    if (Z && j == C - 1)
+      x = data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]];
+    else if (j < width && c0 + j < m_cols)
+      x = data[base + i * s.stride[2] + (c0 + j) * s.stride[3]];
+    t[e] = x;
+  }
+  __syncthreads();
+}
+
+// The inverse of load_state; the normaliser column only from the block whose
+// columns start at 0 (every block of the (batch, head) holds the same z).
+template <int R, int C, bool Z>
+__device__ void store_state(const float* t, const operand& s, long long base, long long c0, int width) {
+  float* data = static_cast<float*>(const_cast<void*>(s.data));
+  const long long m_cols = Z ? s.cols - 1 : s.cols;
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    if (Z && j == C - 1) {
+      if (c0 == 0) data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]] = t[e];
+    } else if (j < width && c0 + j < m_cols) {
+      data[base + i * s.stride[2] + (c0 + j) * s.stride[3]] = t[e];
+    }
   }
   __syncthreads();
 }

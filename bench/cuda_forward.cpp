@@ -1,0 +1,270 @@
+// The CUDA forward on a GPU: causal elu+1 attention, normalised, bf16 inputs
+// and output (fp32 state), the kernel lina generates for it, timed with CUDA
+// events. Per shape: the median of repeated launches after a warm-up (the
+// first launch, which also compiles the kernel with NVRTC), TFLOP/s counting
+// 4·B·H·N·D·M flops, the bandwidth of reading q, k, v and writing o once
+// (bf16), and that bandwidth as a fraction of a device-to-device copy
+// (cudaMemcpyAsync of a large buffer) measured in the same run. Each shape's
+// result is checked against the host emulation on the first rows of one
+// (batch, head), so a fast wrong kernel does not pass for a benchmark.
+//
+//   cuda_forward [--shapes BxTxHxD,…] [--budget seconds] [--tsv file] [--check-rows n] [--copy-mib m]
+//
+// Prints Markdown (scripts/gpu-check collects it). Exits 2, saying "no CUDA
+// device", where there is none; 1 when a check fails or CUDA reports an error.
+#include <cuda_runtime_api.h>
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <lina/cuda.hpp>
+#include <lina/lina.hpp>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+using namespace lina;
+
+namespace {
+
+constexpr auto N = dim<"N">;
+constexpr auto D = dim<"D">;
+constexpr auto M = dim<"M">;
+constexpr auto Q = input<"Q">(N, D);
+constexpr auto K = input<"K">(N, D);
+constexpr auto V = input<"V">(N, M);
+constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+
+void check(cudaError_t e, char const* what) {
+  if (e != cudaSuccess) throw std::runtime_error(fmt::format("{} failed: {} ({})", what, cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
+struct events {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  events() {
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+  }
+  events(events&& o) noexcept : start(o.start), stop(o.stop) { o.start = o.stop = nullptr; }
+  events(events const&) = delete;
+  ~events() {
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+  }
+  float ms() const {
+    float t = 0;
+    check(cudaEventElapsedTime(&t, start, stop), "cudaEventElapsedTime");
+    return t;
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+// Uniform in [-1, 1), as bf16 bit patterns (splitmix64; fast enough for 10⁸ elements).
+std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint64_t seed) {
+  std::vector<std::uint16_t> r(n);
+  std::uint64_t s = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+  for (auto& x : r) {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    x = cuda::bf16_bits(static_cast<float>(static_cast<double>(z >> 40) * 0x1.0p-24 * 2.0 - 1.0));
+  }
+  return r;
+}
+
+struct shape {
+  std::size_t b, t, h, d;
+};
+
+std::vector<shape> parse_shapes(std::string_view text) {
+  std::vector<shape> r;
+  while (!text.empty()) {
+    std::size_t comma = text.find(',');
+    std::string one(text.substr(0, comma));
+    shape s{};
+    if (std::sscanf(one.c_str(), "%zux%zux%zux%zu", &s.b, &s.t, &s.h, &s.d) != 4 || !s.b || !s.t || !s.h || !s.d)
+      throw std::invalid_argument("cuda_forward: a shape is BxTxHxD, e.g. 1x8192x96x128, not '" + one + "'");
+    r.push_back(s);
+    text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
+  }
+  return r;
+}
+
+// Device-to-device copy bandwidth: the median of cudaMemcpyAsync of `bytes`,
+// counting the bytes read and the bytes written.
+double copy_gbytes(std::size_t bytes, cudaStream_t stream, double* ms_out) {
+  void *src = nullptr, *dst = nullptr;
+  check(cudaMalloc(&src, bytes), "cudaMalloc (copy probe)");
+  check(cudaMalloc(&dst, bytes), "cudaMalloc (copy probe)");
+  check(cudaMemsetAsync(src, 1, bytes, stream), "cudaMemsetAsync");
+  for (int i = 0; i < 3; ++i) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");
+  std::vector<events> ev(15);
+  for (auto& e : ev) {
+    check(cudaEventRecord(e.start, stream), "cudaEventRecord");
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");
+    check(cudaEventRecord(e.stop, stream), "cudaEventRecord");
+  }
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  std::vector<double> t;
+  for (auto& e : ev) t.push_back(e.ms());
+  cudaFree(src);
+  cudaFree(dst);
+  double ms = median(t);
+  *ms_out = ms;
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<shape> shapes = {{1, 8192, 96, 128}, {2, 16384, 16, 128}, {8, 2048, 32, 64}, {8, 1024, 8, 64}};
+  double budget = 6.0;  // seconds of timed launches per shape, at most
+  std::string tsv;
+  std::size_t check_rows = 2048, copy_mib = 2048;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      std::string_view a = argv[i];
+      auto value = [&]() -> std::string_view {
+        if (i + 1 >= argc) throw std::invalid_argument(fmt::format("cuda_forward: {} needs a value", a));
+        return argv[++i];
+      };
+      if (a == "--help") {
+        fmt::print("usage: cuda_forward [--shapes BxTxHxD,…] [--budget seconds per shape] [--tsv file] "
+                   "[--check-rows n] [--copy-mib m]\n");
+        return 0;
+      }
+      if (a == "--shapes")
+        shapes = parse_shapes(value());
+      else if (a == "--budget")
+        budget = std::stod(std::string(value()));
+      else if (a == "--tsv")
+        tsv = value();
+      else if (a == "--check-rows")
+        check_rows = std::stoul(std::string(value()));
+      else if (a == "--copy-mib")
+        copy_mib = std::stoul(std::string(value()));
+      else
+        throw std::invalid_argument(fmt::format(
+            "cuda_forward: unknown argument {}; usage: cuda_forward [--shapes BxTxHxD,…] [--budget s] [--tsv file] "
+            "[--check-rows n] [--copy-mib m]",
+            a));
+    }
+  } catch (std::exception const& e) {
+    fmt::print(stderr, "{}\n", e.what());
+    return 1;
+  }
+
+  cuda::device_status dev = cuda::probe_device();
+  if (!dev.available) {
+    fmt::print(stderr, "cuda_forward: {}\n",
+               dev.count == 0 ? "no CUDA device (" + dev.reason + ")" : dev.reason);
+    return 2;
+  }
+
+  int failures = 0;
+  try {
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, dev.device), "cudaGetDeviceProperties");
+    int driver = 0, runtime = 0;
+    cudaDriverGetVersion(&driver);
+    cudaRuntimeGetVersion(&runtime);
+    cudaStream_t stream = nullptr;
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+
+    fmt::print("## CUDA forward: causal elu+1, normalised, bf16 in and out, fp32 state\n\n");
+    fmt::print("device {}: {} ({}, {} SMs, {:.0f} GiB), driver {}.{}, runtime {}.{}\n\n", dev.device, prop.name, dev.arch,
+               prop.multiProcessorCount, static_cast<double>(prop.totalGlobalMem) / (1ull << 30), driver / 1000,
+               driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+    double copy_ms = 0;
+    double const copy_bw = copy_gbytes(copy_mib << 20, stream, &copy_ms);
+    fmt::print("reference: cudaMemcpyAsync device→device of {} MiB, median {:.3f} ms: {:.0f} GB/s (bytes read + written)\n\n",
+               copy_mib, copy_ms, copy_bw);
+    fmt::print("| B | T | H | D = M | kernel | T chunk | reps | median ms | TFLOP/s | GB/s (q,k,v read, o written) | of copy | check (rel. RMS vs emulation) |\n");
+    fmt::print("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    std::FILE* out = tsv.empty() ? nullptr : std::fopen(tsv.c_str(), "w");
+    if (!tsv.empty() && !out) throw std::runtime_error("cuda_forward: cannot write " + tsv);
+    std::uint64_t seed = 1;
+    for (shape const& s : shapes) {
+      std::size_t const m = s.d;
+      shape4 const sq{s.b, s.h, s.t, s.d}, sv{s.b, s.h, s.t, m};
+      std::size_t const nq = s.b * s.h * s.t * s.d, nv = s.b * s.h * s.t * m;
+      auto hq = random_bf16(nq, seed++), hk = random_bf16(nq, seed++), hv = random_bf16(nv, seed++);
+      cuda::tensor<cuda::bf16> q(sq), k(sq), v(sv), o(sv);
+      check(cudaMemcpy(q.data(), hq.data(), q.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
+      check(cudaMemcpy(k.data(), hk.data(), k.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
+      check(cudaMemcpy(v.data(), hv.data(), v.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
+      auto program = cuda::program_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16}, D = s.d, M = m);
+      auto launch = [&] { cuda::evaluate_into(plan, o.view(), stream, Q = q, K = k, V = v); };
+
+      launch();  // compiles (NVRTC) and loads the kernel
+      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (first launch)");
+      events one;
+      check(cudaEventRecord(one.start, stream), "cudaEventRecord");
+      launch();
+      check(cudaEventRecord(one.stop, stream), "cudaEventRecord");
+      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      double const first_ms = one.ms();
+      int const reps = static_cast<int>(std::clamp(budget * 1e3 / std::max(first_ms, 1e-3), 3.0, 50.0));
+      std::vector<events> ev(static_cast<std::size_t>(reps));
+      for (auto& e : ev) {  // all queued at once: the host stays ahead of the device
+        check(cudaEventRecord(e.start, stream), "cudaEventRecord");
+        launch();
+        check(cudaEventRecord(e.stop, stream), "cudaEventRecord");
+      }
+      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      std::vector<double> t;
+      for (auto& e : ev) t.push_back(e.ms());
+      double const ms = median(t);
+      double const flops = 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) * double(m);
+      double const bytes = 2.0 * (2.0 * double(nq) + 2.0 * double(nv));  // q, k, v read, o written, bf16
+      double const gbs = bytes / (ms * 1e-3) / 1e9;
+
+      // The first rows of the last (batch, head) against the emulation (causal:
+      // they depend on those rows of the inputs alone).
+      std::size_t const rows = std::min(check_rows, s.t);
+      std::size_t const slice = (s.b - 1) * s.h + (s.h - 1);
+      lina::tensor<float> cq({1, 1, rows, s.d}), ck({1, 1, rows, s.d}), cv({1, 1, rows, m});
+      for (std::size_t i = 0; i < rows * s.d; ++i) {
+        cq.data()[i] = cuda::from_bf16_bits(hq[slice * s.t * s.d + i]);
+        ck.data()[i] = cuda::from_bf16_bits(hk[slice * s.t * s.d + i]);
+      }
+      for (std::size_t i = 0; i < rows * m; ++i) cv.data()[i] = cuda::from_bf16_bits(hv[slice * s.t * m + i]);
+      auto want = cuda::emulate(plan, {cuda::dtype::bf16, cuda::dtype::bf16}, Q = cq, K = ck, V = cv);
+      std::vector<std::uint16_t> got(rows * m);
+      check(cudaMemcpy(got.data(), o.data() + slice * s.t * m, got.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      double num = 0, den = 0;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        double g = cuda::from_bf16_bits(got[i]), w = want.data()[i];
+        num += (g - w) * (g - w);
+        den += w * w;
+      }
+      double const err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      bool const ok = err <= std::ldexp(1.0, -8);  // the tests' bf16 tolerance
+      failures += ok ? 0 : 1;
+
+      fmt::print("| {} | {} | {} | {} | {} | {} | {} | {:.3f} | {:.2f} | {:.0f} | {:.1f} % | {:.1e} {} |\n", s.b, s.t, s.h,
+                 s.d, program.kernel_name, program.tiles.chunk, reps, ms, flops / (ms * 1e-3) / 1e12, gbs,
+                 100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
+      std::fflush(stdout);
+      if (out) std::fprintf(out, "%zu\t%zu\t%zu\t%zu\t%.6f\n", s.b, s.t, s.h, s.d, ms);
+    }
+    if (out) std::fclose(out);
+    cudaStreamDestroy(stream);
+  } catch (std::exception const& e) {
+    fmt::print(stderr, "cuda_forward: {}\n", e.what());
+    return 1;
+  }
+  if (failures) fmt::print(stderr, "cuda_forward: {} shape(s) disagree with the emulation\n", failures);
+  return failures ? 1 : 0;
+}

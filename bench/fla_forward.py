@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""flash-linear-attention's chunked linear attention at the shapes of
+bench/cuda_forward.cpp, for scripts/gpu-check to print lina's time next to it.
+
+    fla_forward.py [--shapes BxTxHxD,...] [--budget seconds] [--tsv file]
+
+Times fla.ops.linear_attn.chunk_linear_attn(q, k, v, scale=1, normalize=True)
+on bf16 tensors in fla's [B, T, H, D] layout (D = M), with CUDA events: the
+median of repeated calls after three warm-up calls. The feature map (elu+1)
+is applied to q and k beforehand and not timed: fla's op takes mapped
+inputs, while lina's kernel applies the map itself — so the comparison
+slightly favours fla. fla normalises with eps = 1e-5, lina with 1e-6.
+
+Exits 3, printing why, when torch with CUDA or fla cannot be imported.
+"""
+import argparse
+import inspect
+import statistics
+import sys
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x8192x96x128,2x16384x16x128,8x2048x32x64,8x1024x8x64")
+    ap.add_argument("--budget", type=float, default=6.0, help="seconds of timed calls per shape, at most")
+    ap.add_argument("--tsv", default="")
+    args = ap.parse_args()
+
+    try:
+        import torch
+        import torch.nn.functional as F
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        print(f"fla is not available: torch cannot be imported ({e})")
+        return 3
+    if not torch.cuda.is_available():
+        print("fla is not available: torch sees no CUDA device")
+        return 3
+    try:
+        import fla
+        from fla.ops.linear_attn import chunk_linear_attn
+    except Exception as e:  # noqa: BLE001
+        print(f"fla is not available: {e}")
+        return 3
+
+    params = inspect.signature(chunk_linear_attn).parameters
+    kwargs = {"scale": 1.0, "normalize": True}
+    if "head_first" in params:
+        kwargs["head_first"] = False  # [B, T, H, D]
+
+    print(f"fla {getattr(fla, '__version__', '?')}, torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()}: chunk_linear_attn({', '.join(f'{k}={v}' for k, v in kwargs.items())})")
+    print()
+    print("| B | T | H | D = M | reps | median ms (fla) | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for text in args.shapes.split(","):
+        b, t, h, d = (int(x) for x in text.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(1)
+        def rand(*s):
+            return torch.rand(*s, device="cuda", generator=g, dtype=torch.float32).mul_(2).sub_(1).to(torch.bfloat16)
+        q = F.elu(rand(b, t, h, d)) + 1
+        k = F.elu(rand(b, t, h, d)) + 1
+        v = rand(b, t, h, d)
+        for _ in range(3):
+            chunk_linear_attn(q, k, v, **kwargs)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        chunk_linear_attn(q, k, v, **kwargs)
+        stop.record()
+        torch.cuda.synchronize()
+        first = start.elapsed_time(stop)
+        reps = int(min(50, max(3, args.budget * 1e3 / max(first, 1e-3))))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for s, e in events:
+            s.record()
+            chunk_linear_attn(q, k, v, **kwargs)
+            e.record()
+        torch.cuda.synchronize()
+        ms = statistics.median(s.elapsed_time(e) for s, e in events)
+        flops = 4.0 * b * h * t * d * d
+        print(f"| {b} | {t} | {h} | {d} | {reps} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.2f} |", flush=True)
+        rows.append(f"{b}\t{t}\t{h}\t{d}\t{ms:.6f}\n")
+        del q, k, v
+        torch.cuda.empty_cache()
+    if args.tsv:
+        with open(args.tsv, "w") as f:
+            f.writelines(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
