@@ -1,0 +1,106 @@
+// The CPU issue's remaining checks, measured (never timed tests):
+//   - a recurrent step against the per-token time of the chunked forward
+//     (causal elu+1, fp32, B = 1, H = 8, D = M = 64, N = 4096 tokens);
+//   - accuracy of a long sequence: fp32 against fp64 at N = 2^20, D = M = 16,
+//     relative RMS error, both from the same (fp32-rounded) inputs;
+//   - subnormal and NaN inputs against normal ones (B·H = 8, N = 16384, D = 64).
+//
+//   limits
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <lina/cpu.hpp>
+#include <lina/lina.hpp>
+
+using namespace lina;
+
+namespace {
+constexpr auto N = dim<"N">;
+constexpr auto D = dim<"D">;
+constexpr auto M = dim<"M">;
+constexpr auto Q = input<"Q">(N, D);
+constexpr auto K = input<"K">(N, D);
+constexpr auto V = input<"V">(N, M);
+constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+
+template <class F>
+double best_seconds(F&& f, int reps) {
+  double best = 1e300;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    f();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+template <class T>
+tensor_view<T const> token(tensor<T> const& t, std::size_t i) {
+  auto s = t.shape();
+  return {t.data() + static_cast<std::ptrdiff_t>(i) * t.strides()[2], {s[0], s[1], 1, s[3]}, t.strides()};
+}
+
+void step_against_forward() {
+  std::size_t n = 4096, h = 8, d = 64;
+  auto q = tensor<float>::random({1, h, n, d}, 1), k = tensor<float>::random({1, h, n, d}, 2);
+  auto v = tensor<float>::random({1, h, n, d}, 3);
+  tensor<float> out({1, h, n, d});
+  double fwd = best_seconds([&] { cpu::evaluate_into(plan, out.view(), Q = q, K = k, V = v); }, 7);
+  auto rnn = cpu::recurrent<float>(plan, 1, h);
+  tensor<float> y({1, h, 1, d});
+  double steps = best_seconds([&] {
+    rnn.reset();
+    for (std::size_t i = 0; i < n; ++i) rnn.step_into(y.view(), Q = token(q, i), K = token(k, i), V = token(v, i));
+  }, 3);
+  fmt::print("recurrent step, B1 H8 D=M=64: {:.2f} us per token; chunked forward over N = {}: {:.2f} us per token; "
+             "step / forward = {:.1f}x\n", 1e6 * steps / n, n, 1e6 * fwd / n, steps / fwd);
+}
+
+void long_sequence_accuracy() {
+  std::size_t n = std::size_t(1) << 20, d = 16;
+  auto qf = tensor<float>::random({1, 1, n, d}, 4), kf = tensor<float>::random({1, 1, n, d}, 5);
+  auto vf = tensor<float>::random({1, 1, n, d}, 6);
+  tensor<double> qd({1, 1, n, d}), kd({1, 1, n, d}), vd({1, 1, n, d});
+  for (std::size_t i = 0; i < qf.size(); ++i) {
+    qd.data()[i] = qf.data()[i];
+    kd.data()[i] = kf.data()[i];
+    vd.data()[i] = vf.data()[i];
+  }
+  auto of = cpu::evaluate(plan, Q = qf, K = kf, V = vf);
+  auto od = cpu::evaluate(plan, Q = qd, K = kd, V = vd);
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < od.size(); ++i) {
+    double e = of.data()[i] - od.data()[i];
+    num += e * e;
+    den += od.data()[i] * od.data()[i];
+  }
+  fmt::print("N = 2^20, D = M = 16: fp32 relative RMS error against fp64 {:.2e}\n", std::sqrt(num / den));
+}
+
+void subnormals_and_nan() {
+  std::size_t n = 16384, h = 8, d = 64;
+  auto q = tensor<float>::random({1, h, n, d}, 7), k = tensor<float>::random({1, h, n, d}, 8);
+  auto v = tensor<float>::random({1, h, n, d}, 9);
+  tensor<float> out({1, h, n, d});
+  auto time = [&](tensor<float> const& qq, tensor<float> const& kk, tensor<float> const& vv) {
+    return best_seconds([&] { cpu::evaluate_into(plan, out.view(), Q = qq, K = kk, V = vv); }, 5);
+  };
+  double normal = time(q, k, v);
+  auto v_sub = v;
+  for (std::size_t i = 0; i < v_sub.size(); ++i) v_sub.data()[i] *= 1e-39f;  // every value subnormal
+  auto q_sub = q;
+  for (std::size_t i = 0; i < q_sub.size(); ++i) q_sub.data()[i] = -90.f - std::abs(q_sub.data()[i]);  // φ = e^x subnormal
+  auto k_nan = k;
+  k_nan.data()[12345] = std::numeric_limits<float>::quiet_NaN();
+  fmt::print("subnormal V: {:.2f}x the normal time; subnormal φ(Q): {:.2f}x; a NaN in K: {:.2f}x (normal {:.2f} ms)\n",
+             time(q, k, v_sub) / normal, time(q_sub, k, v) / normal, time(q, k_nan, v) / normal, 1e3 * normal);
+}
+}  // namespace
+
+int main() {
+  step_against_forward();
+  long_sequence_accuracy();
+  subnormals_and_nan();
+}
