@@ -157,11 +157,17 @@ struct favor {
     T half_norm = 0;
     for (std::size_t i = 0; i < d; ++i) half_norm += x[i] * x[i];
     half_norm *= s * s / 2;
-    for (std::size_t j = 0; j < m; ++j) {
-      T z = 0;
-      for (std::size_t i = 0; i < d; ++i) z += w[i * m + j] * x[i];
-      out[j] = std::exp(s * z - half_norm) * inv;
+    // z = x·W a row of W at a time (contiguous, vectorised over j; each z_j
+    // still sums over i in order), then the exp over the row
+    for (std::size_t j = 0; j < m; ++j) out[j] = 0;
+    for (std::size_t i = 0; i < d; ++i) {
+      T const xi = x[i];
+      T const* wi = w + i * m;
+#pragma omp simd
+      for (std::size_t j = 0; j < m; ++j) out[j] += wi[j] * xi;
     }
+#pragma omp simd
+    for (std::size_t j = 0; j < m; ++j) out[j] = detail::exp(s * out[j] - half_norm) * inv;
   }
   // ∂φ_j/∂x_i = φ_j (w_ij - x'_i) D^-1/4
   template <class T>
