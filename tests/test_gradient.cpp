@@ -155,3 +155,39 @@ TEST_CASE("gradients come back in the layout of their inputs") {
   CHECK(max_abs_diff(gb[V], g[V]) == 0);
 }
 
+
+TEST_CASE("gradient_into writes the gradients into caller views, in any layout, and checks them first") {
+  std::size_t b = 2, h = 3, n = 70, d = 4, m = 5;
+  auto q = tensor<double>::random({b, h, n, d}, 1), k = tensor<double>::random({b, h, n, d}, 2);
+  auto v = tensor<double>::random({b, h, n, m}, 3), dout = tensor<double>::random({b, h, n, m}, 4);
+  auto plan = compile(causal_attn<elu_plus_one>);
+  auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  // dQ into a [B,N,H,D] buffer, dK and dV into plain tensors filled with a sentinel
+  strides4 bnhd{std::ptrdiff_t(n * h * d), std::ptrdiff_t(d), std::ptrdiff_t(h * d), 1};
+  auto dq = tensor<double>::like(tensor_view<double const>(nullptr, {b, h, n, d}, bnhd), -7.0);
+  tensor<double> dk({b, h, n, d}, -7.0), dv({b, h, n, m}, -7.0);
+  auto into = cpu::gradient_views<double>(plan);
+  into[Q] = dq.view();
+  into[K] = dk.view();
+  into[V] = dv.view();
+  cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v);
+  CHECK(max_abs_diff(dq, g[Q]) == 0);
+  CHECK(max_abs_diff(dk, g[K]) == 0);
+  CHECK(max_abs_diff(dv, g[V]) == 0);
+
+  // a view of the wrong shape: shape_error naming the gradient, nothing written
+  tensor<double> short_dk({b, h, n - 1, d}, -7.0), dq2({b, h, n, d}, -7.0);
+  into[Q] = dq2.view();
+  into[K] = short_dk.view();
+  try {
+    cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v);
+    FAIL("no shape_error");
+  } catch (shape_error const& e) {
+    CHECK(e.symbol() == "∂K");
+    CHECK(e.dimension() == "rows");
+    CHECK(e.extent() == n - 1);
+  }
+  bool untouched = true;
+  for (std::size_t i = 0; i < dq2.size(); ++i) untouched = untouched && dq2.data()[i] == -7.0;
+  CHECK(untouched);
+}
