@@ -238,7 +238,7 @@ TEST_CASE_TEMPLATE("a user-defined feature map works like a built-in one", T, fl
 }
 
 // One long sequence and idle threads: the scans are split across threads
-// (kernels::scan_contract_split, from N = cpu::sequence_split_min_rows). The
+// (kernels::scan_rows_split, from N = cpu::sequence_split_min_rows). The
 // result, the carried state and the gradients still agree with the
 // independent references.
 TEST_CASE_TEMPLATE("one long sequence split across threads agrees with the references", T, float, double) {

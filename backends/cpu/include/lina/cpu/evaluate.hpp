@@ -327,7 +327,7 @@ struct lower<op::phi_param_vjp<Map>> {
 };
 
 // One long sequence with idle threads (a single slice, or slices run one at a
-// time): its scans are split across the threads (kernels::scan_contract_split),
+// time): its scans are split across the threads (kernels::scan_rows_split),
 // each part at least half this many rows. Below it the split's extra work and
 // thread start-up cost more than they save.
 inline constexpr index sequence_split_min_rows = 2048;
