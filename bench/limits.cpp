@@ -9,11 +9,12 @@
 #include <fmt/core.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <limits>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
+
+#include "probes.hpp"
 
 using namespace lina;
 
@@ -26,16 +27,6 @@ constexpr auto K = input<"K">(N, D);
 constexpr auto V = input<"V">(N, M);
 constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
 
-template <class F>
-double best_seconds(F&& f, int reps) {
-  double best = 1e300;
-  for (int r = 0; r < reps; ++r) {
-    auto t0 = std::chrono::steady_clock::now();
-    f();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return best;
-}
 template <class T>
 tensor_view<T const> token(tensor<T> const& t, std::size_t i) {
   auto s = t.shape();
@@ -47,10 +38,10 @@ void step_against_forward() {
   auto q = tensor<float>::random({1, h, n, d}, 1), k = tensor<float>::random({1, h, n, d}, 2);
   auto v = tensor<float>::random({1, h, n, d}, 3);
   tensor<float> out({1, h, n, d});
-  double fwd = best_seconds([&] { cpu::evaluate_into(plan, out.view(), Q = q, K = k, V = v); }, 7);
+  double fwd = bench::best_seconds([&] { cpu::evaluate_into(plan, out.view(), Q = q, K = k, V = v); }, 7);
   auto rnn = cpu::recurrent<float>(plan, 1, h);
   tensor<float> y({1, h, 1, d});
-  double steps = best_seconds([&] {
+  double steps = bench::best_seconds([&] {
     rnn.reset();
     for (std::size_t i = 0; i < n; ++i) rnn.step_into(y.view(), Q = token(q, i), K = token(k, i), V = token(v, i));
   }, 3);
@@ -85,7 +76,7 @@ void subnormals_and_nan() {
   auto v = tensor<float>::random({1, h, n, d}, 9);
   tensor<float> out({1, h, n, d});
   auto time = [&](tensor<float> const& qq, tensor<float> const& kk, tensor<float> const& vv) {
-    return best_seconds([&] { cpu::evaluate_into(plan, out.view(), Q = qq, K = kk, V = vv); }, 5);
+    return bench::best_seconds([&] { cpu::evaluate_into(plan, out.view(), Q = qq, K = kk, V = vv); }, 5);
   };
   double normal = time(q, k, v);
   auto v_sub = v;

@@ -14,6 +14,21 @@ namespace bench {
 
 using clock_type = std::chrono::steady_clock;
 
+// Best time of `reps` runs of f, in seconds (at least one run; no new run
+// starts after ~2 s of repeats).
+template <class F>
+double best_seconds(F&& f, int reps) {
+  double best = 1e30, spent = 0;
+  for (int r = 0; r < reps && (r == 0 || spent < 2.0); ++r) {
+    auto t0 = clock_type::now();
+    f();
+    double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    best = std::min(best, s);
+    spent += s;
+  }
+  return best;
+}
+
 // 128 independent lanes: 8 AVX-512 or 16 AVX2 vectors of floats, enough to
 // cover FMA latency x ports.
 template <class T = float>

@@ -58,20 +58,6 @@ struct peaks {
   double f32, f64, triad;
 };
 
-// Best time of `reps` runs (at least one, at most ~2 s of repeats).
-template <class F>
-double best_seconds(F&& run, int reps) {
-  double best = 1e30, spent = 0;
-  for (int r = 0; r < reps && (r == 0 || spent < 2.0); ++r) {
-    auto t0 = bench::clock_type::now();
-    run();
-    double s = std::chrono::duration<double>(bench::clock_type::now() - t0).count();
-    best = std::min(best, s);
-    spent += s;
-  }
-  return best;
-}
-
 struct row {
   std::string map, mask, pass, type;
   std::size_t bh, n, d, m, c;
@@ -105,11 +91,11 @@ void measure(report& rep, Plan const& plan, std::string map, std::string mask, s
   double s;
   if (!backward) {
     tensor<T> out({1, bh, n, m});
-    s = best_seconds([&] { cpu::evaluate_into(plan, out.view(), Q = q, K = k, V = v, extra...); }, rep.opt.reps);
+    s = bench::best_seconds([&] { cpu::evaluate_into(plan, out.view(), Q = q, K = k, V = v, extra...); }, rep.opt.reps);
   } else {
     auto dout = tensor<T>::random({1, bh, n, m}, 4);
     auto bp = gradient(plan);
-    s = best_seconds([&] { auto g = cpu::gradient(bp, dout, Q = q, K = k, V = v, extra...); }, rep.opt.reps);
+    s = bench::best_seconds([&] { auto g = cpu::gradient(bp, dout, Q = q, K = k, V = v, extra...); }, rep.opt.reps);
   }
   double flops = (backward ? 8.0 : 4.0) * double(bh) * double(n) * double(c) * double(m);
   double bytes = double(sizeof(T)) * double(bh) * double(n) * double(2 * d + 2 * m) * (backward ? 2.0 : 1.0);
@@ -153,12 +139,12 @@ void orders(options const& opt) {
     auto q = tensor<float>::random({1, 8, n, 64}, 1), k = tensor<float>::random({1, 8, n, 64}, 2);
     auto v = tensor<float>::random({1, 8, n, 64}, 3);
     tensor<float> out({1, 8, n, 64});
-    double lin = best_seconds(
+    double lin = bench::best_seconds(
         [&] { cpu::evaluate_into(compile<order::linear>(causal_attn<elu_plus_one>), out.view(), Q = q, K = k, V = v); },
         opt.reps);
     double quad = -1;
     if (n <= 4096)
-      quad = best_seconds([&] {
+      quad = bench::best_seconds([&] {
         cpu::evaluate_into(compile<order::quadratic>(causal_attn<elu_plus_one>), out.view(), Q = q, K = k, V = v);
       }, opt.reps);
     fmt::print("| {} | {} | {:.3f} |\n", n, quad < 0 ? std::string("skipped (N x N)") : fmt::format("{:.3f}", 1e3 * quad),

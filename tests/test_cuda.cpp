@@ -600,15 +600,19 @@ cuda::device_buffer upload(tensor<float> const& x, cuda::dtype t) {
 }
 }  // namespace
 
+// A device test without a device says so in the words ctest counts as skipped.
+static bool skipped_without(cuda::device_status const& dev) {
+  if (dev.available) return false;
+  MESSAGE("skipped: no CUDA device (" << dev.reason << ")");
+  return true;
+}
+
 // Where a GPU exists, generated kernels launched on it agree with their
 // emulation (the maps' expf differs from the host's exp by a few ulps, so
 // fp32 is close, not bitwise); elsewhere the test says it is skipped.
 TEST_CASE("device: launched kernels agree with the emulation") {
   auto dev = cuda::probe_device();
-  if (!dev.available) {
-    MESSAGE("skipped: no CUDA device (" << dev.reason << ")");
-    return;
-  }
+  if (skipped_without(dev)) return;
   MESSAGE("device " << dev.device << ": " << dev.arch);
   constexpr auto causal_plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   constexpr auto full_plan = compile<order::linear>(normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V);
@@ -729,10 +733,7 @@ cuda::dtype dtype_for() {
 
 TEST_CASE("device: to_device / to_host round trip, evaluate = CPU backend, chained launches = emulation") {
   auto dev = cuda::probe_device();
-  if (!dev.available) {
-    MESSAGE("skipped: no CUDA device (" << dev.reason << ")");
-    return;
-  }
+  if (skipped_without(dev)) return;
   constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   constexpr auto linear = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   // Round trips: fp32 exactly, 16-bit types as rounded on the host.

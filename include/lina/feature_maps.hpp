@@ -163,10 +163,8 @@ struct favor {
     for (std::size_t i = 0; i < d; ++i) {
       T const xi = x[i];
       T const* wi = w + i * m;
-#pragma omp simd
       for (std::size_t j = 0; j < m; ++j) out[j] += wi[j] * xi;
     }
-#pragma omp simd
     for (std::size_t j = 0; j < m; ++j) out[j] = detail::exp(s * out[j] - half_norm) * inv;
   }
   // ∂φ_j/∂x_i = φ_j (w_ij - x'_i) D^-1/4

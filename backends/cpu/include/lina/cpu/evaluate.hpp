@@ -425,6 +425,7 @@ class program {
     workspace<T>* ws = nullptr;
     std::size_t arena = 0;
     T* p = nullptr;
+    lease() = default;  // holds nothing
     lease(program const& prog, turn const& w, std::size_t n)
         : ws(&prog.ws_), arena(w.arena), p(n ? ws->take(arena, n) : nullptr) {}
     lease(lease const&) = delete;
@@ -534,7 +535,7 @@ class program {
     index rows = static_cast<index>(N::shape::rows::extent(in_.table));
     auto scan = [&](auto const& sink) {
       std::size_t state_size = static_cast<std::size_t>(bs.cols() * c.cols());
-      lease sums_space(*this, w, 0);
+      lease sums_space;
       T* sums;
       if (S::scan_index[J] != sched::none && st_) {
         sums = st_->at(S::scan_index[J], w.b, w.h);  // carried across evaluations
@@ -566,7 +567,7 @@ class program {
   template <class A, class B, class C, class Out>
   void simple_scan(A const& a, B const& b, C const& c, Out const& sink, index rows, T* sums, bool reverse,
                    turn& w) const {
-    std::array<lease, 4> mem{lease(*this, w, 0), lease(*this, w, 0), lease(*this, w, 0), lease(*this, w, 0)};
+    std::array<lease, 4> mem;
     auto whole = [&](auto const& x, lease& m) { return x.whole(rows, m, *this, w); };
     matrix<T> am = whole(a, mem[0]), bm = whole(b, mem[1]), cm = whole(c, mem[2]);
     if constexpr (std::is_same_v<Out, kernels::matrix_sink<T>>) {

@@ -409,12 +409,6 @@ void scan_simple(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, mat
   }
 }
 
-// Rows [from, to) of a matrix, as a view.
-template <class T>
-matrix<T> rows_of(matrix<T> const& m, index from, index to) {
-  return view(m.data + from * m.rs, to - from, m.cols, m.rs, m.cs);
-}
-
 // sums += Σ b_i c_iᵀ over rows [lo, hi): the scan's state update alone (no
 // outputs, so no A and half the arithmetic), with the state in registers.
 template <class T>
