@@ -8,7 +8,12 @@
 // result is checked against the host emulation on the first rows of one
 // (batch, head), so a fast wrong kernel does not pass for a benchmark.
 //
-//   cuda_forward [--shapes BxTxHxD,…] [--budget seconds] [--tsv file] [--check-rows n] [--copy-mib m]
+//   cuda_forward [--shapes BxTxHxD,…] [--budget seconds] [--tsv file] [--check-rows n] [--copy-mib m] [--ablate]
+//
+// --ablate adds, per shape, the times of the same program launched with
+// cuda::launch (no host-side checks: the host overhead of evaluate_into)
+// and of variants with one kind of instruction left out (their results are
+// wrong; only the time counts): where a chunk's time goes, without counters.
 //
 // Prints Markdown (scripts/gpu-check collects it). Exits 2, saying "no CUDA
 // device", where there is none; 1 when a check fails or CUDA reports an error.
@@ -125,6 +130,57 @@ double copy_gbytes(std::size_t bytes, cudaStream_t stream, double* ms_out) {
   return 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
 }
 
+// Median ms of `reps` launches of f, each between two events.
+template <class F>
+double time_launches(F const& f, int reps, cudaStream_t stream) {
+  f();
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  std::vector<events> ev(static_cast<std::size_t>(reps));
+  for (auto& e : ev) {
+    check(cudaEventRecord(e.start, stream), "cudaEventRecord");
+    f();
+    check(cudaEventRecord(e.stop, stream), "cudaEventRecord");
+  }
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  std::vector<double> t;
+  for (auto& e : ev) t.push_back(e.ms());
+  return median(t);
+}
+
+// The program with every instruction whose opcode is in `drop` removed from its passes.
+cuda::program without(cuda::program p, std::vector<cuda::opcode> const& drop, std::string const& tag) {
+  for (auto& pass : p.passes)
+    std::erase_if(pass, [&](cuda::instruction const& i) { return std::find(drop.begin(), drop.end(), i.op) != drop.end(); });
+  p.kernel_name += "_" + tag;
+  return p;
+}
+
+void ablate(cuda::program const& base, cuda::forward_args const& a, double full_ms, int reps, cudaStream_t stream) {
+  using cuda::opcode;
+  struct variant {
+    char const* what;
+    char const* tag;
+    std::vector<opcode> drop;
+  };
+  variant const variants[] = {
+      {"the same program through cuda::launch", "same", {}},
+      {"without the products", "noproduct", {opcode::product}},
+      {"without loads, maps, ones (stale tiles)", "noload", {opcode::load, opcode::map, opcode::ones_column}},
+      {"without the store", "nostore", {opcode::store}},
+      {"loads and store only", "io", {opcode::product, opcode::mask_causal, opcode::row_divide, opcode::map}},
+      {"products only", "products", {opcode::load, opcode::map, opcode::ones_column, opcode::mask_causal,
+                                     opcode::row_divide, opcode::store}},
+  };
+  fmt::print("\n| variant of {} | median ms | of the full kernel |\n|---|---|---|\n", base.kernel_name);
+  fmt::print("| evaluate_into (the table above) | {:.3f} | 100 % |\n", full_ms);
+  for (auto const& v : variants) {
+    cuda::program p = without(base, v.drop, v.tag);
+    double ms = time_launches([&] { cuda::launch(p, a, stream); }, reps, stream);
+    fmt::print("| {} | {:.3f} | {:.0f} % |\n", v.what, ms, 100.0 * ms / full_ms);
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -132,6 +188,7 @@ int main(int argc, char** argv) {
   double budget = 6.0;  // seconds of timed launches per shape, at most
   std::string tsv;
   std::size_t check_rows = 2048, copy_mib = 2048;
+  bool ablation = false;
   try {
     for (int i = 1; i < argc; ++i) {
       std::string_view a = argv[i];
@@ -141,7 +198,7 @@ int main(int argc, char** argv) {
       };
       if (a == "--help") {
         fmt::print("usage: cuda_forward [--shapes BxTxHxD,…] [--budget seconds per shape] [--tsv file] "
-                   "[--check-rows n] [--copy-mib m]\n");
+                   "[--check-rows n] [--copy-mib m] [--ablate]\n");
         return 0;
       }
       if (a == "--shapes")
@@ -154,10 +211,12 @@ int main(int argc, char** argv) {
         check_rows = std::stoul(std::string(value()));
       else if (a == "--copy-mib")
         copy_mib = std::stoul(std::string(value()));
+      else if (a == "--ablate")
+        ablation = true;
       else
         throw std::invalid_argument(fmt::format(
             "cuda_forward: unknown argument {}; usage: cuda_forward [--shapes BxTxHxD,…] [--budget s] [--tsv file] "
-            "[--check-rows n] [--copy-mib m]",
+            "[--check-rows n] [--copy-mib m] [--ablate]",
             a));
     }
   } catch (std::exception const& e) {
@@ -258,6 +317,16 @@ int main(int argc, char** argv) {
                  100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
       std::fflush(stdout);
       if (out) std::fprintf(out, "%zu\t%zu\t%zu\t%zu\t%.6f\n", s.b, s.t, s.h, s.d, ms);
+      if (ablation) {
+        cuda::forward_args a;
+        a.in[0] = cuda::detail::device_operand(q.view());
+        a.in[1] = cuda::detail::device_operand(k.view());
+        a.in[2] = cuda::detail::device_operand(v.view());
+        a.out = cuda::detail::device_operand(o.view());
+        a.batch = static_cast<std::int64_t>(s.b), a.heads = static_cast<std::int64_t>(s.h), a.n = static_cast<std::int64_t>(s.t);
+        ablate(program, a, ms, std::min(reps, 20), stream);
+        fmt::print("\n");
+      }
     }
     if (out) std::fclose(out);
     cudaStreamDestroy(stream);

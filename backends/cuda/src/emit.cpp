@@ -44,6 +44,7 @@ struct emitter {
   std::string const& name(int r) const { return p.registers.at(static_cast<std::size_t>(r)).name; }
   std::string rows(int r) const { return name(r) + "_rows"; }
   std::string cols(int r) const { return name(r) + "_cols"; }
+  std::string pitch(int r) const { return name(r) + "_pitch"; }
 
   // Columns a load or store touches: tile_m for this block's columns of M, else a number.
   std::string width(cuda::instruction const& i) const {
@@ -60,39 +61,44 @@ struct emitter {
   void instruction(int ind, cuda::instruction const& i) {
     std::string const& t = name(i.dst);
     switch (i.op) {
-      case opcode::zero: line(ind, "tl::zero<{}, {}>({});", rows(i.dst), cols(i.dst), t); break;
+      case opcode::zero: line(ind, "tl::zero<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t); break;
       case opcode::load:
-        line(ind, "tl::load<in_type, {}, {}>({}, args.in[{}], in{}_base, r0, {}, rows, {});", rows(i.dst), cols(i.dst), t,
-             i.slot, i.slot, i.by_m_tile ? "m0" : "0", width(i));
+        line(ind, "tl::load<in_type, {}, {}, {}>({}, args.in[{}], in{}_base, r0, {}, rows, {});", rows(i.dst), cols(i.dst),
+             pitch(i.dst), t, i.slot, i.slot, i.by_m_tile ? "m0" : "0", width(i));
         break;
       case opcode::map:
         if (i.a >= 0)
-          line(ind, "tl::map_rows<tl::{}, {}, {}, {}>({}, {}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst), cols(i.a), t,
-               name(i.a));
+          line(ind, "tl::map_rows<tl::{}, {}, {}, {}, {}, {}>({}, {}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst),
+               pitch(i.dst), cols(i.a), pitch(i.a), t, name(i.a));
         else
-          line(ind, "tl::map<tl::{}, {}, {}>({}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst), t);
+          line(ind, "tl::map<tl::{}, {}, {}, {}>({}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst), pitch(i.dst), t);
         break;
-      case opcode::ones_column: line(ind, "tl::ones_column<{}, {}>({}, rows);", rows(i.dst), cols(i.dst), t); break;
+      case opcode::ones_column:
+        line(ind, "tl::ones_column<{}, {}, {}>({}, rows);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
+        break;
       case opcode::product: {
         std::string inner = i.transpose_a ? rows(i.a) : cols(i.a);
-        line(ind, "tl::product<{}, {}, {}, {}, {}, {}>({}, {}, {});  // {} {} {}{}·{}{}", rows(i.dst), cols(i.dst), inner,
-             yes(i.transpose_a), yes(i.transpose_b), yes(i.accumulate), t, name(i.a), name(i.b), t,
-             i.accumulate ? "+=" : "=", name(i.a), i.transpose_a ? "ᵀ" : "", name(i.b), i.transpose_b ? "ᵀ" : "");
+        line(ind, "tl::product<tl::{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {});  // {} {} {}{}·{}{}", name_of(i.prec),
+             rows(i.dst), cols(i.dst), inner, yes(i.transpose_a), yes(i.transpose_b), yes(i.accumulate), pitch(i.dst),
+             pitch(i.a), pitch(i.b), t, name(i.a), name(i.b), t, i.accumulate ? "+=" : "=", name(i.a),
+             i.transpose_a ? "ᵀ" : "", name(i.b), i.transpose_b ? "ᵀ" : "");
         break;
       }
-      case opcode::mask_causal: line(ind, "tl::mask_causal<{}, {}>({});", rows(i.dst), cols(i.dst), t); break;
-      case opcode::row_divide: line(ind, "tl::row_divide<{}, {}>({}, eps);", rows(i.dst), cols(i.dst), t); break;
+      case opcode::mask_causal: line(ind, "tl::mask_causal<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t); break;
+      case opcode::row_divide:
+        line(ind, "tl::row_divide<{}, {}, {}>({}, eps);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
+        break;
       case opcode::store:
-        line(ind, "tl::store<out_type, {}, {}>({}, args.out, out_base, r0, {}, rows, {});", rows(i.dst), cols(i.dst), t,
-             i.by_m_tile ? "m0" : "0", width(i));
+        line(ind, "tl::store<out_type, {}, {}, {}>({}, args.out, out_base, r0, {}, rows, {});", rows(i.dst), cols(i.dst),
+             pitch(i.dst), t, i.by_m_tile ? "m0" : "0", width(i));
         break;
       case opcode::load_state:
-        line(ind, "tl::load_state<{}, {}, {}>({}, args.state_in, state_in_base, m0, {});", rows(i.dst), cols(i.dst),
-             yes(i.z_column), t, width(i));
+        line(ind, "tl::load_state<{}, {}, {}, {}>({}, args.state_in, state_in_base, m0, {});", rows(i.dst), cols(i.dst),
+             pitch(i.dst), yes(i.z_column), t, width(i));
         break;
       case opcode::store_state:
-        line(ind, "tl::store_state<{}, {}, {}>({}, args.state_out, state_out_base, m0, {});", rows(i.dst), cols(i.dst),
-             yes(i.z_column), t, width(i));
+        line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.state_out, state_out_base, m0, {});", rows(i.dst),
+             cols(i.dst), pitch(i.dst), yes(i.z_column), t, width(i));
         break;
     }
   }
@@ -107,8 +113,9 @@ struct emitter {
     line(0, "// {}", p.description);
     line(0, "// D = {}, M = {}; chunk T = {}, {} columns of M per block ({} block(s) per (batch, head)), {} threads;",
          p.spec.d, p.spec.m, p.tiles.chunk, p.tiles.tile_m, p.m_tiles, p.tiles.threads);
-    line(0, "// inputs {}, output {}, fp32 accumulation and state; {} bytes of dynamic shared memory.",
-         name_of(p.spec.in), name_of(p.spec.out), p.shared_bytes());
+    line(0, "// inputs {}, output {}, fp32 accumulation and state, products {}; {} bytes of dynamic shared memory.",
+         name_of(p.spec.in), name_of(p.spec.out),
+         name_of(p.spec.exact_products ? precision::fma_f32 : precision_for(p.spec.in)), p.shared_bytes());
     line(0, "#include \"{}\"", tiles_header_name);
     line(0, "");
     line(0, "namespace {{");
@@ -120,7 +127,8 @@ struct emitter {
     line(0, "constexpr int m_tiles = {};", p.m_tiles);
     if (divides) line(0, "constexpr float eps = {:#.9g}f;  // of rowdiv", eps);
     for (auto const& r : p.registers)
-      line(0, "constexpr int {}_rows = {}, {}_cols = {};  // {}", r.name, r.rows, r.name, r.cols, r.comment);
+      line(0, "constexpr int {}_rows = {}, {}_cols = {}, {}_pitch = {};  // {}", r.name, r.rows, r.name, r.cols, r.name,
+           r.pitch(), r.comment);
     line(0, "}}  // namespace");
     line(0, "");
     line(0, "extern \"C\" __global__ void __launch_bounds__({}) {}(const tl::forward_args args) {{", p.tiles.threads,

@@ -61,6 +61,17 @@ struct block {
   forward_args const& a;
   std::int64_t b = 0, h = 0, m_tile = 0;
   std::vector<tile> reg;
+  tile op_a, op_b;  // rounded copies of product operands
+
+  // Register r, or a copy of it rounded to precision p (into `copy`).
+  tile const& rounded(int r, precision p, tile& copy) {
+    tile const& x = reg[static_cast<std::size_t>(r)];
+    if (p == precision::fma_f32) return x;
+    copy.rows = x.rows, copy.cols = x.cols;
+    copy.v.resize(x.v.size());
+    std::transform(x.v.begin(), x.v.end(), copy.v.begin(), [p](float e) { return round_operand(p, e); });
+    return copy;
+  }
 
   std::int64_t slice_offset(operand const& o) const { return b * o.stride[0] + h * o.stride[1]; }
   std::int64_t col0(instruction const& i) const { return i.by_m_tile ? m_tile * p.tiles.tile_m : 0; }
@@ -93,11 +104,13 @@ struct block {
         for (int r = 0; r < rows; ++r) t.at(r, t.cols - 1) = 1.0f;
         break;
       case opcode::product: {
-        // Per element one fma chain in increasing k, as on the device; the
-        // loops run k outside the columns so that the chains of a row advance
-        // together (the order within each chain is unchanged).
-        tile const& x = reg[static_cast<std::size_t>(i.a)];
-        tile const& y = reg[static_cast<std::size_t>(i.b)];
+        // Per element one fma chain in increasing k, as on the device (the
+        // tensor cores' order differs: only fma_f32 is bitwise); the loops run
+        // k outside the columns so that the chains of a row advance together
+        // (the order within each chain is unchanged). Operands are rounded
+        // to the product's precision first.
+        tile const& x = rounded(i.a, i.prec, op_a);
+        tile const& y = rounded(i.b, i.prec, op_b);
         std::size_t const inner = static_cast<std::size_t>(i.transpose_a ? x.rows : x.cols);
         std::size_t const cols = static_cast<std::size_t>(t.cols);
         std::size_t const a_row = i.transpose_a ? 1 : inner, a_k = i.transpose_a ? static_cast<std::size_t>(x.cols) : 1;
@@ -191,7 +204,7 @@ void emulate(program const& p, forward_args const& args) {
   }
   std::int64_t blocks = blocks_of(p, args);
   for (std::int64_t x = 0; x < blocks; ++x) {
-    block blk{p, args, 0, 0, 0, {}};
+    block blk{p, args, 0, 0, 0, {}, {}, {}};
     std::int64_t slice = x / p.m_tiles;
     blk.m_tile = x % p.m_tiles;
     blk.b = slice / args.heads;

@@ -3,8 +3,12 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <utility>
+
+#include "lina/cuda/numeric.hpp"
 
 namespace lina::cuda {
 
@@ -42,12 +46,47 @@ std::string_view name_of(opcode o) {
   return "?";
 }
 std::size_t size_of(dtype t) { return t == dtype::f32 ? 4 : 2; }
+std::string_view name_of(precision p) {
+  switch (p) {
+    case precision::fma_f32: return "fma_f32";
+    case precision::mma_tf32: return "mma_tf32";
+    case precision::mma_bf16: return "mma_bf16";
+  }
+  return "?";
+}
+precision precision_for(dtype in) {
+  switch (in) {
+    case dtype::bf16: return precision::mma_bf16;
+    case dtype::f16: return precision::mma_tf32;
+    case dtype::f32: break;
+  }
+  return precision::fma_f32;
+}
+float round_operand(precision p, float x) {
+  switch (p) {
+    case precision::fma_f32: return x;
+    case precision::mma_bf16: return from_bf16_bits(bf16_bits(x));
+    case precision::mma_tf32: {
+      if (std::isnan(x) || std::isinf(x)) return x;
+      std::uint32_t u;
+      std::memcpy(&u, &x, 4);
+      u = (u + 0x1000u) & 0xffffe000u;  // nearest, ties away from zero (magnitude), as cvt.rna.tf32.f32
+      std::memcpy(&x, &u, 4);
+      return x;
+    }
+  }
+  return x;
+}
+int pitch_of(int cols) {
+  int p = (cols + 3) / 4 * 4;
+  return p % 8 == 4 ? p : p + 4;
+}
 
 namespace {
 std::size_t aligned(std::size_t n) {
   return (n + program::register_alignment - 1) / program::register_alignment * program::register_alignment;
 }
-std::size_t floats_of(tile_register const& r) { return static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols); }
+std::size_t floats_of(tile_register const& r) { return static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.pitch()); }
 }  // namespace
 
 std::size_t program::offset_of(int r) const {
@@ -65,12 +104,13 @@ namespace {
 
 // fp32 elements of every register a program of this shape holds.
 std::size_t tile_floats(attention_spec const& s, std::size_t t, std::size_t tm) {
-  std::size_t w = tm + (s.normalized ? 1 : 0);  // [V|1] columns per block
+  auto pitch = [](std::size_t cols) { return static_cast<std::size_t>(pitch_of(static_cast<int>(cols))); };
+  std::size_t w = pitch(tm + (s.normalized ? 1 : 0));  // [V|1] columns per block
   std::size_t c = features(s.map_q, s.d);
-  std::size_t qk = 2 * t * c + (c != s.d ? t * s.d : 0);  // φ(Q), φ(K) chunks, the rows a row map reads
+  std::size_t qk = 2 * t * pitch(c) + (c != s.d ? t * pitch(s.d) : 0);  // φ(Q), φ(K) chunks, the rows a row map reads
   std::size_t state = c * w;
   std::size_t v = t * w, o = t * w;
-  std::size_t a = s.causal ? t * t : 0;  // the masked similarity of one chunk
+  std::size_t a = s.causal ? t * pitch(t) : 0;  // the masked similarity of one chunk
   std::size_t padding = 7 * (program::register_alignment - 1);  // at most 7 registers, each aligned
   return qk + state + v + o + a + padding;
 }
@@ -98,8 +138,10 @@ struct builder {
   }
   static instruction map(int t, feature_map m, int from = -1) { return {.op = opcode::map, .dst = t, .a = from, .map = m}; }
   static instruction ones(int t) { return {.op = opcode::ones_column, .dst = t}; }
-  static instruction product(int t, int a, bool ta, int b, bool tb, bool acc) {
-    return {.op = opcode::product, .dst = t, .a = a, .b = b, .transpose_a = ta, .transpose_b = tb, .accumulate = acc};
+  precision prec = precision::fma_f32;  // of every product
+  instruction product(int t, int a, bool ta, int b, bool tb, bool acc) const {
+    return {.op = opcode::product, .dst = t, .a = a, .b = b, .transpose_a = ta, .transpose_b = tb, .accumulate = acc,
+            .prec = prec};
   }
   static instruction mask(int t) { return {.op = opcode::mask_causal, .dst = t}; }
   static instruction divide(int t, float eps) { return {.op = opcode::row_divide, .dst = t, .eps = eps}; }
@@ -143,6 +185,7 @@ program program_of(attention_spec const& s) {
   program& p = b.p;
   p.spec = s;
   p.tiles = choose_tiles(s);
+  b.prec = s.exact_products ? precision::fma_f32 : precision_for(s.in);
   if (features(s.map_q, s.d) != features(s.map_k, s.d))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
@@ -150,9 +193,10 @@ program program_of(attention_spec const& s) {
   bool const row_map = c != d;  // poly2: loaded rows go through a register of D columns
   int const w = tm + (s.normalized ? 1 : 0);
   p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
-  p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}", s.causal ? "causal" : "full",
+  p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}{}", s.causal ? "causal" : "full",
                               id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
-                              s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "");
+                              s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "",
+                              b.prec != precision_for(s.in) ? "_exact" : "");
   p.description = fmt::format("{} linear attention, forward{}{}: {}", s.causal ? "causal" : "non-causal",
                               s.normalized ? "" : " (unnormalized)",
                               s.chained ? ", chained (the state comes in and goes out)" : "", plan_text(s));
@@ -197,20 +241,20 @@ program program_of(attention_spec const& s) {
     std::vector<instruction> body;
     load_q(body);
     load_kv(body);
-    body.push_back(builder::product(a, q, false, k, true, false));  // a = φQ·φKᵀ
+    body.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
     body.push_back(builder::mask(a));                               // j ≤ i
-    body.push_back(builder::product(o, a, false, v, false, false)); // o = a·[V|1]
-    body.push_back(builder::product(o, q, false, st, false, true)); // o += φQ·state (earlier chunks)
-    body.push_back(builder::product(st, k, true, v, false, true));  // state += φKᵀ·[V|1]
+    body.push_back(b.product(o, a, false, v, false, false)); // o = a·[V|1]
+    body.push_back(b.product(o, q, false, st, false, true)); // o += φQ·state (earlier chunks)
+    body.push_back(b.product(st, k, true, v, false, true));  // state += φKᵀ·[V|1]
     finish(body);
     p.passes.push_back(std::move(body));
   } else {
     // Pass 1: the whole sum φKᵀ·[V|1]; pass 2: each row against it.
     std::vector<instruction> sum, rows;
     load_kv(sum);
-    sum.push_back(builder::product(st, k, true, v, false, true));
+    sum.push_back(b.product(st, k, true, v, false, true));
     load_q(rows);
-    rows.push_back(builder::product(o, q, false, st, false, false));
+    rows.push_back(b.product(o, q, false, st, false, false));
     finish(rows);
     p.passes.push_back(std::move(sum));
     p.passes.push_back(std::move(rows));
@@ -233,7 +277,8 @@ std::string listing(program const& p) {
   std::string r = fmt::format("{} — {}\nT = {}, M tile = {}, {} block(s) per (batch, head), {} threads, {} bytes shared\n",
                               p.kernel_name, p.description, p.tiles.chunk, p.tiles.tile_m, p.m_tiles, p.tiles.threads,
                               p.shared_bytes());
-  for (auto const& reg : p.registers) r += fmt::format("  {} ({}×{}): {}\n", reg.name, reg.rows, reg.cols, reg.comment);
+  for (auto const& reg : p.registers)
+    r += fmt::format("  {} ({}×{}, pitch {}): {}\n", reg.name, reg.rows, reg.cols, reg.pitch(), reg.comment);
   auto one = [&](instruction const& i) {
     auto nm = [&](int x) { return p.registers[static_cast<std::size_t>(x)].name; };
     switch (i.op) {
@@ -244,8 +289,8 @@ std::string listing(program const& p) {
         return i.a >= 0 ? fmt::format("map {} ← φ[{}]({})", nm(i.dst), name_of(i.map), nm(i.a))
                         : fmt::format("map {} φ[{}]", nm(i.dst), name_of(i.map));
       case opcode::product:
-        return fmt::format("{} {} {}{}·{}{}", nm(i.dst), i.accumulate ? "+=" : "=", nm(i.a), i.transpose_a ? "ᵀ" : "",
-                           nm(i.b), i.transpose_b ? "ᵀ" : "");
+        return fmt::format("{} {} {}{}·{}{} ({})", nm(i.dst), i.accumulate ? "+=" : "=", nm(i.a), i.transpose_a ? "ᵀ" : "",
+                           nm(i.b), i.transpose_b ? "ᵀ" : "", name_of(i.prec));
       case opcode::row_divide: return fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);
       case opcode::store: return fmt::format("store {} → out[:, m_tile·tile_m + {} cols]", nm(i.dst), i.width);
       case opcode::load_state:

@@ -53,6 +53,10 @@ namespace lina::cuda {
 struct options {
   dtype in = dtype::f32;
   dtype out = dtype::f32;
+  // 16-bit inputs multiply on the tensor cores (bf16 at bf16, f16 at tf32;
+  // program.hpp's `precision`): operands rounded as they are read. true keeps
+  // every product an exact fp32 FMA chain instead — slower, for checking.
+  bool exact_products = false;
 };
 
 namespace diagnose {
@@ -256,6 +260,7 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
   }
   s.in = opt.in;
   s.out = opt.out;
+  s.exact_products = opt.exact_products;
   s.description = to_string(plan);
   return s;
 }

@@ -14,7 +14,9 @@
 //       body                      in order
 //   epilogue                      once
 //
-// Registers are fp32 tiles (rows × cols) in shared memory; they persist across
+// Registers are fp32 tiles (rows × cols) in shared memory, rows `pitch` floats
+// apart (pitch_of: padded so that a warp's column reads hit distinct banks);
+// they persist across
 // chunks and passes (the state is just a tile that no pass zeroes). Every
 // instruction is block-wide and completes before the next starts.
 //
@@ -31,9 +33,15 @@
 //                          x_a² at a(2D−a+1)/2, (√2·x_a)·x_b after it for b > a,
 //                          √2 rounded to fp32 (a row map, out of place)
 //   ones_column t          t[i][cols-1] = 1 for i < rows
-//   product t, a, b        t = (accumulate ? t : 0) + op(a)·op(b) with op =
-//                          identity or transpose per operand; each element is
-//                          one fp32 fused multiply-add chain in increasing k
+//   product t, a, b, p     t = (accumulate ? t : 0) + op(a)·op(b) with op =
+//                          identity or transpose per operand, at precision p:
+//                          fma_f32: each element one fp32 fused multiply-add
+//                          chain in increasing k (exact operands);
+//                          mma_bf16 / mma_tf32: every operand element first
+//                          rounded to bf16 (nearest even) / tf32 (10 stored
+//                          bits, nearest, ties away: cvt.rna), products exact,
+//                          sums in fp32 in an order the tensor cores choose
+//                          (the emulation: increasing k)
 //   mask_causal t          t[i][j] = 0 for j > i
 //   row_divide t, eps      t[i][j] /= (t[i][cols-1] + eps) for j < cols-1
 //   store t → out          out(r0 + i, c0 + j) = round(t[i][j]) for i < rows,
@@ -87,6 +95,7 @@ struct attention_spec {
   std::size_t d = 0, m = 0; // columns of Q and K (D), of V and the output (M)
   dtype in = dtype::f32, out = dtype::f32;
   bool chained = false;     // causal only: the scan starts from state_in and leaves its sums in state_out
+  bool exact_products = false;  // fp32 FMA products even for 16-bit inputs (else precision_for(in))
   std::string q_name = "Q", k_name = "K", v_name = "V";  // the plan's input symbols
   std::string description;  // the plan as the user's program printed it (messages)
 };
@@ -107,9 +116,25 @@ inline constexpr std::size_t shared_memory_budget = 160 * 1024;
 // smaller when needed). Throws std::invalid_argument when nothing fits.
 tile_config choose_tiles(attention_spec const& s);
 
+// How a product multiplies (see the semantics above). 16-bit programs use the
+// tensor cores: bf16 programs at bf16, f16 programs at tf32 — its 10 stored
+// bits are fp16's, and its fp32 range keeps the state and the chunk's scores,
+// sums that can pass 65504, from overflowing as fp16 operands would.
+enum class precision : std::uint8_t { fma_f32, mma_tf32, mma_bf16 };
+std::string_view name_of(precision p);
+precision precision_for(dtype in);
+// The precision's rounding of one operand element (the emulation's and the tests').
+float round_operand(precision p, float x);
+
+// Floats between the starts of two rows of a register of `cols` columns: a
+// multiple of 4 (16-byte rows) that is 4 mod 8, so that the 8 rows × 4 column
+// pairs a tensor-core fragment reads fall in 32 different banks.
+int pitch_of(int cols);
+
 struct tile_register {
   std::string name;  // a C identifier, used in the generated source
   int rows = 0, cols = 0;
+  int pitch() const { return pitch_of(cols); }
   std::string comment;  // what it holds, e.g. "φ(Q) chunk (T, D)"
 };
 
@@ -129,6 +154,7 @@ struct instruction {
   bool z_column = false;        // load_state/store_state: the register's last column ↔ the state's last (z)
   feature_map map = feature_map::identity;  // map
   float eps = 0;                // row_divide
+  precision prec = precision::fma_f32;  // product
 };
 
 struct input_slot {
@@ -148,8 +174,8 @@ struct program {
   std::vector<std::vector<instruction>> passes;
   std::vector<instruction> epilogue;                // store_state, after the passes
 
-  // Registers lie one after another in shared memory, each starting at a
-  // multiple of 16 bytes (ready for vector accesses).
+  // Registers lie one after another in shared memory (rows × pitch floats),
+  // each starting at a multiple of 16 bytes (ready for vector accesses).
   static constexpr std::size_t register_alignment = 4;  // floats
   std::size_t offset_of(int r) const;  // in floats
   std::size_t shared_bytes() const;    // all registers, fp32, with their alignment

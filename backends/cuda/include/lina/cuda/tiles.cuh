@@ -6,13 +6,15 @@
 //
 // Every operation is block-wide: all threads of the block call it with the
 // same arguments, it works on fp32 tiles in shared memory (row-major, rows ×
-// cols given as template arguments) and ends with __syncthreads(). The
-// semantics are those listed in lina/cuda/program.hpp, element for element:
-// products are one fmaf chain per element in increasing k, inputs convert to
-// fp32 exactly, outputs round to nearest even.
+// cols given as template arguments, rows P floats apart) and ends with
+// __syncthreads(). The semantics are those listed in lina/cuda/program.hpp,
+// element for element: inputs convert to fp32 exactly, outputs round to
+// nearest even; products are one fmaf chain per element in increasing k
+// (fma_f32) or tensor-core mma.sync on operands rounded to bf16 or tf32 as
+// they are read from shared memory, accumulating in fp32 registers.
 //
-// This first version is plain FMA loops over shared memory, one element per
-// thread at a time: correct first; tensor cores (mma) come next.
+// Element-wise operations give one element to one thread at a time; a
+// product gives each warp 16-row stripes × a few 8-column tiles of the result.
 #pragma once
 
 namespace lina {
@@ -36,6 +38,11 @@ struct forward_args {
 struct f32 {};
 struct f16 {};
 struct bf16 {};
+
+// ---- product precisions (lina::cuda::precision) --------------------------------------
+struct fma_f32 {};
+struct mma_tf32 {};
+struct mma_bf16 {};
 
 __device__ __forceinline__ float load_element(f32, const void* p, long long i) {
   return static_cast<const float*>(p)[i];
@@ -84,90 +91,228 @@ struct poly2 {
 };
 
 // ---- tile operations ----------------------------------------------------------------
-template <int R, int C>
+template <int R, int C, int P>
 __device__ void zero(float* t) {
-  for (int e = threadIdx.x; e < R * C; e += blockDim.x) t[e] = 0.0f;
+  for (int e = threadIdx.x; e < R * P; e += blockDim.x) t[e] = 0.0f;
   __syncthreads();
 }
 
 // t[i][j] = in(base + (r0+i)·row_stride + (c0+j)·col_stride) for i < rows,
 // j < width, c0 + j < cols; 0 elsewhere.
-template <class E, int R, int C>
+// Each thread first issues up to 32 loads into registers, then stores them:
+// the loads are in flight together (one memory latency per 32 elements, not
+// one per element: a store to shared memory between two loads would order them).
+template <class E, int R, int C, int P>
 __device__ void load(float* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
-  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
-    const int i = e / C, j = e % C;
-    float x = 0.0f;
-    if (i < rows && j < width && c0 + j < in.cols)
-      x = load_element(E{}, in.data, base + (r0 + i) * in.stride[2] + (c0 + j) * in.stride[3]);
-    t[e] = x;
+  constexpr int U = 32;
+  for (int e0 = threadIdx.x; e0 < R * C; e0 += U * blockDim.x) {
+    float x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * static_cast<int>(blockDim.x), i = e / C, j = e % C;
+      x[u] = 0.0f;
+      if (e < R * C && i < rows && j < width && c0 + j < in.cols)
+        x[u] = load_element(E{}, in.data, base + (r0 + i) * in.stride[2] + (c0 + j) * in.stride[3]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * static_cast<int>(blockDim.x);
+      if (e < R * C) t[(e / C) * P + e % C] = x[u];
+    }
   }
   __syncthreads();
 }
 
-template <class Map, int R, int C>
+template <class Map, int R, int C, int P>
 __device__ void map(float* t, int rows) {
-  for (int e = threadIdx.x; e < rows * C; e += blockDim.x) t[e] = Map::apply(t[e]);
+  for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
+    float& x = t[(e / C) * P + e % C];
+    x = Map::apply(x);
+  }
   __syncthreads();
 }
 
-// t (R × C) = Map(x) row by row for i < rows, 0 below; x is R × D.
-template <class Map, int R, int C, int D>
+// t (R × C) = Map(x) row by row for i < rows, 0 below; x is R × D (pitch PX).
+template <class Map, int R, int C, int P, int D, int PX>
 __device__ void map_rows(float* t, const float* x, int rows) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, f = e % C;
-    t[e] = i < rows ? Map::apply(x + i * D, D, f) : 0.0f;
+    t[i * P + f] = i < rows ? Map::apply(x + i * PX, D, f) : 0.0f;
   }
   __syncthreads();
 }
 
-template <int R, int C>
+template <int R, int C, int P>
 __device__ void ones_column(float* t, int rows) {
-  for (int i = threadIdx.x; i < rows; i += blockDim.x) t[i * C + C - 1] = 1.0f;
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) t[i * P + C - 1] = 1.0f;
   __syncthreads();
 }
 
-// t (R × C) = (Acc ? t : 0) + op(a)·op(b), inner dimension K; a is R × K
-// (K × R when TA), b is K × C (C × K when TB). t is neither a nor b.
-template <int R, int C, int K, bool TA, bool TB, bool Acc>
-__device__ void product(float* t, const float* a, const float* b) {
+// ---- tensor-core fragments (mma.sync, sm_80+) --------------------------------------
+// Lane l of a warp is (g, q) = (l / 4, l % 4). m16n8k16 (bf16): A holds rows
+// g, g+8 × columns 2q, 2q+1, 2q+8, 2q+9; B columns g × rows 2q, 2q+1, 2q+8,
+// 2q+9; m16n8k8 (tf32): A rows g, g+8 × columns q, q+4; B rows q, q+4. The
+// accumulator: rows g, g+8 × columns 2q, 2q+1 (both shapes).
+__device__ __forceinline__ unsigned pack(mma_bf16, float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ unsigned pack(mma_tf32, float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma(mma_bf16, float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma(mma_tf32, float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <class Prec> struct mma_k;
+template <> struct mma_k<mma_bf16> { static constexpr int value = 16; };
+template <> struct mma_k<mma_tf32> { static constexpr int value = 8; };
+
+// op(a)(i, k) of an R × K operand stored with pitch P (K × R when T), 0 outside.
+template <int R, int K, bool T, int P>
+__device__ __forceinline__ float operand_at(const float* a, int i, int k) {
+  if ((R % 16 != 0 && i >= R) || (K % 16 != 0 && k >= K)) return 0.0f;
+  return T ? a[k * P + i] : a[i * P + k];
+}
+
+// fma_f32: one fmaf chain per element of t, in increasing k.
+template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB>
+__device__ void fma_product(float* t, const float* a, const float* b) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
-    float acc = Acc ? t[e] : 0.0f;
+    float acc = Acc ? t[i * PT + j] : 0.0f;
     for (int k = 0; k < K; ++k) {
-      const float u = TA ? a[k * R + i] : a[i * K + k];
-      const float w = TB ? b[j * K + k] : b[k * C + j];
+      const float u = TA ? a[k * PA + i] : a[i * PA + k];
+      const float w = TB ? b[j * PB + k] : b[k * PB + j];
       acc = fmaf(u, w, acc);
     }
-    t[e] = acc;
+    t[i * PT + j] = acc;
   }
   __syncthreads();
 }
 
-template <int R, int C>
+// The tensor-core products: each warp takes a stripe of 16 rows × NB tiles of
+// 8 columns, loads its A fragment once per k step and reuses it across the NB
+// tiles. NB balances the stripes over a block's 8 warps (fewest rounds × NB).
+template <int MT, int NT>
+struct mma_split {
+  __host__ __device__ static constexpr int cost(int nb) { return ((MT * ((NT + nb - 1) / nb) + 7) / 8) * nb; }
+  __host__ __device__ static constexpr int pick() {
+    int best = 1;
+    for (int nb = 2; nb <= (NT < 12 ? NT : 12); ++nb)
+      if (cost(nb) <= cost(best)) best = nb;
+    return best;
+  }
+  static constexpr int nb = pick();
+};
+
+template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB>
+__device__ void mma_product(float* t, const float* a, const float* b) {
+  constexpr int KS = mma_k<Prec>::value;
+  constexpr int MT = (R + 15) / 16, NT = (C + 7) / 8, KT = (K + KS - 1) / KS;
+  constexpr int NB = mma_split<MT, NT>::nb, NG = (NT + NB - 1) / NB;
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  for (int task = threadIdx.x >> 5; task < MT * NG; task += blockDim.x >> 5) {
+    const int i0 = task / NG * 16, n0 = task % NG * NB;
+    float acc[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = i0 + g + (r >> 1) * 8, j = (n0 + nb) * 8 + 2 * q + (r & 1);
+        acc[nb][r] = Acc && i < R && j < C ? t[i * PT + j] : 0.0f;
+      }
+#pragma unroll 2
+    for (int kt = 0; kt < KT; ++kt) {
+      const int k0 = kt * KS;
+      unsigned af[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = i0 + g + (r & 1) * 8;
+        if constexpr (KS == 16) {
+          const int k = k0 + 2 * q + (r >> 1) * 8;
+          af[r] = pack(Prec{}, operand_at<R, K, TA, PA>(a, i, k), operand_at<R, K, TA, PA>(a, i, k + 1));
+        } else {
+          af[r] = pack(Prec{}, operand_at<R, K, TA, PA>(a, i, k0 + q + (r >> 1) * 4));
+        }
+      }
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        if (NT % NB != 0 && n0 + nb >= NT) break;
+        const int j = (n0 + nb) * 8 + g;
+        unsigned bf[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // b as the transposed operand: op(b)ᵀ is C × K, so column j of op(b) is its row j.
+          if constexpr (KS == 16) {
+            const int k = k0 + 2 * q + r * 8;
+            bf[r] = pack(Prec{}, operand_at<C, K, !TB, PB>(b, j, k), operand_at<C, K, !TB, PB>(b, j, k + 1));
+          } else {
+            bf[r] = pack(Prec{}, operand_at<C, K, !TB, PB>(b, j, k0 + q + r * 4));
+          }
+        }
+        mma(Prec{}, acc[nb], af, bf);
+      }
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = i0 + g + (r >> 1) * 8, j = (n0 + nb) * 8 + 2 * q + (r & 1);
+        if (i < R && j < C) t[i * PT + j] = acc[nb][r];
+      }
+  }
+  __syncthreads();
+}
+
+template <class A, class B> struct same { static constexpr bool value = false; };
+template <class A> struct same<A, A> { static constexpr bool value = true; };
+
+// t (R × C, pitch PT) = (Acc ? t : 0) + op(a)·op(b) at precision Prec, inner
+// dimension K; a is R × K (K × R when TA, pitch PA), b is K × C (C × K when
+// TB, pitch PB). t is neither a nor b.
+template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB>
+__device__ void product(float* t, const float* a, const float* b) {
+  if constexpr (same<Prec, fma_f32>::value)
+    fma_product<R, C, K, TA, TB, Acc, PT, PA, PB>(t, a, b);
+  else
+    mma_product<Prec, R, C, K, TA, TB, Acc, PT, PA, PB>(t, a, b);
+}
+
+template <int R, int C, int P>
 __device__ void mask_causal(float* t) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x)
-    if (e % C > e / C) t[e] = 0.0f;
+    if (e % C > e / C) t[(e / C) * P + e % C] = 0.0f;
   __syncthreads();
 }
 
 // t[i][j] /= t[i][C-1] + eps for j < C - 1 (the last column is read, never written).
-template <int R, int C>
+template <int R, int C, int P>
 __device__ void row_divide(float* t, float eps) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
-    if (j < C - 1) t[e] = t[e] / (t[i * C + C - 1] + eps);
+    if (j < C - 1) t[i * P + j] = t[i * P + j] / (t[i * P + C - 1] + eps);
   }
   __syncthreads();
 }
 
-template <class E, int R, int C>
+template <class E, int R, int C, int P>
 __device__ void store(const float* t, const operand& out, long long base, long long r0, long long c0, int rows,
                       int width) {
   void* data = const_cast<void*>(out.data);
   for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
     if (j < width && c0 + j < out.cols)
-      store_element(E{}, data, base + (r0 + i) * out.stride[2] + (c0 + j) * out.stride[3], t[e]);
+      store_element(E{}, data, base + (r0 + i) * out.stride[2] + (c0 + j) * out.stride[3], t[i * P + j]);
   }
   __syncthreads();
 }
@@ -176,7 +321,7 @@ __device__ void store(const float* t, const operand& out, long long base, long l
 // sums of one (batch, head). t[i][j] = s(i, c0 + j) for j < width and c0 + j
 // < m_cols (m_cols = s.cols − 1 when Z, else s.cols); Z: t[i][C−1] = s(i,
 // s.cols − 1), the normaliser column; 0 elsewhere.
-template <int R, int C, bool Z>
+template <int R, int C, int P, bool Z>
 __device__ void load_state(float* t, const operand& s, long long base, long long c0, int width) {
   const float* data = static_cast<const float*>(s.data);
   const long long m_cols = Z ? s.cols - 1 : s.cols;
@@ -187,23 +332,23 @@ __device__ void load_state(float* t, const operand& s, long long base, long long
       x = data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]];
     else if (j < width && c0 + j < m_cols)
       x = data[base + i * s.stride[2] + (c0 + j) * s.stride[3]];
-    t[e] = x;
+    t[i * P + j] = x;
   }
   __syncthreads();
 }
 
 // The inverse of load_state; the normaliser column only from the block whose
 // columns start at 0 (every block of the (batch, head) holds the same z).
-template <int R, int C, bool Z>
+template <int R, int C, int P, bool Z>
 __device__ void store_state(const float* t, const operand& s, long long base, long long c0, int width) {
   float* data = static_cast<float*>(const_cast<void*>(s.data));
   const long long m_cols = Z ? s.cols - 1 : s.cols;
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
     if (Z && j == C - 1) {
-      if (c0 == 0) data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]] = t[e];
+      if (c0 == 0) data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]] = t[i * P + j];
     } else if (j < width && c0 + j < m_cols) {
-      data[base + i * s.stride[2] + (c0 + j) * s.stride[3]] = t[e];
+      data[base + i * s.stride[2] + (c0 + j) * s.stride[3]] = t[i * P + j];
     }
   }
   __syncthreads();
