@@ -38,10 +38,8 @@ extern "C" __global__ void __launch_bounds__(256) lina_causal_elu1_elu1_d16_m8_t
   tl::zero<state_rows, state_cols, state_pitch>(state);
   for (long long r0 = 0; r0 < args.n; r0 += chunk) {
     const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
-    tl::load<in_type, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);
-    tl::map<tl::elu_plus_one, q_rows, q_cols, q_pitch>(q, rows);
-    tl::load<in_type, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);
-    tl::map<tl::elu_plus_one, k_rows, k_cols, k_pitch>(k, rows);
+    tl::load_map<in_type, tl::elu_plus_one, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);  // load, map
+    tl::load_map<in_type, tl::elu_plus_one, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);  // load, map
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, m0, rows, tile_m);
     tl::ones_column<v_rows, v_cols, v_pitch>(v, rows);
     tl::product<tl::mma_bf16, a_rows, a_cols, q_cols, false, true, false, a_pitch, q_pitch, k_pitch>(a, q, k);  // a = q·kᵀ

@@ -58,14 +58,26 @@ struct emitter {
     out += '\n';
   }
 
+  static bool fusable(cuda::instruction const& load, cuda::instruction const& map) {
+    return load.op == opcode::load && map.op == opcode::map && map.a < 0 && map.dst == load.dst;
+  }
+
+  // A load, or (with a map) a load followed by that element-wise map.
+  void load(int ind, cuda::instruction const& i, std::string_view map) {
+    std::string const& t = name(i.dst);
+    if (map.empty())
+      line(ind, "tl::load<in_type, {}, {}, {}>({}, args.in[{}], in{}_base, r0, {}, rows, {});", rows(i.dst), cols(i.dst),
+           pitch(i.dst), t, i.slot, i.slot, i.by_m_tile ? "m0" : "0", width(i));
+    else
+      line(ind, "tl::load_map<in_type, tl::{}, {}, {}, {}>({}, args.in[{}], in{}_base, r0, {}, rows, {});  // load, map",
+           map, rows(i.dst), cols(i.dst), pitch(i.dst), t, i.slot, i.slot, i.by_m_tile ? "m0" : "0", width(i));
+  }
+
   void instruction(int ind, cuda::instruction const& i) {
     std::string const& t = name(i.dst);
     switch (i.op) {
       case opcode::zero: line(ind, "tl::zero<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t); break;
-      case opcode::load:
-        line(ind, "tl::load<in_type, {}, {}, {}>({}, args.in[{}], in{}_base, r0, {}, rows, {});", rows(i.dst), cols(i.dst),
-             pitch(i.dst), t, i.slot, i.slot, i.by_m_tile ? "m0" : "0", width(i));
-        break;
+      case opcode::load: load(ind, i, {}); break;
       case opcode::map:
         if (i.a >= 0)
           line(ind, "tl::map_rows<tl::{}, {}, {}, {}, {}, {}>({}, {}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst),
@@ -155,7 +167,15 @@ struct emitter {
     for (auto const& pass : p.passes) {
       line(2, "for (long long r0 = 0; r0 < args.n; r0 += chunk) {{");
       line(4, "const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);");
-      for (auto const& i : pass) instruction(4, i);
+      for (std::size_t n = 0; n < pass.size(); ++n) {
+        // load t; map t φ (element-wise) → one pass over the chunk (tl::load_map).
+        if (n + 1 < pass.size() && fusable(pass[n], pass[n + 1])) {
+          load(4, pass[n], map_tag(pass[n + 1].map));
+          ++n;
+        } else {
+          instruction(4, pass[n]);
+        }
+      }
       line(2, "}}");
     }
     for (auto const& i : p.epilogue) {

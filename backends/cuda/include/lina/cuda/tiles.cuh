@@ -99,28 +99,98 @@ __device__ void zero(float* t) {
 
 // t[i][j] = in(base + (r0+i)·row_stride + (c0+j)·col_stride) for i < rows,
 // j < width, c0 + j < cols; 0 elsewhere.
-// Each thread first issues up to 32 loads into registers, then stores them:
-// the loads are in flight together (one memory latency per 32 elements, not
-// one per element: a store to shared memory between two loads would order them).
-template <class E, int R, int C, int P>
-__device__ void load(float* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
-  constexpr int U = 32;
-  for (int e0 = threadIdx.x; e0 < R * C; e0 += U * blockDim.x) {
-    float x[U];
+// 16 bytes of input: 8 elements of a 16-bit type or 4 of fp32.
+struct alignas(16) u32x4 {
+  unsigned x[4];
+};
+struct alignas(16) f32x4 {
+  float x[4];
+};
+template <class E> struct vector_of { static constexpr int n = 8; };
+template <> struct vector_of<f32> { static constexpr int n = 4; };
+
+__device__ __forceinline__ void unpack(f32, const u32x4& r, float* x) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) x[w] = __uint_as_float(r.x[w]);
+}
+__device__ __forceinline__ void unpack(bf16, const u32x4& r, float* x) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    x[2 * w] = __uint_as_float(r.x[w] << 16);
+    x[2 * w + 1] = __uint_as_float(r.x[w] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void unpack(f16, const u32x4& r, float* x) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    unsigned short lo = static_cast<unsigned short>(r.x[w] & 0xffffu), hi = static_cast<unsigned short>(r.x[w] >> 16);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * w]) : "h"(lo));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * w + 1]) : "h"(hi));
+  }
+}
+
+// load followed by map t φ (element-wise), in one pass: the emitter fuses the
+// pair; the result is the two instructions' (φ on rows < rows only).
+//
+// Each thread takes groups of one 16-byte vector of a row (8 or 4 elements)
+// and first issues the loads of up to U groups, then converts, maps and stores
+// them: the loads are in flight together. A group is loaded as one vector
+// where the row is contiguous, in range and 16-byte aligned; elsewhere
+// (strided columns, the edges) element by element.
+template <class E, class Map, int R, int C, int P>
+__device__ void load_map(float* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
+  constexpr int VN = vector_of<E>::n, CG = (C + VN - 1) / VN, G = R * CG, U = 4;
+  constexpr int bytes = VN == 8 ? 2 : 4;
+  const char* const data = static_cast<const char*>(in.data);
+  const bool contiguous = in.stride[3] == 1;
+  for (int g0 = threadIdx.x; g0 < G; g0 += U * static_cast<int>(blockDim.x)) {
+    u32x4 raw[U];
+    bool whole[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int e = e0 + u * static_cast<int>(blockDim.x), i = e / C, j = e % C;
-      x[u] = 0.0f;
-      if (e < R * C && i < rows && j < width && c0 + j < in.cols)
-        x[u] = load_element(E{}, in.data, base + (r0 + i) * in.stride[2] + (c0 + j) * in.stride[3]);
+      const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
+      const char* p = data + (base + (r0 + i) * in.stride[2] + c0 + j) * bytes;
+      whole[u] = g < G && i < rows && contiguous && j + VN <= width && c0 + j + VN <= in.cols &&
+                 (reinterpret_cast<unsigned long long>(p) & 15) == 0;
+      if (whole[u]) raw[u] = *reinterpret_cast<const u32x4*>(p);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int e = e0 + u * static_cast<int>(blockDim.x);
-      if (e < R * C) t[(e / C) * P + e % C] = x[u];
+      const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
+      if (g >= G) break;
+      float x[VN];
+      if (whole[u]) {
+        unpack(E{}, raw[u], x);
+      } else {
+#pragma unroll
+        for (int w = 0; w < VN; ++w)
+          x[w] = i < rows && j + w < width && c0 + j + w < in.cols
+                     ? load_element(E{}, in.data, base + (r0 + i) * in.stride[2] + (c0 + j + w) * in.stride[3])
+                     : 0.0f;
+      }
+      if (i < rows)
+#pragma unroll
+        for (int w = 0; w < VN; ++w) x[w] = Map::apply(x[w]);
+      float* const dst = t + i * P + j;
+      if (j + VN <= C) {
+#pragma unroll
+        for (int h = 0; h < VN / 4; ++h)
+          *reinterpret_cast<f32x4*>(dst + 4 * h) = f32x4{{x[4 * h], x[4 * h + 1], x[4 * h + 2], x[4 * h + 3]}};
+      } else {
+#pragma unroll
+        for (int w = 0; w < VN; ++w)
+          if (j + w < C) dst[w] = x[w];
+      }
     }
   }
   __syncthreads();
+}
+
+// t[i][j] = in(base + (r0+i)·row_stride + (c0+j)·col_stride) for i < rows,
+// j < width, c0 + j < cols; 0 elsewhere.
+template <class E, int R, int C, int P>
+__device__ void load(float* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
+  load_map<E, identity, R, C, P>(t, in, base, r0, c0, rows, width);
 }
 
 template <class Map, int R, int C, int P>
