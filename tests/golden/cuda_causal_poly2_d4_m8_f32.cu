@@ -22,14 +22,14 @@ constexpr int a_rows = 64, a_cols = 64, a_pitch = 68;  // causal(φ(Q)·φ(K)ᵀ
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) lina_causal_poly2_poly2_d4_m8_t64_mt8_f32_f32(const tl::forward_args args) {
-  extern __shared__ float shared[];
-  float* const q = shared + 0;
-  float* const k = shared + 768;
-  float* const x = shared + 1536;
-  float* const v = shared + 1792;
-  float* const state = shared + 2560;
-  float* const o = shared + 2680;
-  float* const a = shared + 3448;
+  extern __shared__ __align__(16) unsigned char shared[];
+  float* const q = reinterpret_cast<float*>(shared + 0);
+  float* const k = reinterpret_cast<float*>(shared + 3072);
+  float* const x = reinterpret_cast<float*>(shared + 6144);
+  float* const v = reinterpret_cast<float*>(shared + 7168);
+  float* const state = reinterpret_cast<float*>(shared + 10240);
+  float* const o = reinterpret_cast<float*>(shared + 10720);
+  float* const a = reinterpret_cast<float*>(shared + 13792);
   const long long slice = blockIdx.x / m_tiles;  // (batch, head)
   const long long m0 = static_cast<long long>(blockIdx.x % m_tiles) * tile_m;  // this block's first column of M
   const long long b = slice / args.heads, h = slice % args.heads;

@@ -19,12 +19,12 @@ constexpr int o_rows = 64, o_cols = 8, o_pitch = 12;  // output rows (T, W)
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) lina_full_relu_relu_d16_m8_t64_mt8_f16_f32_unnormalized(const tl::forward_args args) {
-  extern __shared__ float shared[];
-  float* const q = shared + 0;
-  float* const k = shared + 1280;
-  float* const v = shared + 2560;
-  float* const state = shared + 3328;
-  float* const o = shared + 3520;
+  extern __shared__ __align__(16) unsigned char shared[];
+  float* const q = reinterpret_cast<float*>(shared + 0);
+  float* const k = reinterpret_cast<float*>(shared + 5120);
+  float* const v = reinterpret_cast<float*>(shared + 10240);
+  float* const state = reinterpret_cast<float*>(shared + 13312);
+  float* const o = reinterpret_cast<float*>(shared + 14080);
   const long long slice = blockIdx.x / m_tiles;  // (batch, head)
   const long long m0 = static_cast<long long>(blockIdx.x % m_tiles) * tile_m;  // this block's first column of M
   const long long b = slice / args.heads, h = slice % args.heads;

@@ -145,9 +145,13 @@ struct emitter {
     line(0, "");
     line(0, "extern \"C\" __global__ void __launch_bounds__({}) {}(const tl::forward_args args) {{", p.tiles.threads,
          p.kernel_name);
-    line(2, "extern __shared__ float shared[];");
-    for (std::size_t r = 0; r < p.registers.size(); ++r)
-      line(2, "float* const {} = shared + {};", p.registers[r].name, p.offset_of(static_cast<int>(r)));
+    line(2, "extern __shared__ __align__(16) unsigned char shared[];");
+    for (std::size_t r = 0; r < p.registers.size(); ++r) {
+      // fp32 registers as float, bf16 ones as their bit patterns (tl::bf16_bits)
+      std::string_view type = p.registers[r].storage == dtype::f32 ? "float" : "tl::bf16_bits";
+      line(2, "{}* const {} = reinterpret_cast<{}*>(shared + {});", type, p.registers[r].name, type,
+           p.offset_of(static_cast<int>(r)));
+    }
     line(2, "const long long slice = blockIdx.x / m_tiles;  // (batch, head)");
     line(2, "const long long m0 = static_cast<long long>(blockIdx.x % m_tiles) * tile_m;  // this block's first column of M");
     line(2, "const long long b = slice / args.heads, h = slice % args.heads;");

@@ -173,18 +173,29 @@ struct block {
     }
   }
 
+  // A bf16 register keeps what is written to it rounded to bf16 (nearest even).
+  void settle(instruction const& i) {
+    if (i.op == opcode::store || i.op == opcode::store_state) return;  // they write memory, not the register
+    if (p.registers[static_cast<std::size_t>(i.dst)].storage != dtype::bf16) return;
+    for (float& x : reg[static_cast<std::size_t>(i.dst)].v) x = from_bf16_bits(bf16_bits(x));
+  }
+  void step(instruction const& i, std::int64_t r0, int rows) {
+    run(i, r0, rows);
+    settle(i);
+  }
+
   void run_all() {
     reg.clear();
     for (auto const& r : p.registers)
       reg.push_back({r.rows, r.cols, std::vector<float>(static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols))});
-    for (auto const& i : p.prologue) run(i, 0, 0);
+    for (auto const& i : p.prologue) step(i, 0, 0);
     std::int64_t const t = p.tiles.chunk;
     for (auto const& pass : p.passes)
       for (std::int64_t r0 = 0; r0 < a.n; r0 += t) {
         int rows = static_cast<int>(std::min(t, a.n - r0));
-        for (auto const& i : pass) run(i, r0, rows);
+        for (auto const& i : pass) step(i, r0, rows);
       }
-    for (auto const& i : p.epilogue) run(i, a.n, 0);
+    for (auto const& i : p.epilogue) step(i, a.n, 0);
   }
 };
 

@@ -77,42 +77,56 @@ float round_operand(precision p, float x) {
   }
   return x;
 }
-int pitch_of(int cols) {
-  int p = (cols + 3) / 4 * 4;
-  return p % 8 == 4 ? p : p + 4;
+int pitch_of(int cols, int bytes) {
+  int const per16 = 16 / bytes;  // elements per 16 bytes
+  int p = (cols + per16 - 1) / per16 * per16;
+  return p * bytes / 4 % 8 == 4 ? p : p + per16;
 }
 
 namespace {
 std::size_t aligned(std::size_t n) {
   return (n + program::register_alignment - 1) / program::register_alignment * program::register_alignment;
 }
-std::size_t floats_of(tile_register const& r) { return static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.pitch()); }
+std::size_t bytes_of(tile_register const& r) {
+  return static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.pitch()) * static_cast<std::size_t>(r.bytes());
+}
 }  // namespace
 
 std::size_t program::offset_of(int r) const {
   std::size_t n = 0;
-  for (int i = 0; i < r; ++i) n = aligned(n + floats_of(registers.at(static_cast<std::size_t>(i))));
+  for (int i = 0; i < r; ++i) n = aligned(n + bytes_of(registers.at(static_cast<std::size_t>(i))));
   return n;
 }
 std::size_t program::shared_bytes() const {
   if (registers.empty()) return 0;
   int last = static_cast<int>(registers.size()) - 1;
-  return (offset_of(last) + floats_of(registers.back())) * sizeof(float);
+  return offset_of(last) + bytes_of(registers.back());
 }
 
 namespace {
 
-// fp32 elements of every register a program of this shape holds.
-std::size_t tile_floats(attention_spec const& s, std::size_t t, std::size_t tm) {
-  auto pitch = [](std::size_t cols) { return static_cast<std::size_t>(pitch_of(static_cast<int>(cols))); };
-  std::size_t w = pitch(tm + (s.normalized ? 1 : 0));  // [V|1] columns per block
-  std::size_t c = features(s.map_q, s.d);
-  std::size_t qk = 2 * t * pitch(c) + (c != s.d ? t * pitch(s.d) : 0);  // φ(Q), φ(K) chunks, the rows a row map reads
-  std::size_t state = c * w;
-  std::size_t v = t * w, o = t * w;
-  std::size_t a = s.causal ? t * pitch(t) : 0;  // the masked similarity of one chunk
-  std::size_t padding = 7 * (program::register_alignment - 1);  // at most 7 registers, each aligned
-  return qk + state + v + o + a + padding;
+precision precision_of(attention_spec const& s) { return s.exact_products ? precision::fma_f32 : precision_for(s.in); }
+// The element type of the chunk tiles φ(Q), φ(K), [V|1]: bf16 where only
+// mma_bf16 products read them (tile_register::storage).
+dtype chunk_storage(attention_spec const& s) {
+  return precision_of(s) == precision::mma_bf16 ? dtype::bf16 : dtype::f32;
+}
+
+// Bytes of shared memory of every register a program of this shape holds (as
+// program_of lays them out), with each register's alignment slack.
+std::size_t tile_bytes(attention_spec const& s, std::size_t t, std::size_t tm) {
+  auto reg = [](std::size_t rows, std::size_t cols, dtype storage) {
+    int const b = storage == dtype::f32 ? 4 : 2;
+    return rows * static_cast<std::size_t>(pitch_of(static_cast<int>(cols), b)) * static_cast<std::size_t>(b) +
+           program::register_alignment - 1;
+  };
+  dtype const cs = chunk_storage(s);
+  std::size_t const w = tm + (s.normalized ? 1 : 0);  // [V|1] columns per block
+  std::size_t const c = features(s.map_q, s.d);
+  std::size_t const qk = 2 * reg(t, c, cs) + (c != s.d ? reg(t, s.d, dtype::f32) : 0);  // + the rows a row map reads
+  std::size_t const state = reg(c, w, dtype::f32), v = reg(t, w, cs), o = reg(t, w, dtype::f32);
+  std::size_t const a = s.causal ? reg(t, t, dtype::f32) : 0;  // the masked similarity of one chunk
+  return qk + state + v + o + a;
 }
 
 // The ids used in kernel names: letters, digits and underscores only.
@@ -128,8 +142,8 @@ std::string_view id_of(feature_map m) {
 
 struct builder {
   program p;
-  int reg(std::string name, int rows, int cols, std::string comment) {
-    p.registers.push_back({std::move(name), rows, cols, std::move(comment)});
+  int reg(std::string name, int rows, int cols, std::string comment, dtype storage = dtype::f32) {
+    p.registers.push_back({std::move(name), rows, cols, std::move(comment), storage});
     return static_cast<int>(p.registers.size()) - 1;
   }
   static instruction zero(int t) { return {.op = opcode::zero, .dst = t}; }
@@ -167,13 +181,13 @@ tile_config choose_tiles(attention_spec const& s) {
                               {64, 16}, {32, 16}, {16, 16}, {64, 8},  {32, 8},  {16, 8}};
   for (auto const& [t, tm] : order) {
     std::size_t use = std::min(static_cast<std::size_t>(tm), s.m);
-    if (tile_floats(s, static_cast<std::size_t>(t), use) * sizeof(float) <= shared_memory_budget)
+    if (tile_bytes(s, static_cast<std::size_t>(t), use) <= shared_memory_budget)
       return {t, static_cast<int>(use), 256};
   }
   throw std::invalid_argument(fmt::format(
       "lina::cuda: D = {} is too large: the smallest tiles (T = 16, 8 columns of M) need {} bytes of shared "
       "memory, more than the {} a block may use",
-      s.d, tile_floats(s, 16, std::min<std::size_t>(8, s.m)) * sizeof(float), shared_memory_budget));
+      s.d, tile_bytes(s, 16, std::min<std::size_t>(8, s.m)), shared_memory_budget));
 }
 
 program program_of(attention_spec const& s) {
@@ -185,7 +199,7 @@ program program_of(attention_spec const& s) {
   program& p = b.p;
   p.spec = s;
   p.tiles = choose_tiles(s);
-  b.prec = s.exact_products ? precision::fma_f32 : precision_for(s.in);
+  b.prec = precision_of(s);
   if (features(s.map_q, s.d) != features(s.map_k, s.d))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
@@ -204,10 +218,11 @@ program program_of(attention_spec const& s) {
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
   std::string const cdim = row_map ? "C" : "D";
-  int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")");
-  int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")");
+  dtype const cs = chunk_storage(s);  // read by products alone
+  int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")", cs);
+  int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")", cs);
   int const x = row_map ? b.reg("x", t, d, "Q or K chunk before the row map (T, D)") : -1;
-  int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)");
+  int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)", cs);
   int const st = b.reg("state", c, w, "Σ φ(K)ᵀ" + v1 + " over the chunks so far, fp32 (" + cdim + ", W)");
   int const o = b.reg("o", t, w, "output rows (T, W)");
   float const eps = static_cast<float>(s.eps);
@@ -278,7 +293,8 @@ std::string listing(program const& p) {
                               p.kernel_name, p.description, p.tiles.chunk, p.tiles.tile_m, p.m_tiles, p.tiles.threads,
                               p.shared_bytes());
   for (auto const& reg : p.registers)
-    r += fmt::format("  {} ({}×{}, pitch {}): {}\n", reg.name, reg.rows, reg.cols, reg.pitch(), reg.comment);
+    r += fmt::format("  {} ({}×{} {}, pitch {}): {}\n", reg.name, reg.rows, reg.cols, name_of(reg.storage), reg.pitch(),
+                     reg.comment);
   auto one = [&](instruction const& i) {
     auto nm = [&](int x) { return p.registers[static_cast<std::size_t>(x)].name; };
     switch (i.op) {

@@ -14,9 +14,10 @@
 //       body                      in order
 //   epilogue                      once
 //
-// Registers are fp32 tiles (rows × cols) in shared memory, rows `pitch` floats
-// apart (pitch_of: padded so that a warp's column reads hit distinct banks);
-// they persist across
+// Registers are tiles (rows × cols) in shared memory, rows `pitch` elements
+// apart (pitch_of: padded so that a warp's column reads hit distinct banks),
+// of fp32 — or of bf16 for the chunk tiles of bf16 programs, which only
+// tensor-core products read (see tile_register::storage); they persist across
 // chunks and passes (the state is just a tile that no pass zeroes). Every
 // instruction is block-wide and completes before the next starts.
 //
@@ -126,16 +127,23 @@ precision precision_for(dtype in);
 // The precision's rounding of one operand element (the emulation's and the tests').
 float round_operand(precision p, float x);
 
-// Floats between the starts of two rows of a register of `cols` columns: a
-// multiple of 4 (16-byte rows) that is 4 mod 8, so that the 8 rows × 4 column
-// pairs a tensor-core fragment reads fall in 32 different banks.
-int pitch_of(int cols);
+// Elements between the starts of two rows of a register of `cols` columns of
+// `bytes`-byte elements: 16-byte rows whose length in 4-byte words is 4 mod 8,
+// so that the 8 rows × 4 column pairs a tensor-core fragment reads fall in 32
+// different banks.
+int pitch_of(int cols, int bytes = 4);
 
 struct tile_register {
   std::string name;  // a C identifier, used in the generated source
   int rows = 0, cols = 0;
-  int pitch() const { return pitch_of(cols); }
   std::string comment;  // what it holds, e.g. "φ(Q) chunk (T, D)"
+  // The element type in shared memory: f32, or bf16 — then every value written
+  // to the register is rounded to bf16 (nearest even). Only registers that
+  // nothing but mma_bf16 products read are bf16, which round their operands
+  // to bf16 anyway: the results do not change, the tiles take half the bytes.
+  dtype storage = dtype::f32;
+  int bytes() const { return storage == dtype::f32 ? 4 : 2; }
+  int pitch() const { return pitch_of(cols, bytes()); }
 };
 
 enum class opcode : std::uint8_t {
@@ -174,11 +182,11 @@ struct program {
   std::vector<std::vector<instruction>> passes;
   std::vector<instruction> epilogue;                // store_state, after the passes
 
-  // Registers lie one after another in shared memory (rows × pitch floats),
+  // Registers lie one after another in shared memory (rows × pitch elements),
   // each starting at a multiple of 16 bytes (ready for vector accesses).
-  static constexpr std::size_t register_alignment = 4;  // floats
-  std::size_t offset_of(int r) const;  // in floats
-  std::size_t shared_bytes() const;    // all registers, fp32, with their alignment
+  static constexpr std::size_t register_alignment = 16;  // bytes
+  std::size_t offset_of(int r) const;  // in bytes
+  std::size_t shared_bytes() const;    // all registers, with their alignment
 };
 
 // The tile program of a forward attention (causal: one pass, the chunked scan;

@@ -44,6 +44,9 @@ struct fma_f32 {};
 struct mma_tf32 {};
 struct mma_bf16 {};
 
+template <class A, class B> struct same { static constexpr bool value = false; };
+template <class A> struct same<A, A> { static constexpr bool value = true; };
+
 __device__ __forceinline__ float load_element(f32, const void* p, long long i) {
   return static_cast<const float*>(p)[i];
 }
@@ -90,10 +93,27 @@ struct poly2 {
   }
 };
 
+// ---- register elements ---------------------------------------------------------------
+// A register is fp32 (float) or bf16 (its bit patterns): values written to a
+// bf16 register round to nearest even (lina::cuda::tile_register::storage).
+struct bf16_bits {
+  unsigned short bits;
+};
+__device__ __forceinline__ float get(const float* t, int e) { return t[e]; }
+__device__ __forceinline__ float get(const bf16_bits* t, int e) {
+  return __uint_as_float(static_cast<unsigned int>(t[e].bits) << 16);
+}
+__device__ __forceinline__ void put(float* t, int e, float x) { t[e] = x; }
+__device__ __forceinline__ void put(bf16_bits* t, int e, float x) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  t[e].bits = h;
+}
+
 // ---- tile operations ----------------------------------------------------------------
-template <int R, int C, int P>
-__device__ void zero(float* t) {
-  for (int e = threadIdx.x; e < R * P; e += blockDim.x) t[e] = 0.0f;
+template <int R, int C, int P, class S>
+__device__ void zero(S* t) {
+  for (int e = threadIdx.x; e < R * P; e += blockDim.x) put(t, e, 0.0f);
   __syncthreads();
 }
 
@@ -137,8 +157,8 @@ __device__ __forceinline__ void unpack(f16, const u32x4& r, float* x) {
 // them: the loads are in flight together. A group is loaded as one vector
 // where the row is contiguous, in range and 16-byte aligned; elsewhere
 // (strided columns, the edges) element by element.
-template <class E, class Map, int R, int C, int P>
-__device__ void load_map(float* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
+template <class E, class Map, int R, int C, int P, class S>
+__device__ void load_map(S* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
   constexpr int VN = vector_of<E>::n, CG = (C + VN - 1) / VN, G = R * CG, U = 4;
   constexpr int bytes = VN == 8 ? 2 : 4;
   const char* const data = static_cast<const char*>(in.data);
@@ -171,16 +191,27 @@ __device__ void load_map(float* t, const operand& in, long long base, long long 
       if (i < rows)
 #pragma unroll
         for (int w = 0; w < VN; ++w) x[w] = Map::apply(x[w]);
-      float* const dst = t + i * P + j;
-      if (j + VN <= C) {
+      S* const dst = t + i * P + j;
+      if constexpr (same<S, float>::value) {
+        if (j + VN <= C) {
 #pragma unroll
-        for (int h = 0; h < VN / 4; ++h)
-          *reinterpret_cast<f32x4*>(dst + 4 * h) = f32x4{{x[4 * h], x[4 * h + 1], x[4 * h + 2], x[4 * h + 3]}};
+          for (int h = 0; h < VN / 4; ++h)
+            *reinterpret_cast<f32x4*>(dst + 4 * h) = f32x4{{x[4 * h], x[4 * h + 1], x[4 * h + 2], x[4 * h + 3]}};
+          continue;
+        }
       } else {
+        if (VN == 8 && j + VN <= C) {  // 8 bf16 values, rounded in pairs, one 16-byte store
+          u32x4 packed;
 #pragma unroll
-        for (int w = 0; w < VN; ++w)
-          if (j + w < C) dst[w] = x[w];
+          for (int h = 0; h < 4; ++h)
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed.x[h]) : "f"(x[2 * h + 1]), "f"(x[2 * h]));
+          *reinterpret_cast<u32x4*>(dst) = packed;
+          continue;
+        }
       }
+#pragma unroll
+      for (int w = 0; w < VN; ++w)
+        if (j + w < C) put(dst, w, x[w]);
     }
   }
   __syncthreads();
@@ -188,33 +219,33 @@ __device__ void load_map(float* t, const operand& in, long long base, long long 
 
 // t[i][j] = in(base + (r0+i)·row_stride + (c0+j)·col_stride) for i < rows,
 // j < width, c0 + j < cols; 0 elsewhere.
-template <class E, int R, int C, int P>
-__device__ void load(float* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
+template <class E, int R, int C, int P, class S>
+__device__ void load(S* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
   load_map<E, identity, R, C, P>(t, in, base, r0, c0, rows, width);
 }
 
-template <class Map, int R, int C, int P>
-__device__ void map(float* t, int rows) {
+template <class Map, int R, int C, int P, class S>
+__device__ void map(S* t, int rows) {
   for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
-    float& x = t[(e / C) * P + e % C];
-    x = Map::apply(x);
+    const int at = (e / C) * P + e % C;
+    put(t, at, Map::apply(get(t, at)));
   }
   __syncthreads();
 }
 
 // t (R × C) = Map(x) row by row for i < rows, 0 below; x is R × D (pitch PX).
-template <class Map, int R, int C, int P, int D, int PX>
-__device__ void map_rows(float* t, const float* x, int rows) {
+template <class Map, int R, int C, int P, int D, int PX, class S>
+__device__ void map_rows(S* t, const float* x, int rows) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, f = e % C;
-    t[i * P + f] = i < rows ? Map::apply(x + i * PX, D, f) : 0.0f;
+    put(t, i * P + f, i < rows ? Map::apply(x + i * PX, D, f) : 0.0f);
   }
   __syncthreads();
 }
 
-template <int R, int C, int P>
-__device__ void ones_column(float* t, int rows) {
-  for (int i = threadIdx.x; i < rows; i += blockDim.x) t[i * P + C - 1] = 1.0f;
+template <int R, int C, int P, class S>
+__device__ void ones_column(S* t, int rows) {
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) put(t, i * P + C - 1, 1.0f);
   __syncthreads();
 }
 
@@ -248,21 +279,21 @@ template <> struct mma_k<mma_bf16> { static constexpr int value = 16; };
 template <> struct mma_k<mma_tf32> { static constexpr int value = 8; };
 
 // op(a)(i, k) of an R × K operand stored with pitch P (K × R when T), 0 outside.
-template <int R, int K, bool T, int P>
-__device__ __forceinline__ float operand_at(const float* a, int i, int k) {
+template <int R, int K, bool T, int P, class S>
+__device__ __forceinline__ float operand_at(const S* a, int i, int k) {
   if ((R % 16 != 0 && i >= R) || (K % 16 != 0 && k >= K)) return 0.0f;
-  return T ? a[k * P + i] : a[i * P + k];
+  return get(a, T ? k * P + i : i * P + k);
 }
 
 // fma_f32: one fmaf chain per element of t, in increasing k.
-template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB>
-__device__ void fma_product(float* t, const float* a, const float* b) {
+template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, class SA, class SB>
+__device__ void fma_product(float* t, const SA* a, const SB* b) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
     float acc = Acc ? t[i * PT + j] : 0.0f;
     for (int k = 0; k < K; ++k) {
-      const float u = TA ? a[k * PA + i] : a[i * PA + k];
-      const float w = TB ? b[j * PB + k] : b[k * PB + j];
+      const float u = get(a, TA ? k * PA + i : i * PA + k);
+      const float w = get(b, TB ? j * PB + k : k * PB + j);
       acc = fmaf(u, w, acc);
     }
     t[i * PT + j] = acc;
@@ -285,8 +316,8 @@ struct mma_split {
   static constexpr int nb = pick();
 };
 
-template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB>
-__device__ void mma_product(float* t, const float* a, const float* b) {
+template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, class SA, class SB>
+__device__ void mma_product(float* t, const SA* a, const SB* b) {
   constexpr int KS = mma_k<Prec>::value;
   constexpr int MT = (R + 15) / 16, NT = (C + 7) / 8, KT = (K + KS - 1) / KS;
   constexpr int NB = mma_split<MT, NT>::nb, NG = (NT + NB - 1) / NB;
@@ -344,14 +375,11 @@ __device__ void mma_product(float* t, const float* a, const float* b) {
   __syncthreads();
 }
 
-template <class A, class B> struct same { static constexpr bool value = false; };
-template <class A> struct same<A, A> { static constexpr bool value = true; };
-
 // t (R × C, pitch PT) = (Acc ? t : 0) + op(a)·op(b) at precision Prec, inner
 // dimension K; a is R × K (K × R when TA, pitch PA), b is K × C (C × K when
 // TB, pitch PB). t is neither a nor b.
-template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB>
-__device__ void product(float* t, const float* a, const float* b) {
+template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, class SA, class SB>
+__device__ void product(float* t, const SA* a, const SB* b) {
   if constexpr (same<Prec, fma_f32>::value)
     fma_product<R, C, K, TA, TB, Acc, PT, PA, PB>(t, a, b);
   else
