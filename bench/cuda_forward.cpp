@@ -130,7 +130,8 @@ double copy_gbytes(std::size_t bytes, cudaStream_t stream, double* ms_out) {
   return 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
 }
 
-// Median ms of `reps` launches of f, each between two events.
+// Median ms of `reps` launches of f, each between two events, all queued at
+// once (the host stays ahead of the device), after one more to warm up.
 template <class F>
 double time_launches(F const& f, int reps, cudaStream_t stream) {
   f();
@@ -275,16 +276,7 @@ int main(int argc, char** argv) {
       check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
       double const first_ms = one.ms();
       int const reps = static_cast<int>(std::clamp(budget * 1e3 / std::max(first_ms, 1e-3), 3.0, 50.0));
-      std::vector<events> ev(static_cast<std::size_t>(reps));
-      for (auto& e : ev) {  // all queued at once: the host stays ahead of the device
-        check(cudaEventRecord(e.start, stream), "cudaEventRecord");
-        launch();
-        check(cudaEventRecord(e.stop, stream), "cudaEventRecord");
-      }
-      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-      std::vector<double> t;
-      for (auto& e : ev) t.push_back(e.ms());
-      double const ms = median(t);
+      double const ms = time_launches(launch, reps, stream);
       double const flops = 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) * double(m);
       double const bytes = 2.0 * (2.0 * double(nq) + 2.0 * double(nv));  // q, k, v read, o written, bf16
       double const gbs = bytes / (ms * 1e-3) / 1e9;

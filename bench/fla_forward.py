@@ -52,7 +52,7 @@ def main():
     print()
     print("| B | T | H | D = M | reps | median ms (fla) | TFLOP/s |")
     print("|---|---|---|---|---|---|---|")
-    rows = []
+    tsv = open(args.tsv, "w") if args.tsv else None  # a row per shape as it finishes: a timeout keeps the done ones
     for text in args.shapes.split(","):
         b, t, h, d = (int(x) for x in text.split("x"))
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -80,12 +80,13 @@ def main():
         ms = statistics.median(s.elapsed_time(e) for s, e in events)
         flops = 4.0 * b * h * t * d * d
         print(f"| {b} | {t} | {h} | {d} | {reps} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.2f} |", flush=True)
-        rows.append(f"{b}\t{t}\t{h}\t{d}\t{ms:.6f}\n")
+        if tsv:
+            tsv.write(f"{b}\t{t}\t{h}\t{d}\t{ms:.6f}\n")
+            tsv.flush()
         del q, k, v
         torch.cuda.empty_cache()
-    if args.tsv:
-        with open(args.tsv, "w") as f:
-            f.writelines(rows)
+    if tsv:
+        tsv.close()
     return 0
 
 

@@ -748,6 +748,107 @@ TEST_CASE("device: small launches (racecheck)") {
   }
 }
 
+// The causal chained program cut after each instruction of its pass (but the
+// store), with a store of the register that instruction wrote: what the device
+// test below launches, one program per instruction.
+std::vector<cuda::program> cut_programs(cuda::program const& base) {
+  std::vector<cuda::program> r;
+  auto const& pass = base.passes.at(0);
+  for (std::size_t cut = 0; cut < pass.size(); ++cut) {
+    if (pass[cut].op == cuda::opcode::store) continue;
+    cuda::program p = base;
+    p.passes[0].resize(cut + 1);
+    p.passes[0].push_back({.op = cuda::opcode::store, .dst = pass[cut].dst, .width = 64, .by_m_tile = true});
+    p.kernel_name += "_cut" + std::to_string(cut) + "_" + std::string(cuda::name_of(pass[cut].op));
+    r.push_back(std::move(p));
+  }
+  return r;
+}
+
+// Without a device: the cut programs emit, compile for sm_80/sm_90 with an
+// empty log, and the last one (everything but the store) emulates to the
+// whole program's result.
+TEST_CASE("cut programs (the per-instruction device test's) compile, and the last one is the whole program") {
+  constexpr auto linear = compile<order::linear>(causal_expr);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
+    CAPTURE(cuda::name_of(dt));
+    cuda::program const base = chained_program(linear, {dt, dt}, 64, 64);
+    auto cuts = cut_programs(base);
+    REQUIRE(cuts.size() + 1 == base.passes[0].size());
+    for (auto const& p : cuts) check_compiles(p);
+    CHECK(cuts.back().passes[0] == base.passes[0]);  // row_divide o, then store o (64 columns): the program itself
+  }
+}
+
+// Each tile instruction's CUDA side against its host side: the causal chained
+// program cut after one instruction, with a store of the register it wrote,
+// launched and emulated on the same inputs and state (output and final state
+// compared). A cut after an instruction agrees only if it and everything
+// before it agree, so the first failing cut names the instruction.
+TEST_CASE("device: each tile instruction = its emulation (the program cut after it)") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  constexpr auto linear = compile<order::linear>(causal_expr);
+  std::size_t const b = 1, h = 2, n = 150, d = 64, m = 64;  // every register has ≥ 64 columns: a store of 64 fits
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
+    cuda::program const base = chained_program(linear, {dt, dt}, d, m);
+    auto q = rounded(tensor<float>::random({b, h, n, d}, 700), dt), k = rounded(tensor<float>::random({b, h, n, d}, 701), dt);
+    auto v = rounded(tensor<float>::random({b, h, n, m}, 702), dt);
+    auto s0 = tensor<float>::random({b, h, d, m + 1}, 703);
+    for (std::size_t i = 0; i < s0.size(); ++i) s0.data()[i] = std::abs(s0.data()[i]);  // sums of elu+1 features are ≥ 0
+    auto dq = upload(q, dt), dk = upload(k, dt), dv = upload(v, dt), ds0 = upload(s0, cuda::dtype::f32);
+    std::size_t const out_bytes = b * h * n * m * cuda::size_of(dt), state_bytes = s0.size() * 4;
+    cuda::device_buffer dout(out_bytes), ds1(state_bytes);
+    auto operand_of = [](void const* data, std::size_t rows, std::size_t cols) {
+      cuda::operand o;
+      o.data = data;
+      o.stride[0] = static_cast<std::int64_t>(h * rows * cols), o.stride[1] = static_cast<std::int64_t>(rows * cols);
+      o.stride[2] = static_cast<std::int64_t>(cols), o.stride[3] = 1;
+      o.cols = static_cast<std::int64_t>(cols);
+      return o;
+    };
+    auto args = [&](void const* qp, void const* kp, void const* vp, void const* op, void const* si, void const* so) {
+      cuda::forward_args a;
+      a.in[0] = operand_of(qp, n, d), a.in[1] = operand_of(kp, n, d), a.in[2] = operand_of(vp, n, m);
+      a.out = operand_of(op, n, m);
+      a.state_in = operand_of(si, d, m + 1), a.state_out = operand_of(so, d, m + 1);
+      a.batch = b, a.heads = h, a.n = n;
+      return a;
+    };
+    for (cuda::program const& p : cut_programs(base)) {
+      CAPTURE(cuda::name_of(dt));
+      CAPTURE(p.kernel_name);
+      // The emulation, on host copies in the kernel's element type.
+      std::vector<std::uint16_t> hq = bits_of(q, dt), hk = bits_of(k, dt), hv = bits_of(v, dt);
+      std::vector<std::uint16_t> hout16(b * h * n * m);
+      tensor<float> hout32({b, h, n, m}), hs1({b, h, d, m + 1});
+      bool const wide = dt == cuda::dtype::f32;
+      void* hout = wide ? static_cast<void*>(hout32.data()) : static_cast<void*>(hout16.data());
+      cuda::emulate(p, wide ? args(q.data(), k.data(), v.data(), hout, s0.data(), hs1.data())
+                            : args(hq.data(), hk.data(), hv.data(), hout, s0.data(), hs1.data()));
+      cuda::launch(p, args(dq.get(), dk.get(), dv.get(), dout.get(), ds0.get(), ds1.get()));
+      cuda::synchronize(p.kernel_name);
+      tensor<float> want({b, h, n, m}), got({b, h, n, m}), got_state({b, h, d, m + 1});
+      std::vector<std::uint16_t> g16(hout16.size());
+      if (wide) {
+        want = hout32;
+        dout.download(got.data(), out_bytes);
+      } else {
+        dout.download(g16.data(), out_bytes);
+        for (std::size_t i = 0; i < g16.size(); ++i) {
+          bool const bf = dt == cuda::dtype::bf16;
+          want.data()[i] = bf ? cuda::from_bf16_bits(hout16[i]) : cuda::from_f16_bits(hout16[i]);
+          got.data()[i] = bf ? cuda::from_bf16_bits(g16[i]) : cuda::from_f16_bits(g16[i]);
+        }
+      }
+      ds1.download(got_state.data(), state_bytes);
+      double const bound = wide ? 1e-6 : tolerance(dt) / 4;  // as the whole-kernel launches
+      CHECK(relative_rms(got, want) <= bound);
+      CHECK(relative_rms(got_state, hs1) <= 1e-6);
+    }
+  }
+}
+
 // Without a GPU every entry point that needs one throws cuda_error saying "no
 // CUDA device" and naming the call; nothing else is reachable here. (Where a
 // device exists the device tests below run instead.)

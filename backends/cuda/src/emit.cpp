@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <stdexcept>
+#include <vector>
 
 namespace lina::cuda {
 
@@ -115,7 +116,18 @@ struct emitter {
     }
   }
 
+  std::vector<bool> used;  // registers some instruction names; the others are not declared (NVRTC would warn)
+
   std::string run() {
+    used.assign(p.registers.size(), false);
+    auto mark = [&](std::vector<cuda::instruction> const& is) {
+      for (auto const& i : is)
+        for (int r : {i.dst, i.a, i.b})
+          if (r >= 0) used.at(static_cast<std::size_t>(r)) = true;
+    };
+    mark(p.prologue);
+    for (auto const& pass : p.passes) mark(pass);
+    mark(p.epilogue);
     float eps = 0;
     bool divides = false;
     for (auto const& pass : p.passes)
@@ -138,15 +150,19 @@ struct emitter {
     line(0, "constexpr int tile_m = {};", p.tiles.tile_m);
     line(0, "constexpr int m_tiles = {};", p.m_tiles);
     if (divides) line(0, "constexpr float eps = {:#.9g}f;  // of rowdiv", eps);
-    for (auto const& r : p.registers)
-      line(0, "constexpr int {}_rows = {}, {}_cols = {}, {}_pitch = {};  // {}", r.name, r.rows, r.name, r.cols, r.name,
-           r.pitch(), r.comment);
+    for (std::size_t n = 0; n < p.registers.size(); ++n) {
+      auto const& r = p.registers[n];
+      if (used[n])
+        line(0, "constexpr int {}_rows = {}, {}_cols = {}, {}_pitch = {};  // {}", r.name, r.rows, r.name, r.cols, r.name,
+             r.pitch(), r.comment);
+    }
     line(0, "}}  // namespace");
     line(0, "");
     line(0, "extern \"C\" __global__ void __launch_bounds__({}) {}(const tl::forward_args args) {{", p.tiles.threads,
          p.kernel_name);
     line(2, "extern __shared__ __align__(16) unsigned char shared[];");
     for (std::size_t r = 0; r < p.registers.size(); ++r) {
+      if (!used[r]) continue;
       // fp32 registers as float, bf16 ones as their bit patterns (tl::bf16_bits)
       std::string_view type = p.registers[r].storage == dtype::f32 ? "float" : "tl::bf16_bits";
       line(2, "{}* const {} = reinterpret_cast<{}*>(shared + {});", type, p.registers[r].name, type,
@@ -155,9 +171,14 @@ struct emitter {
     line(2, "const long long slice = blockIdx.x / m_tiles;  // (batch, head)");
     line(2, "const long long m0 = static_cast<long long>(blockIdx.x % m_tiles) * tile_m;  // this block's first column of M");
     line(2, "const long long b = slice / args.heads, h = slice % args.heads;");
+    std::vector<bool> loaded(p.inputs.size());  // likewise an input no load reads
+    for (auto const& pass : p.passes)
+      for (auto const& i : pass)
+        if (i.op == opcode::load) loaded.at(static_cast<std::size_t>(i.slot)) = true;
     for (std::size_t s = 0; s < p.inputs.size(); ++s)
-      line(2, "const long long in{}_base = b * args.in[{}].stride[0] + h * args.in[{}].stride[1];  // {}", s, s, s,
-           p.inputs[s].name);
+      if (loaded[s])
+        line(2, "const long long in{}_base = b * args.in[{}].stride[0] + h * args.in[{}].stride[1];  // {}", s, s, s,
+             p.inputs[s].name);
     line(2, "const long long out_base = b * args.out.stride[0] + h * args.out.stride[1];");
     if (p.spec.chained) {
       line(2, "const long long state_in_base = b * args.state_in.stride[0] + h * args.state_in.stride[1];");
@@ -194,6 +215,6 @@ struct emitter {
 
 }  // namespace
 
-std::string emit(program const& p) { return emitter{p, {}}.run(); }
+std::string emit(program const& p) { return emitter{p, {}, {}}.run(); }
 
 }  // namespace lina::cuda

@@ -163,6 +163,8 @@ struct instruction {
   feature_map map = feature_map::identity;  // map
   float eps = 0;                // row_divide
   precision prec = precision::fma_f32;  // product
+
+  bool operator==(instruction const&) const = default;
 };
 
 struct input_slot {

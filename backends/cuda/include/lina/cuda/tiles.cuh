@@ -403,14 +403,14 @@ __device__ void row_divide(float* t, float eps) {
   __syncthreads();
 }
 
-template <class E, int R, int C, int P>
-__device__ void store(const float* t, const operand& out, long long base, long long r0, long long c0, int rows,
+template <class E, int R, int C, int P, class S>
+__device__ void store(const S* t, const operand& out, long long base, long long r0, long long c0, int rows,
                       int width) {
   void* data = const_cast<void*>(out.data);
   for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
     if (j < width && c0 + j < out.cols)
-      store_element(E{}, data, base + (r0 + i) * out.stride[2] + (c0 + j) * out.stride[3], t[i * P + j]);
+      store_element(E{}, data, base + (r0 + i) * out.stride[2] + (c0 + j) * out.stride[3], get(t, i * P + j));
   }
   __syncthreads();
 }
