@@ -139,7 +139,7 @@ struct emitter {
          p.spec.d, p.spec.m, p.tiles.chunk, p.tiles.tile_m, p.m_tiles, p.tiles.threads);
     line(0, "// inputs {}, output {}, fp32 accumulation and state, products {}; {} bytes of dynamic shared memory.",
          name_of(p.spec.in), name_of(p.spec.out),
-         name_of(p.spec.exact_products ? precision::fma_f32 : precision_for(p.spec.in)), p.shared_bytes());
+         name_of(precision_of(p.spec)), p.shared_bytes());
     line(0, "#include \"{}\"", tiles_header_name);
     line(0, "");
     line(0, "namespace {{");

@@ -77,6 +77,7 @@ float round_operand(precision p, float x) {
   }
   return x;
 }
+precision precision_of(attention_spec const& s) { return s.exact_products ? precision::fma_f32 : precision_for(s.in); }
 int pitch_of(int cols, int bytes) {
   int const per16 = 16 / bytes;  // elements per 16 bytes
   int p = (cols + per16 - 1) / per16 * per16;
@@ -105,7 +106,6 @@ std::size_t program::shared_bytes() const {
 
 namespace {
 
-precision precision_of(attention_spec const& s) { return s.exact_products ? precision::fma_f32 : precision_for(s.in); }
 // The element type of the chunk tiles φ(Q), φ(K), [V|1]: bf16 where only
 // mma_bf16 products read them (tile_register::storage).
 dtype chunk_storage(attention_spec const& s) {

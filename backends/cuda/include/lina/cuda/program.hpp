@@ -124,6 +124,8 @@ tile_config choose_tiles(attention_spec const& s);
 enum class precision : std::uint8_t { fma_f32, mma_tf32, mma_bf16 };
 std::string_view name_of(precision p);
 precision precision_for(dtype in);
+// The precision of a spec's products: precision_for(in), or fma_f32 when exact_products.
+precision precision_of(attention_spec const& s);
 // The precision's rounding of one operand element (the emulation's and the tests').
 float round_operand(precision p, float x);
 
