@@ -676,6 +676,24 @@ static bool skipped_without(cuda::device_status const& dev) {
 }
 
 namespace {
+// Elements of type dt (dense, of this shape) as floats: from device memory or from host bits.
+tensor<float> widened_from(std::vector<std::uint16_t> const& bits, cuda::dtype dt, shape4 shape) {
+  tensor<float> r(shape);
+  for (std::size_t i = 0; i < bits.size(); ++i)
+    r.data()[i] = dt == cuda::dtype::bf16 ? cuda::from_bf16_bits(bits[i]) : cuda::from_f16_bits(bits[i]);
+  return r;
+}
+tensor<float> widened_from(cuda::device_buffer const& d, cuda::dtype dt, shape4 shape) {
+  tensor<float> r(shape);
+  if (dt == cuda::dtype::f32) {
+    d.download(r.data(), r.size() * 4);
+    return r;
+  }
+  std::vector<std::uint16_t> bits(r.size());
+  d.download(bits.data(), bits.size() * 2);
+  return widened_from(bits, dt, shape);
+}
+
 // One launch of `plan`'s kernel on the device against its emulation.
 template <class Plan>
 void launch_vs_emulation(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed) {
@@ -686,7 +704,6 @@ void launch_vs_emulation(Plan const& plan, cuda::dtype dt, shape s, std::uint64_
   auto want = cuda::emulate(plan, {dt, dt}, Q = q, K = k, V = v);
   auto dq = upload(q, dt), dk = upload(k, dt), dv = upload(v, dt);
   cuda::device_buffer dout(want.size() * cuda::size_of(dt));
-  tensor<float> got(want.shape());
   shape4 sq{s.b, s.h, s.n, s.d}, sv{s.b, s.h, s.n, s.m};
   auto go = [&]<class E>() {
     cuda::evaluate_into(plan, cuda::device_view<E>(static_cast<E*>(dout.get()), sv), nullptr,
@@ -698,14 +715,7 @@ void launch_vs_emulation(Plan const& plan, cuda::dtype dt, shape s, std::uint64_
   if (dt == cuda::dtype::bf16) go.template operator()<cuda::bf16>();
   if (dt == cuda::dtype::f16) go.template operator()<cuda::f16>();
   cuda::synchronize();
-  if (dt == cuda::dtype::f32) {
-    dout.download(got.data(), dout.size());
-  } else {
-    std::vector<std::uint16_t> b(got.size());
-    dout.download(b.data(), dout.size());
-    for (std::size_t i = 0; i < b.size(); ++i)
-      got.data()[i] = dt == cuda::dtype::bf16 ? cuda::from_bf16_bits(b[i]) : cuda::from_f16_bits(b[i]);
-  }
+  tensor<float> const got = widened_from(dout, dt, want.shape());
   // fp32: the same fma chains, but the device's expf differs from the host's
   // exp by a few ulps; 16-bit: the tensor cores sum in their own order.
   CHECK(relative_rms(got, want) <= (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
@@ -828,20 +838,9 @@ TEST_CASE("device: each tile instruction = its emulation (the program cut after 
                             : args(hq.data(), hk.data(), hv.data(), hout, s0.data(), hs1.data()));
       cuda::launch(p, args(dq.get(), dk.get(), dv.get(), dout.get(), ds0.get(), ds1.get()));
       cuda::synchronize(p.kernel_name);
-      tensor<float> want({b, h, n, m}), got({b, h, n, m}), got_state({b, h, d, m + 1});
-      std::vector<std::uint16_t> g16(hout16.size());
-      if (wide) {
-        want = hout32;
-        dout.download(got.data(), out_bytes);
-      } else {
-        dout.download(g16.data(), out_bytes);
-        for (std::size_t i = 0; i < g16.size(); ++i) {
-          bool const bf = dt == cuda::dtype::bf16;
-          want.data()[i] = bf ? cuda::from_bf16_bits(hout16[i]) : cuda::from_f16_bits(hout16[i]);
-          got.data()[i] = bf ? cuda::from_bf16_bits(g16[i]) : cuda::from_f16_bits(g16[i]);
-        }
-      }
-      ds1.download(got_state.data(), state_bytes);
+      tensor<float> const want = wide ? hout32 : widened_from(hout16, dt, {b, h, n, m});
+      tensor<float> const got = widened_from(dout, dt, {b, h, n, m});
+      tensor<float> const got_state = widened_from(ds1, cuda::dtype::f32, {b, h, d, m + 1});
       double const bound = wide ? 1e-6 : tolerance(dt) / 4;  // as the whole-kernel launches
       CHECK(relative_rms(got, want) <= bound);
       CHECK(relative_rms(got_state, hs1) <= 1e-6);

@@ -112,23 +112,6 @@ dtype chunk_storage(attention_spec const& s) {
   return precision_of(s) == precision::mma_bf16 ? dtype::bf16 : dtype::f32;
 }
 
-// Bytes of shared memory of every register a program of this shape holds (as
-// program_of lays them out), with each register's alignment slack.
-std::size_t tile_bytes(attention_spec const& s, std::size_t t, std::size_t tm) {
-  auto reg = [](std::size_t rows, std::size_t cols, dtype storage) {
-    int const b = storage == dtype::f32 ? 4 : 2;
-    return rows * static_cast<std::size_t>(pitch_of(static_cast<int>(cols), b)) * static_cast<std::size_t>(b) +
-           program::register_alignment - 1;
-  };
-  dtype const cs = chunk_storage(s);
-  std::size_t const w = tm + (s.normalized ? 1 : 0);  // [V|1] columns per block
-  std::size_t const c = features(s.map_q, s.d);
-  std::size_t const qk = 2 * reg(t, c, cs) + (c != s.d ? reg(t, s.d, dtype::f32) : 0);  // + the rows a row map reads
-  std::size_t const state = reg(c, w, dtype::f32), v = reg(t, w, cs), o = reg(t, w, dtype::f32);
-  std::size_t const a = s.causal ? reg(t, t, dtype::f32) : 0;  // the masked similarity of one chunk
-  return qk + state + v + o + a;
-}
-
 // The ids used in kernel names: letters, digits and underscores only.
 std::string_view id_of(feature_map m) {
   switch (m) {
@@ -172,36 +155,15 @@ struct builder {
 
 }  // namespace
 
-tile_config choose_tiles(attention_spec const& s) {
-  if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
-  // The first (T, M tile) that fits. M tiles of 32 or more come first: every
-  // block of a (batch, head) reloads the φ(Q), φ(K) chunks, so narrow M tiles
-  // multiply that traffic; a shorter chunk only costs more state passes.
-  constexpr int order[][2] = {{64, 64}, {64, 32}, {32, 64}, {32, 32}, {16, 64}, {16, 32},
-                              {64, 16}, {32, 16}, {16, 16}, {64, 8},  {32, 8},  {16, 8}};
-  for (auto const& [t, tm] : order) {
-    std::size_t use = std::min(static_cast<std::size_t>(tm), s.m);
-    if (tile_bytes(s, static_cast<std::size_t>(t), use) <= shared_memory_budget)
-      return {t, static_cast<int>(use), 256};
-  }
-  throw std::invalid_argument(fmt::format(
-      "lina::cuda: D = {} is too large: the smallest tiles (T = 16, 8 columns of M) need {} bytes of shared "
-      "memory, more than the {} a block may use",
-      s.d, tile_bytes(s, 16, std::min<std::size_t>(8, s.m)), shared_memory_budget));
-}
-
-program program_of(attention_spec const& s) {
-  if (s.chained && !s.causal)
-    throw std::invalid_argument(
-        "lina::cuda: only a causal attention carries a state from one evaluation to the next: every row of a "
-        "non-causal one reads the whole sequence, so it has no running state");
+namespace {
+// The program of a (valid) spec at these tile sizes; choose_tiles measures
+// candidates with it, so the sizes it checks are the ones a program gets.
+program lay_out(attention_spec const& s, tile_config tiles) {
   builder b;
   program& p = b.p;
   p.spec = s;
-  p.tiles = choose_tiles(s);
+  p.tiles = tiles;
   b.prec = precision_of(s);
-  if (features(s.map_q, s.d) != features(s.map_k, s.d))
-    throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
   int const c = static_cast<int>(features(s.map_q, s.d));
   bool const row_map = c != d;  // poly2: loaded rows go through a register of D columns
@@ -275,6 +237,35 @@ program program_of(attention_spec const& s) {
     p.passes.push_back(std::move(rows));
   }
   return p;
+}
+}  // namespace
+
+tile_config choose_tiles(attention_spec const& s) {
+  if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
+  // The first (T, M tile) that fits. M tiles of 32 or more come first: every
+  // block of a (batch, head) reloads the φ(Q), φ(K) chunks, so narrow M tiles
+  // multiply that traffic; a shorter chunk only costs more state passes.
+  constexpr int order[][2] = {{64, 64}, {64, 32}, {32, 64}, {32, 32}, {16, 64}, {16, 32},
+                              {64, 16}, {32, 16}, {16, 16}, {64, 8},  {32, 8},  {16, 8}};
+  for (auto const& [t, tm] : order) {
+    std::size_t use = std::min(static_cast<std::size_t>(tm), s.m);
+    tile_config const c{t, static_cast<int>(use), 256};
+    if (lay_out(s, c).shared_bytes() <= shared_memory_budget) return c;
+  }
+  throw std::invalid_argument(fmt::format(
+      "lina::cuda: D = {} is too large: the smallest tiles (T = 16, 8 columns of M) need {} bytes of shared "
+      "memory, more than the {} a block may use",
+      s.d, lay_out(s, {16, static_cast<int>(std::min<std::size_t>(8, s.m)), 256}).shared_bytes(), shared_memory_budget));
+}
+
+program program_of(attention_spec const& s) {
+  if (s.chained && !s.causal)
+    throw std::invalid_argument(
+        "lina::cuda: only a causal attention carries a state from one evaluation to the next: every row of a "
+        "non-causal one reads the whole sequence, so it has no running state");
+  if (features(s.map_q, s.d) != features(s.map_k, s.d))
+    throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
+  return lay_out(s, choose_tiles(s));
 }
 
 std::string plan_text(attention_spec const& s) {
