@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "lina/cpu/matrix.hpp"
 #include "lina/cpu/simd.hpp"
@@ -88,15 +89,21 @@ struct scan_tile_shape {
 // Every element sees the same operations in the same order whatever n is, so
 // a scan split into several calls gives the same bits as one call. Out =
 // false: the state only (the sums of scan_sums), `a` and `o` untouched.
-template <int P, int V, class Vec, bool Out = true, class T>
+//
+// Sums = two_level: the registers hold the chunk's own sum from zero, the
+// outputs read (that sum + the state in memory), and the chunk's sum is added
+// to the state once at its end; long scans take this form (two_level_rows).
+enum class sums { one_level, two_level };
+template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level, class T>
 inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const* __restrict b, index ldab,
                       T const* __restrict c, index ldc, T* __restrict o, index ldo, index n) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  constexpr bool two = Sums == sums::two_level;
   Vec acc[P][V];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[p][v] = simd::load<Vec>(s + p * lds + v * L);
+    for (int v = 0; v < V; ++v) acc[p][v] = two ? Vec{} : simd::load<Vec>(s + p * lds + v * L);
   for (index i = 0; i < n; ++i) {
     T const* ci = c + i * ldc;
     T* oi = o + i * ldo;
@@ -116,7 +123,12 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
       if constexpr (Out) {
         Vec ap = simd::broadcast<Vec>(ai[p]);
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) ov[v] += ap * acc[p][v];
+        for (int v = 0; v < V; ++v) {
+          if constexpr (two)
+            ov[v] += ap * (acc[p][v] + simd::load<Vec>(s + p * lds + v * L));
+          else
+            ov[v] += ap * acc[p][v];
+        }
       }
     }
     if constexpr (Out) {
@@ -127,24 +139,25 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) simd::store(s + p * lds + v * L, acc[p][v]);
+    for (int v = 0; v < V; ++v)
+      simd::store(s + p * lds + v * L, two ? simd::load<Vec>(s + p * lds + v * L) + acc[p][v] : acc[p][v]);
 }
 
 // The P-row tiles of the strip of state columns [q0, q0 + V x lanes) (within
 // db), for a chunk of n rows. A tile that reaches past the state's last row
 // goes through a zeroed copy (the packed rows are zero there, so it stays
 // zero).
-template <int P, int V, class Vec, bool Out = true, class T>
+template <int P, int V, class Vec, bool Out, sums Sums, class T>
 void scan_strip(T* state, index da, index db, index q0, T const* a, T const* b, index ldab, T const* c, index ldc,
                 T* o, index ldo, index n) {
   constexpr int W = V * static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
   for (; p0 + P <= da; p0 += P)
-    scan_tile<P, V, Vec, Out>(state + p0 * db + q0, db, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
+    scan_tile<P, V, Vec, Out, Sums>(state + p0 * db + q0, db, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
   if (p0 == da) return;
   alignas(64) T tile[P * W] = {};
   for (index p = 0; p < da - p0; ++p) std::copy_n(state + (p0 + p) * db + q0, W, tile + p * W);
-  scan_tile<P, V, Vec, Out>(tile, W, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
+  scan_tile<P, V, Vec, Out, Sums>(tile, W, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
   for (index p = 0; p < da - p0; ++p) std::copy_n(tile + p * W, W, state + (p0 + p) * db + q0);
 }
 
@@ -172,7 +185,7 @@ inline T lane_sum(Vec const& v) {
 // left over after whole-vector strips: here vectors run along the state's
 // rows, and each output element adds its dot product with a_i as a sum of
 // lanes. Rows of `a` and `b` are zero from da up to whole vectors.
-template <int K, class Vec, bool Out = true, class T>
+template <int K, class Vec, bool Out, sums Sums, class T>
 inline void scan_column_block(T* state, index da, index db, index q, index p0, T const* __restrict a,
                               T const* __restrict b, index ldab, T const* __restrict c, index ldc, T* __restrict o,
                               index ldo, index n) {
@@ -180,9 +193,10 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
   alignas(64) T col[K * L] = {};
   index pn = std::min<index>(K * L, da - p0);
   for (index p = 0; p < pn; ++p) col[p] = state[(p0 + p) * db + q];
+  constexpr bool two = Sums == sums::two_level;
   Vec s[K];
 #pragma GCC unroll 8
-  for (int k = 0; k < K; ++k) s[k] = simd::load<Vec>(col + k * L);
+  for (int k = 0; k < K; ++k) s[k] = two ? Vec{} : simd::load<Vec>(col + k * L);
   for (index i = 0; i < n; ++i) {
     Vec cq = simd::broadcast<Vec>(c[i * ldc + q]);
     T const* ai = a + i * ldab + p0;
@@ -191,26 +205,29 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
       s[k] += simd::load<Vec>(bi + k * L) * cq;
-      if constexpr (Out) ov += simd::load<Vec>(ai + k * L) * s[k];
+      if constexpr (Out && two)
+        ov += simd::load<Vec>(ai + k * L) * (s[k] + simd::load<Vec>(col + k * L));
+      else if constexpr (Out)
+        ov += simd::load<Vec>(ai + k * L) * s[k];
     }
     if constexpr (Out) o[i * ldo + q] += lane_sum<Vec, T>(ov);
   }
 #pragma GCC unroll 8
-  for (int k = 0; k < K; ++k) simd::store(col + k * L, s[k]);
+  for (int k = 0; k < K; ++k) simd::store(col + k * L, two ? simd::load<Vec>(col + k * L) + s[k] : s[k]);
   for (index p = 0; p < pn; ++p) state[(p0 + p) * db + q] = col[p];
 }
 
-template <class Vec, bool Out = true, class T>
+template <class Vec, bool Out, sums Sums, class T>
 void scan_column(T* state, index da, index db, index q, T const* a, T const* b, index ldab, T const* c, index ldc,
                  T* o, index ldo, index n) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
-  for (; p0 + 4 * L <= da; p0 += 4 * L) scan_column_block<4, Vec, Out>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
+  for (; p0 + 4 * L <= da; p0 += 4 * L) scan_column_block<4, Vec, Out, Sums>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
   if (p0 + 2 * L <= da) {
-    scan_column_block<2, Vec, Out>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
+    scan_column_block<2, Vec, Out, Sums>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
     p0 += 2 * L;
   }
-  for (; p0 < da; p0 += L) scan_column_block<1, Vec, Out>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
+  for (; p0 < da; p0 += L) scan_column_block<1, Vec, Out, Sums>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
 }
 
 // Rows first, first + 1, ... (first, first - 1, ... when reversed) of x,
@@ -244,6 +261,20 @@ inline constexpr index round_up(index x, index m) { return (x + m - 1) / m * m; 
 // in double, within L2) and the scratch of short sequences too.
 inline constexpr index scan_chunk_rows = 64;
 
+// Scans over more rows than this sum their state in two levels: each chunk's
+// rows from zero, then the chunk's sum into the state (detail::sums). Added
+// row by row, a running sum's rounding error grows like sqrt(n) eps relative
+// to the sum (measured, bench/limits: 5.5e-5 for float at n = 2^20); in two
+// levels like sqrt(chunk rows + n / chunk rows) eps. Below the threshold,
+// sqrt(n) eps <= 2^-17 (7.6e-6) and the single level is ~20% faster
+// (bench/scan_kernel: the extra add per state element and row), so only float
+// scans over more than 4096 rows take two levels; a double scan never does.
+template <class T>
+inline constexpr index two_level_rows = [] {
+  constexpr double eps = std::numeric_limits<T>::epsilon(), rows = 0x1p-34 / (eps * eps);
+  return rows < 0x1p40 ? static_cast<index>(rows) : std::numeric_limits<index>::max();
+}();
+
 // Row i of `out` = A_i^T S_i with S_i the running sum of B_j C_j^T over
 // j <= i (forward) or j >= i (reverse). `state` (a x b, row-major) holds the
 // sum on entry and on exit, so scans can be chained.
@@ -255,9 +286,11 @@ inline constexpr index scan_chunk_rows = 64;
 // once per chunk instead of once per row. Each state element still adds
 // b_i c_i^T one row at a time and each output sums over the state's rows in a
 // fixed order: the same operations whatever the chunking, so one call over N
-// rows and N one-row calls (recurrent steps) agree bit for bit. (A GEMM-shaped
-// chunk, out = A_c S + mask(A_c B_c^T) C_c, would round differently for every
-// chunk boundary, and so differently for steps and blocks.)
+// rows and N one-row calls (recurrent steps) agree bit for bit, up to
+// two_level_rows rows per call; longer calls sum in two levels, which agree
+// with steps to rounding. (A GEMM-shaped chunk, out = A_c S + mask(A_c B_c^T)
+// C_c, would round differently for every chunk boundary, and so differently
+// for steps and blocks.)
 //
 // The scan reads its operands through row sources and hands its output to a
 // row sink, so that a backend can make operand rows as they are loaded and
@@ -366,13 +399,19 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
         pc_rows = pc;
         ldc = lay.ldc;
       }
-      index q0 = 0;
-      for (; q0 + V * L <= db; q0 += V * L)
-        detail::scan_strip<P, V, vec, Outputs>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
-      for (; q0 + L <= db; q0 += L)
-        detail::scan_strip<P, 1, vec, Outputs>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
-      for (; q0 < db; ++q0)
-        detail::scan_column<vec, Outputs>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+      auto strips = [&]<detail::sums Sums>() {
+        index q0 = 0;
+        for (; q0 + V * L <= db; q0 += V * L)
+          detail::scan_strip<P, V, vec, Outputs, Sums>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+        for (; q0 + L <= db; q0 += L)
+          detail::scan_strip<P, 1, vec, Outputs, Sums>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+        for (; q0 < db; ++q0)
+          detail::scan_column<vec, Outputs, Sums>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+      };
+      if (n > two_level_rows<T>)
+        strips.template operator()<detail::sums::two_level>();
+      else
+        strips.template operator()<detail::sums::one_level>();
     }
     if (Outputs && !out_rows) out.take(first, m, reverse, po, lay.ldc, work);
   }
