@@ -266,33 +266,37 @@ TEST_CASE("random Fourier features approximate the Gaussian kernel better as m g
   CHECK(errors.back() < 0.1);
 }
 
+// d = m = 64: 8 states of 64 x 65, which steps update on every thread (run_slices).
 TEST_CASE_TEMPLATE("a recurrent step allocates nothing after the first", T, float, double) {
-  constexpr auto e = causal_attn<elu_plus_one>;
-  std::size_t b = 1, h = 8, d = 16, m = 16, n = 40;
-  auto q = tensor<T>::random({b, h, n, d}, 1), k = tensor<T>::random({b, h, n, d}, 2);
-  auto v = tensor<T>::random({b, h, n, m}, 3);
-  auto once = cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v);
-  auto rnn = cpu::recurrent<T>(compile(e), b, h);
-  tensor<T> y({b, h, 1, m});
-  rnn.step_into(y.view(), Q = tokens(q, 0, 1), K = tokens(k, 0, 1), V = tokens(v, 0, 1));  // sizes state and workspace
-  CHECK(max_abs_diff(y, tokens(once, 0, 1)) == 0);
-  std::size_t heap = 0, counted = 0;
-  double err = 0;
-  for (std::size_t t = 1; t < n; ++t) {
-    auto qt = tokens(q, t, t + 1), kt = tokens(k, t, t + 1), vt = tokens(v, t, t + 1);
-    cpu::memory().reset();
-    {
-      test::heap_counter c;
-      rnn.step_into(y.view(), Q = qt, K = kt, V = vt);
-      heap += c.allocations();
+  for (std::size_t d : {16, 64}) {
+    CAPTURE(d);
+    constexpr auto e = causal_attn<elu_plus_one>;
+    std::size_t b = 1, h = 8, m = d, n = 40;
+    auto q = tensor<T>::random({b, h, n, d}, 1), k = tensor<T>::random({b, h, n, d}, 2);
+    auto v = tensor<T>::random({b, h, n, m}, 3);
+    auto once = cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v);
+    auto rnn = cpu::recurrent<T>(compile(e), b, h);
+    tensor<T> y({b, h, 1, m});
+    rnn.step_into(y.view(), Q = tokens(q, 0, 1), K = tokens(k, 0, 1), V = tokens(v, 0, 1));  // sizes state and workspace
+    CHECK(max_abs_diff(y, tokens(once, 0, 1)) == 0);
+    std::size_t heap = 0, counted = 0;
+    double err = 0;
+    for (std::size_t t = 1; t < n; ++t) {
+      auto qt = tokens(q, t, t + 1), kt = tokens(k, t, t + 1), vt = tokens(v, t, t + 1);
+      cpu::memory().reset();
+      {
+        test::heap_counter c;
+        rnn.step_into(y.view(), Q = qt, K = kt, V = vt);
+        heap += c.allocations();
+      }
+      counted += cpu::memory().allocations;
+      err = std::max(err, max_abs_diff(y, tokens(once, t, t + 1)));
     }
-    counted += cpu::memory().allocations;
-    err = std::max(err, max_abs_diff(y, tokens(once, t, t + 1)));
+    CHECK(heap == 0);     // no operator new at all
+    CHECK(counted == 0);  // and no buffer of the backend's
+    CHECK(err == 0);      // the same numbers as the parallel plan
+    // a wrong output shape is refused before anything is written
+    tensor<T> wrong({b, h, 1, m + 1});
+    CHECK_THROWS_AS(rnn.step_into(wrong.view(), Q = tokens(q, 0, 1), K = tokens(k, 0, 1), V = tokens(v, 0, 1)), shape_error);
   }
-  CHECK(heap == 0);     // no operator new at all
-  CHECK(counted == 0);  // and no buffer of the backend's
-  CHECK(err == 0);      // the same numbers as the parallel plan
-  // a wrong output shape is refused before anything is written
-  tensor<T> wrong({b, h, 1, m + 1});
-  CHECK_THROWS_AS(rnn.step_into(wrong.view(), Q = tokens(q, 0, 1), K = tokens(k, 0, 1), V = tokens(v, 0, 1)), shape_error);
 }

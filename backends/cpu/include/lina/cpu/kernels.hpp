@@ -230,6 +230,52 @@ void scan_column(T* state, index da, index db, index q, T const* a, T const* b, 
   for (; p0 < da; p0 += L) scan_column_block<1, Vec, Out, Sums>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
 }
 
+// One row (a recurrent step): state rows stream past once, each adding
+// b[p] c to its first `vectors` whole vectors of columns, and the output's
+// vectors (up to 4 in registers at a time) add a[p] times the updated row.
+// Per element the same operations in the same order as scan_tile (p in
+// order, one fused multiply-add each), so a step gives the bits of the same
+// row inside a chunk; but the state is read and written in its own row order,
+// not in 8-row tiles - 28% faster for a step at C = 64, M + 1 = 65 (measured:
+// 3.06 -> 2.20 us for 8 heads, the state in L2).
+template <int W, class Vec, class T>
+inline void scan_one_row_block(T* __restrict state, index da, index db, T const* __restrict a,
+                               T const* __restrict b, T const* __restrict c, T* __restrict o) {
+  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  Vec cv[W], ov[W];
+#pragma GCC unroll 4
+  for (int v = 0; v < W; ++v) {
+    cv[v] = simd::load<Vec>(c + v * L);
+    ov[v] = simd::load<Vec>(o + v * L);
+  }
+  for (index p = 0; p < da; ++p) {
+    Vec bp = simd::broadcast<Vec>(b[p]), ap = simd::broadcast<Vec>(a[p]);
+    T* sp = state + p * db;
+#pragma GCC unroll 4
+    for (int v = 0; v < W; ++v) {
+      Vec x = simd::load<Vec>(sp + v * L);
+      x += bp * cv[v];
+      simd::store(sp + v * L, x);
+      ov[v] += ap * x;
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < W; ++v) simd::store(o + v * L, ov[v]);
+}
+template <class Vec, class T>
+void scan_one_row(T* state, index da, index db, index vectors, T const* a, T const* b, T const* c, T* o) {
+  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  index v0 = 0;
+  for (; v0 + 4 <= vectors; v0 += 4) scan_one_row_block<4, Vec>(state + v0 * L, da, db, a, b, c + v0 * L, o + v0 * L);
+  T* s = state + v0 * L;
+  switch (vectors - v0) {
+    case 3: scan_one_row_block<3, Vec>(s, da, db, a, b, c + v0 * L, o + v0 * L); break;
+    case 2: scan_one_row_block<2, Vec>(s, da, db, a, b, c + v0 * L, o + v0 * L); break;
+    case 1: scan_one_row_block<1, Vec>(s, da, db, a, b, c + v0 * L, o + v0 * L); break;
+    default: break;
+  }
+}
+
 // Rows first, first + 1, ... (first, first - 1, ... when reversed) of x,
 // n of them, into `to`, each row `ld` wide with zeros past x's columns.
 template <class T>
@@ -401,6 +447,10 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
       }
       auto strips = [&]<detail::sums Sums>() {
         index q0 = 0;
+        if (Outputs && m == 1) {  // a step: whole vectors row by row
+          q0 = db / L * L;
+          detail::scan_one_row<vec>(state, da, db, db / L, pa, pb, pc_rows, po);
+        }
         for (; q0 + V * L <= db; q0 += V * L)
           detail::scan_strip<P, V, vec, Outputs, Sums>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
         for (; q0 + L <= db; q0 += L)

@@ -37,6 +37,12 @@ class state : public state_info {
     sums_.assign(scans(), {});
     for (std::size_t k = 0; k < scans(); ++k) sums_[k].assign(batch() * heads() * scan(k).a * scan(k).b, T(0));
   }
+  // Running sums of every scan and slice (once sized).
+  std::size_t elements() const noexcept {
+    std::size_t n = 0;
+    for (auto const& s : sums_) n += s.size();
+    return n;
+  }
   T* at(std::size_t k, std::size_t b, std::size_t h) {
     return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
   }
