@@ -172,6 +172,68 @@ void check_split_calls(std::uint64_t seed, int trials) {
 
 }  // namespace
 
+// A dual scan (kernels::scan_rows with a second output) against the two
+// scans it replaces: its first output and final state are those of the
+// single scan, bit for bit; its second, S_i x_i, matches the transposed scan
+// (x as A, c and b swapped, from the transposed state) in double precision.
+template <class T>
+void check_dual_scans(std::uint64_t seed, int trials, idx shortest = 0) {
+  test::rng r{seed};
+  double worst = 0;
+  for (int trial = 0; trial < trials; ++trial) {
+    idx n = static_cast<idx>(shortest ? r.in(static_cast<std::uint64_t>(shortest), static_cast<std::uint64_t>(2 * shortest))
+                             : trial % 5 == 0 ? r.in(0, 3)
+                                              : r.in(0, 300));
+    idx da = static_cast<idx>(r.in(1, 70)), db = static_cast<idx>(r.in(1, 70));
+    bool reverse = r.next() % 2;
+    int la = static_cast<int>(r.in(0, 2)), lb = static_cast<int>(r.in(0, 2)), lc = static_cast<int>(r.in(0, 2));
+    int lx = static_cast<int>(r.in(0, 2));
+    CAPTURE(n); CAPTURE(da); CAPTURE(db); CAPTURE(reverse); CAPTURE(la); CAPTURE(lb); CAPTURE(lc); CAPTURE(lx);
+    operand<T> a(r, n, da, la), b(r, n, da, lb), c(r, n, db, lc), x(r, n, db, lx);
+    std::vector<T> init(static_cast<std::size_t>(da * db));
+    for (auto& v : init) v = static_cast<T>(uniform(r) * 2);
+    std::vector<double> s0t(init.size());  // the transposed state, for the reference of the second output
+    for (idx p = 0; p < da; ++p)
+      for (idx q = 0; q < db; ++q) s0t[static_cast<std::size_t>(q * da + p)] = init[static_cast<std::size_t>(p * db + q)];
+    reference ref2 = reference_scan(x.m, c.m, b.m, s0t, reverse);
+
+    std::vector<T> single_state = init, dual_state = init;
+    matrix<T> single = cpu::allocate<T>(n, db), out = cpu::allocate<T>(n, db), out2 = cpu::allocate<T>(n, da);
+    cpu::kernels::scan_contract(a.m, b.m, cpu::view(c.m.data, n, db, c.m.rs, c.m.cs), single, single_state.data(),
+                                reverse);
+    using rows = cpu::kernels::matrix_rows<T>;
+    using sink = cpu::kernels::matrix_sink<T>;
+    rows ar{a.m}, br{b.m}, cr{c.m}, xr{x.m};
+    sink os{out}, o2s{out2};
+    cpu::kernels::second<rows, sink> sec{xr, o2s};
+    std::vector<T> scratch(cpu::kernels::scan_scratch_size<T>(n, ar, br, cr, os, sec));
+    cpu::kernels::scan_rows(ar, br, cr, os, 0, n, dual_state.data(), reverse, scratch.data(), sec);
+
+    bool same = dual_state == single_state;
+    for (idx i = 0; i < n; ++i)
+      for (idx q = 0; q < db; ++q) same = same && out(i, q) == single(i, q);
+    CHECK(same);
+    bool ok = true;
+    for (idx i = 0; i < n; ++i)
+      for (idx p = 0; p < da; ++p) {
+        auto k = static_cast<std::size_t>(i * da + p);
+        double err = std::abs(double(out2(i, p)) - ref2.out[k]);
+        worst = std::max(worst, err / ref2.bound[k]);
+        ok = ok && err <= ref2.bound[k];
+      }
+    CHECK(ok);
+  }
+  MESSAGE("second output: largest error / bound " << worst);
+}
+
+TEST_CASE_TEMPLATE("a dual scan gives the single scan's bits and the transposed scan's rows", T, float, double) {
+  check_dual_scans<T>(sizeof(T) == 4 ? 41 : 42, 120);
+}
+
+TEST_CASE("a long dual scan (two levels of sums) gives the single scan's bits and the transposed scan's rows") {
+  check_dual_scans<float>(43, 4, cpu::kernels::two_level_rows<float> + 1);
+}
+
 TEST_CASE_TEMPLATE("scan_contract matches a double-precision scan", T, float, double) {
   check_random_scans<T>(sizeof(T) == 4 ? 11 : 12, 300);
 }

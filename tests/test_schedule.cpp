@@ -121,13 +121,37 @@ TEST_CASE("the backward's φ′ steps take the rows of the scan they read as it 
   std::size_t emitted = 0;
   for (std::size_t j = 0; j < S::size; ++j) {
     if (steps[j].rfind("φ′", 0) != 0) continue;  // φ′(X)⊙contract(…)
-    std::size_t scan = S::runs_in[j];
+    std::size_t scan = S::own_turn[j];
     REQUIRE(scan < j);
     CHECK(S::emits[scan] == j);
     CHECK(steps[scan].rfind("contract(", 0) == 0);
+    CHECK((S::runs_in[j] == scan || S::dual_of[S::runs_in[j]] == scan));  // in its scan's turn, maybe paired
     ++emitted;
   }
   CHECK(emitted == 2);  // ∂Q's and ∂K's; ∂V's scan result is an output's view (dropcol)
+}
+
+TEST_CASE("the backward's ∂K and ∂V suffix scans run as one scan (transposed running sums)") {
+  using S = backward_schedule;
+  auto steps = steps_of(backward);
+  std::size_t pairs = 0;
+  for (std::size_t k = 0; k < S::size; ++k) {
+    std::size_t j = S::dual_of[k];
+    if (j == sched::none) continue;
+    ++pairs;
+    CHECK(j < k);
+    CHECK(S::runs_in[j] == k);  // j's turn is k's
+    CHECK(S::runs_in[k] == k);
+    CHECK(steps[j].find("suffix(") != std::string::npos);
+    CHECK(steps[k].find("suffix(") != std::string::npos);
+    // K's state Σ φ(Q)⊗t is the transpose of J's Σ t⊗φ(Q)
+    CHECK(steps[k].rfind("contract(φ[elu+1](K), suffix(φ[elu+1](Q)⊗", 0) == 0);
+    CHECK(steps[j].rfind("contract([V|1], suffix(", 0) == 0);
+  }
+  CHECK(pairs == 1);
+  // prefix scans (whose running sums are a plan's state) are never paired
+  for (std::size_t k = 0; k < S::size; ++k)
+    if (S::dual_of[k] != sched::none) CHECK((S::scan_index[k] == sched::none && S::scan_index[S::dual_of[k]] == sched::none));
 }
 
 TEST_CASE("a chain of row-wise steps is one fused group") {

@@ -473,16 +473,79 @@ struct schedule_of {
   }
   static constexpr std::array<std::size_t, size + 1> emits = emitted_groups(std::make_index_sequence<size>{});
 
-  // runs_in[J]: the step whose turn computes J's result (J itself, unless
-  // its rows are made in another step's pass); a backend runs only the steps
-  // with runs_in[J] == J.
-  static constexpr std::array<std::size_t, size + 1> runs_in = [] {
+  // Where each step's result is computed before scans are paired (below).
+  static constexpr std::array<std::size_t, size + 1> own_turn = [] {
     std::array<std::size_t, size + 1> r{};
     for (std::size_t j = size + 1; j-- > 0;) r[j] = absorbed_by[j] == sched::none ? j : r[absorbed_by[j]];
     for (std::size_t j = 0; j < size; ++j)
       if (emits[j] != sched::none)
         for (std::size_t k = 0; k < size; ++k)
           if (r[k] == emits[j]) r[k] = j;
+    return r;
+  }();
+
+  // Paired scans: two suffix scans J < K whose running sums are transposes
+  // of each other (K's B and C are J's C and B: the same steps or inputs),
+  // as ∂K's and ∂V's in the backward of attention. K's turn runs both as one
+  // scan (its state updated once; J's rows are its second output, the state
+  // contracted over its columns), provided nothing that runs after J and up to
+  // K reads J's result. dual_of[K] = J, else none. (Prefix scans keep their
+  // own turns: their running sums are a plan's state.)
+  // (Operands compare as their twins' when they have one: the backend pairs
+  // such scans only when the twins' values are equal, same_value at run time.)
+  template <class O>
+  struct up_to_twin {
+    using type = O;
+  };
+  template <std::size_t X>
+  struct up_to_twin<sched::step_operand<X>> {
+    using type = sched::step_operand<twin[X] == sched::none ? X : twin[X]>;
+  };
+  template <std::size_t J, std::size_t I>
+  using operand_up_to_twin = typename up_to_twin<detail::type_at_t<I, operands<J>>>::type;
+  template <std::size_t J, std::size_t K>
+  static constexpr bool transposed_scans() {
+    if constexpr (J < K && is_scan<J> && is_scan<K> && !is_prefix_scan<J> && !is_prefix_scan<K>)
+      return std::is_same_v<operand_up_to_twin<J, 1>, operand_up_to_twin<K, 2>> &&
+             std::is_same_v<operand_up_to_twin<J, 2>, operand_up_to_twin<K, 1>>;
+    else
+      return false;
+  }
+  template <class... O>
+  static constexpr bool reads_turn(std::size_t turn, detail::type_list<O...>) {  // an operand made in `turn`
+    return ((sched::reads<O>::step != sched::none && own_turn[sched::reads<O>::step] == turn) || ...);
+  }
+  template <std::size_t... X>
+  static constexpr bool read_between(std::size_t j, std::size_t k, std::index_sequence<X...>) {
+    return ((own_turn[X] > j && own_turn[X] <= k && reads_turn(j, operands<X>{})) || ...);
+  }
+  template <std::size_t K, std::size_t... J>
+  static constexpr std::size_t dual_for(std::index_sequence<J...>) {
+    constexpr std::array<bool, sizeof...(J) + 1> fits{
+        (transposed_scans<J, K>() && !read_between(J, K, std::make_index_sequence<size>{}))..., true};
+    std::size_t j = 0;
+    while (!fits[j]) ++j;
+    return j == sizeof...(J) ? sched::none : j;
+  }
+  static constexpr std::array<std::size_t, size + 1> dual_of = []<std::size_t... K>(std::index_sequence<K...>) {
+    std::array<std::size_t, size + 1> d{};
+    d.fill(sched::none);
+    ((d[K] = dual_for<K>(std::make_index_sequence<K>{})), ...);
+    for (std::size_t k = 0; k < size; ++k)  // each scan in one pair at most (the first that fits)
+      for (std::size_t i = 0; i < k; ++i)
+        if (d[k] != sched::none && d[i] != sched::none && (d[i] == d[k] || i == d[k])) d[k] = sched::none;
+    return d;
+  }(std::make_index_sequence<size>{});
+
+  // runs_in[J]: the step whose turn computes J's result (J itself, unless
+  // its rows are made in another step's pass, or its scan runs paired in a
+  // later one's); a backend runs only the steps with runs_in[J] == J.
+  static constexpr std::array<std::size_t, size + 1> runs_in = [] {
+    std::array<std::size_t, size + 1> r = own_turn;
+    for (std::size_t k = 0; k < size; ++k)
+      if (dual_of[k] != sched::none)
+        for (std::size_t x = 0; x < size; ++x)
+          if (own_turn[x] == dual_of[k]) r[x] = k;
     return r;
   }();
 

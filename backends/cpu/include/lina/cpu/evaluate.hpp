@@ -526,44 +526,90 @@ class program {
 
   // A fused scan: its operands from their matrices, or made chunk by chunk as
   // it loads them (a group it absorbs); its output into slot[J], or finished
-  // chunk by chunk by the group it emits into that group's result.
+  // chunk by chunk by the group it emits into that group's result. A scan
+  // paired with an earlier one (S::dual_of) makes that one's rows too, as the
+  // second output of one scan over its running sum (kernels::second); the
+  // simple path runs the two as written, one after the other.
   template <std::size_t J>
   void run_scan(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, turn& w) const {
     using N = typename S::template node_type<J>;
     using ops = typename S::template operands<J>;
     constexpr bool reverse = fused_scan_parts<N>::reverse;
-    constexpr std::size_t E = S::emits[J] == sched::none ? J : S::emits[J];
-    destination<E>(slot, direct, w);
+    constexpr std::size_t D = S::dual_of[J];
     auto a = source<J, lina::detail::type_at_t<0, ops>>(slot, w);
     auto bs = source<J, lina::detail::type_at_t<1, ops>>(slot, w);
     auto c = source<J, lina::detail::type_at_t<2, ops>>(slot, w);
     index rows = static_cast<index>(N::shape::rows::extent(in_.table));
-    auto scan = [&](auto const& sink) {
-      std::size_t state_size = static_cast<std::size_t>(bs.cols() * c.cols());
-      lease sums_space;
-      T* sums;
-      if (S::scan_index[J] != sched::none && st_) {
-        sums = st_->at(S::scan_index[J], w.b, w.h);  // carried across evaluations
-      } else {
-        sums_space = lease(*this, w, state_size);
-        sums = sums_space.p;
-        std::fill_n(sums, state_size, T(0));
-      }
+    // scan K's running sums: the plan's state (carried across evaluations), or zeros
+    auto sums_of = [&]<std::size_t K>(lease& space, std::size_t size) {
+      if (S::scan_index[K] != sched::none && st_) return st_->at(S::scan_index[K], w.b, w.h);
+      space = lease(*this, w, size);
+      std::fill_n(space.p, size, T(0));
+      return space.p;
+    };
+    lease sums_space;
+    T* sums = sums_of.template operator()<J>(sums_space, static_cast<std::size_t>(bs.cols() * c.cols()));
+    // one scan, as written (the simple path), split over threads, or in one pass (with a second output)
+    auto scan = [&](auto const& a_, auto const& b_, auto const& c_, auto const& sink, T* sums_, auto const& sec) {
       if (simple_) {
-        simple_scan(a, bs, c, sink, rows, sums, reverse, w);
+        simple_scan(a_, b_, c_, sink, rows, sums_, reverse, w);
       } else if (int parts = sequence_parts(rows); parts > 1 && per_thread_) {
-        kernels::scan_rows_split(a.rows(), bs.rows(), c.rows(), sink, rows, sums, reverse, parts);
+        kernels::scan_rows_split(a_.rows(), b_.rows(), c_.rows(), sink, rows, sums_, reverse, parts, sec);
       } else {
-        lease space(*this, w, kernels::scan_scratch_size<T>(rows, a.rows(), bs.rows(), c.rows(), sink));
-        kernels::scan_rows(a.rows(), bs.rows(), c.rows(), sink, 0, rows, sums, reverse, space.p);
+        lease space(*this, w, kernels::scan_scratch_size<T>(rows, a_.rows(), b_.rows(), c_.rows(), sink, sec));
+        kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec);
       }
     };
+    with_sink<J>(slot, direct, w, c.cols(), [&](auto const& sink) {
+      if constexpr (D == sched::none) {
+        scan(a, bs, c, sink, sums, kernels::no_second{});
+      } else {
+        using opsd = typename S::template operands<D>;
+        auto x = source<D, lina::detail::type_at_t<0, opsd>>(slot, w);
+        with_sink<D>(slot, direct, w, bs.cols(), [&](auto const& sink2) {
+          bool paired = same_operand<lina::detail::type_at_t<1, opsd>, lina::detail::type_at_t<2, ops>>() &&
+                        same_operand<lina::detail::type_at_t<2, opsd>, lina::detail::type_at_t<1, ops>>();
+          if (simple_ || !paired) {  // the two scans one after the other
+            scan(a, bs, c, sink, sums, kernels::no_second{});
+            auto b2 = source<D, lina::detail::type_at_t<1, opsd>>(slot, w);
+            auto c2 = source<D, lina::detail::type_at_t<2, opsd>>(slot, w);
+            lease space2;
+            T* sums2 = sums_of.template operator()<D>(space2, static_cast<std::size_t>(b2.cols() * c2.cols()));
+            scan(x, b2, c2, sink2, sums2, kernels::no_second{});
+          } else {
+            auto const& xr = x.rows();
+            scan(a, bs, c, sink, sums,
+                 kernels::second<std::remove_cvref_t<decltype(xr)>, std::remove_cvref_t<decltype(sink2)>>{xr, sink2});
+          }
+        });
+      }
+    });
+  }
+  // Do two operands hold the same rows: the same, or twins whose values are equal (shared)?
+  template <class O1, class O2>
+  bool same_operand() const {
+    if constexpr (std::is_same_v<O1, O2>) {
+      return true;
+    } else if constexpr (requires { O1::step; O2::step; }) {
+      auto root = [&](std::size_t x) { return S::twin[x] != sched::none && share_[x] ? S::twin[x] : x; };
+      return root(O1::step) == root(O2::step);
+    } else {
+      return false;
+    }
+  }
+  // f(the sink of scan J's rows, `cols` wide): slot[J], or the group J emits
+  // (its destination made here).
+  template <std::size_t J, class F>
+  void with_sink(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, turn& w, index cols,
+                 F&& f) const {
+    constexpr std::size_t E = S::emits[J] == sched::none ? J : S::emits[J];
+    destination<E>(slot, direct, w);
     if constexpr (E == J)
-      scan(kernels::matrix_sink<T>{slot[J]});
+      f(kernels::matrix_sink<T>{slot[J]});
     else if constexpr (sched::row_wise<typename S::template node_type<E>>())
-      scan(group_sink<E>{*this, slot[E], c.cols(), group_width<S::chain_start[E], E>(c.cols())});
+      f(group_sink<E>{*this, slot[E], cols, group_width<S::chain_start[E], E>(cols)});
     else
-      scan(pair_sink<E, J>{*this, slot[E], c.cols(), operand<typename pair_sink<E, J>::side>(slot, w)});
+      f(pair_sink<E, J>{*this, slot[E], cols, operand<typename pair_sink<E, J>::side>(slot, w)});
   }
 
   // The simple path's scan: operands in full (a group it would load made

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "lina/cpu/matrix.hpp"
 #include "lina/cpu/simd.hpp"
@@ -93,12 +95,28 @@ struct scan_tile_shape {
 // Sums = two_level: the registers hold the chunk's own sum from zero, the
 // outputs read (that sum + the state in memory), and the chunk's sum is added
 // to the state once at its end; long scans take this form (two_level_rows).
+//
+// Dual: a second output from the same state, contracted over its columns:
+//   o2_i[p] += Σ_q s[p][q] x_i[q]
+// (`d`: rows of x from the tile's first column, rows of o2 from its first
+// row), for two scans whose states are transposes of each other (∂K's and
+// ∂V's in a backward): one state update serves both.
 enum class sums { one_level, two_level };
-template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level, class T>
+template <class T>
+struct second_output {
+  T const* x = nullptr;
+  index ldx = 0;
+  T* o = nullptr;
+  index ldo = 0;
+  second_output at(index p0, index q0) const { return {x + q0, ldx, o + p0, ldo}; }
+};
+template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level, bool Dual = false, class T>
 inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const* __restrict b, index ldab,
-                      T const* __restrict c, index ldc, T* __restrict o, index ldo, index n) {
+                      T const* __restrict c, index ldc, T* __restrict o, index ldo, index n,
+                      second_output<T> d = {}) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   constexpr bool two = Sums == sums::two_level;
+  static_assert(Out || !Dual);
   Vec acc[P][V];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
@@ -109,11 +127,12 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
     T* oi = o + i * ldo;
     T const* ai = a + i * ldab;
     T const* bi = b + i * ldab;
-    Vec cv[V], ov[V];
+    Vec cv[V], ov[V], xv[Dual ? V : 1], u[Dual ? P : 1];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       cv[v] = simd::load<Vec>(ci + v * L);
       if constexpr (Out) ov[v] = simd::load<Vec>(oi + v * L);
+      if constexpr (Dual) xv[v] = simd::load<Vec>(d.x + i * d.ldx + v * L);
     }
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
@@ -124,10 +143,10 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
         Vec ap = simd::broadcast<Vec>(ai[p]);
 #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) {
-          if constexpr (two)
-            ov[v] += ap * (acc[p][v] + simd::load<Vec>(s + p * lds + v * L));
-          else
-            ov[v] += ap * acc[p][v];
+          Vec sv = acc[p][v];
+          if constexpr (two) sv += simd::load<Vec>(s + p * lds + v * L);
+          ov[v] += ap * sv;
+          if constexpr (Dual) u[p] = v == 0 ? sv * xv[0] : u[p] + sv * xv[v];
         }
       }
     }
@@ -135,6 +154,7 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) simd::store(oi + v * L, ov[v]);
     }
+    if constexpr (Dual) simd::add_lane_sums<P>(u, d.o + i * d.ldo);
   }
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
@@ -147,17 +167,19 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
 // db), for a chunk of n rows. A tile that reaches past the state's last row
 // goes through a zeroed copy (the packed rows are zero there, so it stays
 // zero).
-template <int P, int V, class Vec, bool Out, sums Sums, class T>
+// (Dual: o2's rows are at least whole tiles wide; the zero rows add zeros.)
+template <int P, int V, class Vec, bool Out, sums Sums, bool Dual, class T>
 void scan_strip(T* state, index da, index db, index q0, T const* a, T const* b, index ldab, T const* c, index ldc,
-                T* o, index ldo, index n) {
+                T* o, index ldo, index n, second_output<T> d) {
   constexpr int W = V * static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
   for (; p0 + P <= da; p0 += P)
-    scan_tile<P, V, Vec, Out, Sums>(state + p0 * db + q0, db, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
+    scan_tile<P, V, Vec, Out, Sums, Dual>(state + p0 * db + q0, db, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo,
+                                          n, d.at(p0, q0));
   if (p0 == da) return;
   alignas(64) T tile[P * W] = {};
   for (index p = 0; p < da - p0; ++p) std::copy_n(state + (p0 + p) * db + q0, W, tile + p * W);
-  scan_tile<P, V, Vec, Out, Sums>(tile, W, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n);
+  scan_tile<P, V, Vec, Out, Sums, Dual>(tile, W, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n, d.at(p0, q0));
   for (index p = 0; p < da - p0; ++p) std::copy_n(tile + p * W, W, state + (p0 + p) * db + q0);
 }
 
@@ -184,11 +206,12 @@ inline T lane_sum(Vec const& v) {
 // State rows [p0, p0 + K x lanes) of one state column q, for the columns
 // left over after whole-vector strips: here vectors run along the state's
 // rows, and each output element adds its dot product with a_i as a sum of
-// lanes. Rows of `a` and `b` are zero from da up to whole vectors.
-template <int K, class Vec, bool Out, sums Sums, class T>
+// lanes. Rows of `a` and `b` are zero from da up to whole vectors (and o2's
+// rows, Dual, at least that wide: the second output is a vector along them).
+template <int K, class Vec, bool Out, sums Sums, bool Dual, class T>
 inline void scan_column_block(T* state, index da, index db, index q, index p0, T const* __restrict a,
                               T const* __restrict b, index ldab, T const* __restrict c, index ldc, T* __restrict o,
-                              index ldo, index n) {
+                              index ldo, index n, second_output<T> d) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   alignas(64) T col[K * L] = {};
   index pn = std::min<index>(K * L, da - p0);
@@ -202,13 +225,20 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
     T const* ai = a + i * ldab + p0;
     T const* bi = b + i * ldab + p0;
     Vec ov{};
+    [[maybe_unused]] Vec xq{};
+    if constexpr (Dual) xq = simd::broadcast<Vec>(d.x[i * d.ldx + q]);
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
       s[k] += simd::load<Vec>(bi + k * L) * cq;
-      if constexpr (Out && two)
-        ov += simd::load<Vec>(ai + k * L) * (s[k] + simd::load<Vec>(col + k * L));
-      else if constexpr (Out)
-        ov += simd::load<Vec>(ai + k * L) * s[k];
+      if constexpr (Out) {
+        Vec sv = s[k];
+        if constexpr (two) sv += simd::load<Vec>(col + k * L);
+        ov += simd::load<Vec>(ai + k * L) * sv;
+        if constexpr (Dual) {
+          T* o2 = d.o + i * d.ldo + p0 + k * L;
+          simd::store(o2, simd::load<Vec>(o2) + sv * xq);
+        }
+      }
     }
     if constexpr (Out) o[i * ldo + q] += lane_sum<Vec, T>(ov);
   }
@@ -217,17 +247,18 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
   for (index p = 0; p < pn; ++p) state[(p0 + p) * db + q] = col[p];
 }
 
-template <class Vec, bool Out, sums Sums, class T>
+template <class Vec, bool Out, sums Sums, bool Dual, class T>
 void scan_column(T* state, index da, index db, index q, T const* a, T const* b, index ldab, T const* c, index ldc,
-                 T* o, index ldo, index n) {
+                 T* o, index ldo, index n, second_output<T> d) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
-  for (; p0 + 4 * L <= da; p0 += 4 * L) scan_column_block<4, Vec, Out, Sums>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
-  if (p0 + 2 * L <= da) {
-    scan_column_block<2, Vec, Out, Sums>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
-    p0 += 2 * L;
-  }
-  for (; p0 < da; p0 += L) scan_column_block<1, Vec, Out, Sums>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n);
+  auto block = [&]<int K>() {
+    scan_column_block<K, Vec, Out, Sums, Dual>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n, d);
+    p0 += K * L;
+  };
+  while (p0 + 4 * L <= da) block.template operator()<4>();
+  if (p0 + 2 * L <= da) block.template operator()<2>();
+  while (p0 < da) block.template operator()<1>();
 }
 
 // One row (a recurrent step): state rows stream past once, each adding
@@ -372,33 +403,69 @@ struct matrix_sink {  // rows contiguous (out.cs == 1), as every destination
   void take(index, index, bool, T const*, index, T*) const {}
 };
 
+// A dual scan's second output (detail::second_output): rows of x (a source of
+// c's width) and the sink of o2 (rows of b's width). no_second: a single scan.
+struct no_second {
+  std::size_t work() const { return 0; }
+};
+template <class X, class Out2>
+struct second {
+  X const& x;
+  Out2 const& out;
+  std::size_t work() const { return std::max(x.work(), out.work()); }
+};
+
 namespace detail {
 template <class T>
 struct scan_layout {  // the scratch of one scan over chunks of `rows` rows
   using shape = scan_tile_shape<T>;
-  index rows, ldab, ldc, ab_size, c_size, o_size, w_size;
-  scan_layout(index n, index da, index db, bool pack_c, bool buffer_out, std::size_t work)
+  index rows, ldab, ldc, ab_size, c_size, o_size, x_size, o2_size, w_size;
+  scan_layout(index n, index da, index db, bool pack_c, bool buffer_out, std::size_t work, bool pack_x = false,
+              bool dual = false)
       : rows(std::min(scan_chunk_rows, n)),
         ldab(std::max(round_up(da, shape::rows), round_up(da, shape::lanes))),
         ldc(round_up(db, shape::lanes)),  // packed C and buffered output rows start on whole vectors
         ab_size(round_up(rows * ldab, 16)),
         c_size(pack_c ? rows * ldc : 0),
         o_size(buffer_out ? rows * ldc : 0),
+        x_size(pack_x ? rows * ldc : 0),
+        o2_size(dual ? rows * ldab : 0),  // whole tiles and vectors wide
         w_size(static_cast<index>(work)) {}
-  std::size_t size() const { return static_cast<std::size_t>(2 * ab_size + c_size + o_size + w_size); }
+  std::size_t size() const {
+    return static_cast<std::size_t>(2 * ab_size + c_size + o_size + x_size + o2_size + w_size);
+  }
 };
 template <class... X>
 std::size_t work_of(X const&... x) {
   return std::max({x.work()...});
 }
+template <class Second>
+inline constexpr bool is_dual = !std::is_same_v<Second, no_second>;
+template <class Second>
+bool packs_x(Second const& sec) {
+  if constexpr (is_dual<Second>)
+    return !sec.x.in_place();
+  else
+    return false;
+}
+// n finished rows (row t at rows + t ld, `cols` wide) into a sink: in place, or taken.
+template <class T, class Sink>
+void hand_rows(Sink const& sink, index first, index n, bool reverse, T const* rows, index ld, index cols, T* work) {
+  if (T* to = sink.in_place()) {
+    index step = reverse ? -sink.stride() : sink.stride();
+    for (index t = 0; t < n; ++t) std::copy_n(rows + t * ld, cols, to + (first * sink.stride() + t * step));
+  } else {
+    sink.take(first, n, reverse, rows, ld, work);
+  }
+}
 }  // namespace detail
 
 // The scratch scan_rows needs (elements), for callers that bring their own.
-template <class T, class A, class B, class C, class Out>
-std::size_t scan_scratch_size(index n, A const& a, B const& b, C const& c, Out const& out) {
+template <class T, class A, class B, class C, class Out, class Second = no_second>
+std::size_t scan_scratch_size(index n, A const& a, B const& b, C const& c, Out const& out, Second const& sec = {}) {
   if (n == 0 || c.cols() == 0) return 0;
   return detail::scan_layout<T>(n, b.cols(), c.cols(), !c.in_place(), !out.in_place(),
-                                detail::work_of(a, b, c, out))
+                                detail::work_of(a, b, c, out, sec), detail::packs_x(sec), detail::is_dual<Second>)
       .size();
 }
 template <class T>
@@ -410,22 +477,36 @@ std::size_t scan_scratch_size(matrix<T> const& b, matrix<T> const& c) {  // into
 // Rows [lo, hi) of the scan (from hi - 1 down when reversed), sources a, b
 // (da columns), c (db), into `out`, from and leaving `state`; scratch of
 // scan_scratch_size(hi - lo, a, b, c, out) elements.
-template <bool Outputs = true, class T, class A, class B, class C, class Out>
+//
+// With a second (x, out2), a dual scan: out2's row i = S_i x_i as well (S_i's
+// columns contracted with x_i: b's width), from the same state updates.
+template <bool Outputs = true, class T, class A, class B, class C, class Out, class Second = no_second>
 void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, index hi, T* state, bool reverse,
-               T* scratch) {
+               T* scratch, Second const& sec = {}) {
   using shape = detail::scan_tile_shape<T>;
   using vec = typename shape::vec;
   constexpr int P = shape::rows, L = shape::lanes, V = shape::vectors;
+  constexpr bool Dual = detail::is_dual<Second>;
+  static_assert(Outputs || !Dual);
   index n = hi - lo, da = b.cols(), db = c.cols();
   if (n <= 0 || db == 0) return;
   T* out_rows = out.in_place();
-  detail::scan_layout<T> lay(n, da, db, !c.in_place(), !out_rows, detail::work_of(a, b, c, out));
+  detail::scan_layout<T> lay(n, da, db, !c.in_place(), !out_rows, detail::work_of(a, b, c, out, sec),
+                             detail::packs_x(sec), Dual);
   index ldab = lay.ldab;
   T* pa = scratch;
   T* pb = pa + lay.ab_size;
   T* pc = pb + lay.ab_size;
   T* pbuf = pc + lay.c_size;
-  T* work = pbuf + lay.o_size;
+  T* px = pbuf + lay.o_size;
+  T* po2 = px + lay.x_size;
+  T* work = po2 + lay.o2_size;
+  // rows `first`, first +- 1, ... of a source: where they are, or packed into `to`
+  auto rows_of = [&](auto const& src, index first, index m, T* to) -> std::pair<T const*, index> {
+    if (T const* in = src.in_place()) return {in + first * src.stride(), reverse ? -src.stride() : src.stride()};
+    src.pack(first, m, reverse, to, lay.ldc, work);
+    return {to, lay.ldc};
+  };
   for (index t0 = 0; t0 < n; t0 += lay.rows) {
     index m = std::min(lay.rows, n - t0);
     index first = reverse ? hi - 1 - t0 : lo + t0;  // the chunk's first row in scan order
@@ -433,30 +514,30 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
     index ldo = out_rows ? (reverse ? -out.stride() : out.stride()) : lay.ldc;
     if constexpr (Outputs)
       for (index t = 0; t < m; ++t) std::fill_n(po + t * ldo, db, T(0));
+    if constexpr (Dual) std::fill_n(po2, m * ldab, T(0));
     if (da > 0) {
       if constexpr (Outputs) a.pack(first, m, reverse, pa, ldab, work);
       b.pack(first, m, reverse, pb, ldab, work);
-      T const* pc_rows = c.in_place();
-      index ldc = reverse ? -c.stride() : c.stride();
-      if (pc_rows) {
-        pc_rows += first * c.stride();
-      } else {
-        c.pack(first, m, reverse, pc, lay.ldc, work);
-        pc_rows = pc;
-        ldc = lay.ldc;
+      auto [pc_rows, ldc] = rows_of(c, first, m, pc);
+      detail::second_output<T> d;
+      if constexpr (Dual) {
+        auto [px_rows, ldx] = rows_of(sec.x, first, m, px);
+        d = {px_rows, ldx, po2, ldab};
       }
       auto strips = [&]<detail::sums Sums>() {
         index q0 = 0;
-        if (Outputs && m == 1) {  // a step: whole vectors row by row
+        if (Outputs && !Dual && m == 1) {  // a step: whole vectors row by row
           q0 = db / L * L;
           detail::scan_one_row<vec>(state, da, db, db / L, pa, pb, pc_rows, po);
         }
         for (; q0 + V * L <= db; q0 += V * L)
-          detail::scan_strip<P, V, vec, Outputs, Sums>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+          detail::scan_strip<P, V, vec, Outputs, Sums, Dual>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo,
+                                                             m, d);
         for (; q0 + L <= db; q0 += L)
-          detail::scan_strip<P, 1, vec, Outputs, Sums>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+          detail::scan_strip<P, 1, vec, Outputs, Sums, Dual>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo,
+                                                             m, d);
         for (; q0 < db; ++q0)
-          detail::scan_column<vec, Outputs, Sums>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m);
+          detail::scan_column<vec, Outputs, Sums, Dual>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m, d);
       };
       if (n > two_level_rows<T>)
         strips.template operator()<detail::sums::two_level>();
@@ -464,6 +545,7 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
         strips.template operator()<detail::sums::one_level>();
     }
     if (Outputs && !out_rows) out.take(first, m, reverse, po, lay.ldc, work);
+    if constexpr (Dual) detail::hand_rows(sec.out, first, m, reverse, static_cast<T const*>(po2), ldab, da, work);
   }
 }
 
@@ -524,9 +606,9 @@ std::size_t scan_sums_scratch_size(index n, B const& b, C const& c) {
 // of its time on two threads, and the sources and sink see every row once in
 // the second phase, as in one scan. The sums are associated differently from
 // one sequential scan, so results agree to rounding, not bit for bit.
-template <class T, class A, class B, class C, class Out>
+template <class T, class A, class B, class C, class Out, class Second = no_second>
 void scan_rows_split(A const& a, B const& b, C const& c, Out const& out, index n, T* state, bool reverse,
-                     int parts) {
+                     int parts, Second const& sec = {}) {
   index da = b.cols(), db = c.cols();
   std::size_t ab = static_cast<std::size_t>(da * db);
   auto bound = [&](int p) { return static_cast<index>(static_cast<long long>(n) * p / parts); };
@@ -564,8 +646,8 @@ void scan_rows_split(A const& a, B const& b, C const& c, Out const& out, index n
 #pragma omp parallel for num_threads(parts) schedule(static, 1)
   for (int p = 0; p < parts; ++p) {
     auto [lo, hi] = range(p);
-    buffer<T> scratch(scan_scratch_size<T>(hi - lo, a, b, c, out));
-    scan_rows(a, b, c, out, lo, hi, at(enter, p), reverse, scratch.get());
+    buffer<T> scratch(scan_scratch_size<T>(hi - lo, a, b, c, out, sec));
+    scan_rows(a, b, c, out, lo, hi, at(enter, p), reverse, scratch.get(), sec);
   }
   std::copy_n(at(enter, parts - 1), ab, state);  // the state after the last part
 }

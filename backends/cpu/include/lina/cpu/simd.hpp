@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstring>
+#include <utility>
 
 namespace lina::cpu::simd {
 
@@ -88,6 +89,66 @@ inline void store(T* p, V const& v) {
 template <class V, class T>
 inline V broadcast(T x) {
   return x - V{};
+}
+
+// out[p] += the sum of u[p]'s lanes, for P vectors at once: a transposing
+// tree of shuffles (each level adds the halves of two vectors' segments into
+// one vector) costs P - 1 + log2(L / P) adds where P separate lane sums cost
+// P log2(L). Where P > L (or no vector type) the lanes are summed one vector
+// at a time. The order of the additions is fixed.
+namespace detail {
+template <int L, int S, bool Hi, int I>
+constexpr int halves_index() {  // lane I of (a, b): segment I / (S/2) from a, then b; its low or high half
+  constexpr int half = S / 2, seg = I / half, per = L / S;  // segments per source vector
+  constexpr int src = seg < per ? 0 : L;
+  return src + (seg % per) * S + I % half + (Hi ? half : 0);
+}
+template <class V, int L, int S, std::size_t... I>
+inline V add_halves(V const& a, V const& b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, halves_index<L, S, false, static_cast<int>(I)>()...) +
+         __builtin_shufflevector(a, b, halves_index<L, S, true, static_cast<int>(I)>()...);
+}
+template <class V, int L, int S, std::size_t... I>
+inline V fold_segments(V const& v, std::index_sequence<I...>) {  // lane (k, e) += lane (k, e + S/2)
+  return v + __builtin_shufflevector(v, v, static_cast<int>(I / S * S + (I % S + S / 2) % S)...);
+}
+// P vectors with segments of S lanes -> P/2 vectors with segments of S/2, down to one.
+template <int P, int S, int L, class V>
+inline void pair_levels(V* w) {
+  if constexpr (P > 1) {
+    for (int k = 0; k < P / 2; ++k) w[k] = add_halves<V, L, S>(w[2 * k], w[2 * k + 1], std::make_index_sequence<L>{});
+    pair_levels<P / 2, S / 2, L>(w);
+  }
+}
+// Each segment of S lanes summed into its first lane.
+template <int S, int L, class V>
+inline V fold_levels(V const& v) {
+  if constexpr (S > 1)
+    return fold_levels<S / 2, L>(fold_segments<V, L, S>(v, std::make_index_sequence<L>{}));
+  else
+    return v;
+}
+}  // namespace detail
+template <int P, class V, class T>
+inline void add_lane_sums(V const (&u)[P], T* out) {
+  constexpr int L = static_cast<int>(sizeof(V) / sizeof(T));
+  if constexpr (L > 1 && P <= L && (P & (P - 1)) == 0 && (L & (L - 1)) == 0) {
+    V w[P];
+    for (int p = 0; p < P; ++p) w[p] = u[p];
+    detail::pair_levels<P, L, L>(w);  // one vector: P segments of L / P lanes
+    V v = detail::fold_levels<L / P, L>(w[0]);
+    T t[L];
+    std::memcpy(t, &v, sizeof(V));
+    for (int p = 0; p < P; ++p) out[p] += t[p * (L / P)];
+  } else {
+    for (int p = 0; p < P; ++p) {
+      T t[L];
+      std::memcpy(t, &u[p], sizeof(V));
+      T sum = t[0];
+      for (int l = 1; l < L; ++l) sum += t[l];
+      out[p] += sum;
+    }
+  }
 }
 
 }  // namespace lina::cpu::simd
