@@ -17,14 +17,17 @@
 namespace lina::cpu {
 
 struct cost_model : counting_cost_model {
-  // Fitted on a 2-core AVX-512 EPYC (2026-11-30), D = M = 64, fp32: measured
-  // crossovers N = 62 non-causal (flop-bound: any flops_per_byte in 0.5..1.25
-  // predicts 65) and N = 12 causal (scan_flop = 0.1 predicts 12; 1 predicted
-  // 65). A scan flop weighs a tenth of the quadratic order's: at these lengths
-  // the quadratic causal plan's cost is its passes over the N x N similarity
-  // (product, mask, normalise, product), not its flop count.
+  // Fitted on a 2-core AVX-512 EPYC (2026-11-30), D = M = 64, fp32, with the
+  // register-tiled products (kernels::gemm): measured crossovers N = 62-77
+  // non-causal (flop-bound: any flops_per_byte in 0.5..2 predicts 65) and
+  // N = 50 causal, i.e. in (40, 50] on the example's grid (scan_flop = 0.7
+  // predicts 46; 1 predicts 65, 0.8 53, 0.6 40). A scan flop weighs 0.7 of a
+  // product's: the causal quadratic order also makes passes over its N x N
+  // similarity (mask, normalise) that the flop count leaves out. (With the
+  // products of rows in memory, before, the causal crossover was N = 12 and
+  // scan_flop 0.1.)
   static constexpr double flops_per_byte = 1;
-  static constexpr double scan_flop = 0.1;
+  static constexpr double scan_flop = 0.7;
   static constexpr double weight(cost_estimate c) {
     return c.flops + (scan_flop - 1) * c.scan_flops + flops_per_byte * c.bytes;
   }

@@ -1,8 +1,9 @@
 // The CPU backend's loops: one function per plan operation, on per-(batch,
 // head) matrices, each writing into a destination `out` the caller sized
 // (rows contiguous: out.cs == 1, any row stride). Straightforward and correct
-// first, except the scan (the linear plans' hot loop), which keeps tiles of
-// its a x b state in registers over chunks of rows.
+// first, except the two hot loops, the scan (causal linear plans) and the
+// product (non-causal and quadratic plans), which keep tiles of their results
+// in registers; each has a plain loop beside it as its oracle.
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,10 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "lina/cpu/matrix.hpp"
 #include "lina/cpu/simd.hpp"
@@ -25,45 +30,75 @@ matrix<T> rows_contiguous(matrix<T>&& m) {
   return writable(std::move(m));
 }
 
-// out = A B. B's rows are made contiguous, then four rows of C at a time
-// accumulate a_ik * B_k (each B row loaded once per four C rows).
-// out += A B (accumulate = true) or out = A B.
-template <class T>
-void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate = false) {
-  matrix<T> b = rows_contiguous(std::move(b_in));
-  index r = a.rows, k = a.cols, c = b.cols;
-  if (r * c == 0) return;
-  if (!accumulate)
-    for (index i = 0; i < r; ++i) std::fill_n(out.row_mut(i), c, T(0));
-  index i = 0;
-  for (; i + 4 <= r; i += 4) {
-    T* c0 = out.row_mut(i);
-    T* c1 = out.row_mut(i + 1);
-    T* c2 = out.row_mut(i + 2);
-    T* c3 = out.row_mut(i + 3);
-    for (index p = 0; p < k; ++p) {
-      T a0 = a(i, p), a1 = a(i + 1, p), a2 = a(i + 2, p), a3 = a(i + 3, p);
-      T const* bp = b.data + p * b.rs;
-#pragma omp simd
-      for (index j = 0; j < c; ++j) {
-        T x = bp[j];
-        c0[j] += a0 * x;
-        c1[j] += a1 * x;
-        c2[j] += a2 * x;
-        c3[j] += a3 * x;
+namespace detail {
+// Rows [i0, i0 + R) x vectors [j0, j0 + V lanes) of out (+)= A B, the tile in
+// registers over the whole sum: per k, V vectors of B's row k and R
+// broadcasts of A's column k (A in any layout; B's rows contiguous).
+// (valid < lanes: a last vector of which only the first `valid` columns exist in out.)
+template <int R, int V, class Vec, class T>
+inline void gemm_tile(matrix<T> const& a, index i0, T const* __restrict b, index ldb, index k, T* __restrict out,
+                      index ldo, bool accumulate, index valid) {
+  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  Vec acc[R][V];
+  T const* ar[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    ar[r] = a.data + (i0 + r) * a.rs;
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = Vec{};
+  }
+  index cs = a.cs;
+  for (index p = 0; p < k; ++p) {
+    Vec bv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) bv[v] = simd::load<Vec>(b + p * ldb + v * L);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      Vec x = simd::broadcast<Vec>(ar[r][p * cs]);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] += x * bv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      T* o = out + r * ldo + v * L;
+      if (valid == L) {
+        simd::store(o, accumulate ? simd::load<Vec>(o) + acc[r][v] : acc[r][v]);
+      } else {  // through a copy: only `valid` columns exist
+        T t[L];
+        simd::store(t, acc[r][v]);
+        for (index j = 0; j < valid; ++j) o[j] = accumulate ? o[j] + t[j] : t[j];
       }
     }
-  }
-  for (; i < r; ++i) {
-    T* ci = out.row_mut(i);
-    for (index p = 0; p < k; ++p) {
-      T ai = a(i, p);
-      T const* bp = b.data + p * b.rs;
-#pragma omp simd
-      for (index j = 0; j < c; ++j) ci[j] += ai * bp[j];
-    }
-  }
 }
+// Rows [i0, i1) of the strip of V vectors from column j0: R-row tiles, then 4, 2, 1.
+// (B's rows from column j0 at b, ldb apart; valid as for gemm_tile.)
+template <int R, int V, class Vec, class T>
+void gemm_strip(matrix<T> const& a, index i0, index i1, T const* b, index ldb, T* out, index ldo, bool accumulate,
+                index valid = static_cast<index>(sizeof(Vec) / sizeof(T))) {
+  index i = i0;
+  auto tiles = [&]<int Rows>() {
+    for (; i + Rows <= i1; i += Rows)
+      gemm_tile<Rows, V, Vec>(a, i, b, ldb, a.cols, out + i * ldo, ldo, accumulate, valid);
+  };
+  tiles.template operator()<R>();
+  if constexpr (R > 4) tiles.template operator()<4>();
+  if constexpr (R > 2) tiles.template operator()<2>();
+  tiles.template operator()<1>();
+}
+}  // namespace detail
+
+// out = A B, or out += A B (accumulate). B's rows are made contiguous; then
+// register tiles of out (scan_tile_shape's rows x 2 vectors) each sum all of
+// k in registers, so out is written once and B's rows stream past (measured:
+// 3x the rows-in-memory loop it replaced on the non-causal forward, which is
+// these products). The columns left after whole vectors (the normaliser's
+// one, say) are summed row by row. Rows are split across idle threads when
+// the product is large (a single long sequence).
+template <class T>
+void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate = false);
 
 namespace detail {
 
@@ -656,6 +691,67 @@ void scan_contract_split(matrix<T> const& a, matrix<T> const& b, matrix<T> const
                          bool reverse, int parts) {
   scan_rows_split(matrix_rows<T>{a}, matrix_rows<T>{b}, matrix_rows<T>{c}, matrix_sink<T>{out}, b.rows, state,
                   reverse, parts);
+}
+
+template <class T>
+void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate) {
+  using shape = detail::scan_tile_shape<T>;
+  using vec = typename shape::vec;
+  constexpr int R = shape::rows, L = shape::lanes, V = shape::vectors;
+  matrix<T> b = rows_contiguous(std::move(b_in));
+  index r = a.rows, k = a.cols, c = b.cols;
+  if (r * c == 0) return;
+  index whole = c / L * L;  // columns in whole vectors
+  T* o0 = out.row_mut(0);
+  auto rows = [&](index i0, index i1) {
+    index j0 = 0;
+    for (; j0 + V * L <= whole; j0 += V * L)
+      detail::gemm_strip<R, V, vec>(a, i0, i1, b.data + j0, b.rs, o0 + j0, out.rs, accumulate);
+    for (; j0 < whole; j0 += L)
+      detail::gemm_strip<R, 1, vec>(a, i0, i1, b.data + j0, b.rs, o0 + j0, out.rs, accumulate);
+    if (whole == c) return;
+    // the columns left over (fewer than a vector): B's through a zero-padded
+    // copy, a block of its rows at a time, into a last, partial vector of out
+    constexpr index block = 256;
+    alignas(64) T pad[block * L];
+    for (index p0 = 0; p0 < k; p0 += block) {
+      index kn = std::min(block, k - p0);
+      for (index p = 0; p < kn; ++p) {
+        T const* from = b.data + (p0 + p) * b.rs;
+        std::copy(from + whole, from + c, pad + p * L);
+        std::fill(pad + p * L + (c - whole), pad + (p + 1) * L, T(0));
+      }
+      matrix<T> ak = view<T>(a.data + p0 * a.cs, a.rows, kn, a.rs, a.cs);
+      detail::gemm_strip<R, 1, vec>(ak, i0, i1, static_cast<T const*>(pad), index{L}, o0 + whole, out.rs,
+                                    accumulate || p0 > 0, c - whole);
+    }
+    if (k == 0 && !accumulate)
+      for (index i = i0; i < i1; ++i) std::fill(out.row_mut(i) + whole, out.row_mut(i) + c, T(0));
+  };
+#ifdef _OPENMP
+  // rows in blocks of whole tiles over idle threads, when there is work for them
+  int threads = omp_in_parallel() || double(r) * double(k) * double(c) < 1 << 22 ? 1 : omp_get_max_threads();
+  if (threads > 1) {
+    index blocks = (r + R - 1) / R;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; ++t)
+      rows(std::min(r, blocks * t / threads * R), std::min(r, blocks * (t + 1) / threads * R));
+    return;
+  }
+#endif
+  rows(0, r);
+}
+
+// The product as written, gemm's oracle (cpu::path::simple): each element
+// one sum over k in order.
+template <class T>
+void gemm_simple(matrix<T> const& a, matrix<T> const& b, matrix<T>& out) {
+  for (index i = 0; i < a.rows; ++i)
+    for (index j = 0; j < b.cols; ++j) {
+      T sum = 0;
+      for (index p = 0; p < a.cols; ++p) sum += a(i, p) * b(p, j);
+      out.row_mut(i)[j] = sum;
+    }
 }
 
 // Rows copied to a contiguous buffer, for maps that read whole rows.

@@ -1,0 +1,73 @@
+// The CPU backend's product kernel (kernels::gemm: register tiles of the
+// result, the columns left after whole vectors through a padded copy, rows
+// over idle threads) against a long-double product: random shapes from 0 to
+// a few vectors and tiles, A in both layouts (the products of non-causal
+// plans read φ(K)ᵀ, a transposed view), B not contiguous, accumulate or not.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <lina/cpu/kernels.hpp>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace lina;
+using idx = cpu::index;
+
+namespace {
+
+double uniform(test::rng& r) { return static_cast<double>(r.next() >> 11) * 0x1.0p-53 * 2.0 - 1.0; }
+
+template <class T>
+void check_random_products(std::uint64_t seed, int trials, idx largest) {
+  test::rng r{seed};
+  double worst = 0;
+  for (int trial = 0; trial < trials; ++trial) {
+    idx n = static_cast<idx>(r.in(0, static_cast<std::size_t>(largest)));
+    idx k = static_cast<idx>(r.in(0, static_cast<std::size_t>(largest)));
+    idx c = static_cast<idx>(r.in(1, 70));
+    bool at = r.next() % 2, bt = r.next() % 2, accumulate = r.next() % 2;
+    CAPTURE(n); CAPTURE(k); CAPTURE(c); CAPTURE(at); CAPTURE(bt); CAPTURE(accumulate);
+    std::vector<T> av(static_cast<std::size_t>(n * k) + 1), bv(static_cast<std::size_t>(k * c) + 1);
+    for (auto& x : av) x = static_cast<T>(uniform(r));
+    for (auto& x : bv) x = static_cast<T>(uniform(r));
+    // A is n x k: row-major, or the transposed view of a k x n matrix; B likewise
+    auto a = at ? cpu::view<T>(av.data(), n, k, 1, n) : cpu::view<T>(av.data(), n, k, k, 1);
+    auto b = bt ? cpu::view<T>(bv.data(), k, c, 1, k) : cpu::view<T>(bv.data(), k, c, c, 1);
+    idx ldo = c + 3;  // rows of out further apart than its columns
+    std::vector<T> ov(static_cast<std::size_t>(n * ldo) + 1);
+    for (auto& x : ov) x = static_cast<T>(uniform(r));
+    std::vector<T> before = ov;
+    cpu::matrix<T> out = cpu::view<T>(ov.data(), n, c, ldo, 1);
+    cpu::kernels::gemm(a, cpu::view<T>(b.data, b.rows, b.cols, b.rs, b.cs), out, accumulate);
+    bool ok = true;
+    for (idx i = 0; i < n; ++i) {
+      for (idx j = 0; j < c; ++j) {
+        long double sum = accumulate ? before[static_cast<std::size_t>(i * ldo + j)] : 0, mag = std::abs(sum);
+        for (idx p = 0; p < k; ++p) {
+          sum += static_cast<long double>(a(i, p)) * b(p, j);
+          mag += std::abs(static_cast<long double>(a(i, p)) * b(p, j));
+        }
+        double bound = double(k + 2) * std::numeric_limits<T>::epsilon() * double(mag) + std::numeric_limits<T>::min();
+        double err = double(std::abs(ov[static_cast<std::size_t>(i * ldo + j)] - sum));
+        worst = std::max(worst, err / bound);
+        ok = ok && err <= bound;
+      }
+      for (idx j = c; j < ldo; ++j)  // nothing written between rows
+        ok = ok && ov[static_cast<std::size_t>(i * ldo + j)] == before[static_cast<std::size_t>(i * ldo + j)];
+    }
+    CHECK(ok);
+  }
+  MESSAGE("largest error / bound: " << worst);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("gemm matches a long-double product", T, float, double) {
+  check_random_products<T>(sizeof(T) == 4 ? 51 : 52, 200, 40);
+}
+
+TEST_CASE_TEMPLATE("gemm over a long sum and over many rows (threads, blocks of the padded columns)", T, float, double) {
+  check_random_products<T>(sizeof(T) == 4 ? 53 : 54, 6, 1200);
+}
