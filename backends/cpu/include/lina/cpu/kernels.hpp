@@ -92,9 +92,10 @@ void gemm_strip(matrix<T> const& a, index i0, index i1, T const* b, index ldb, T
 
 // out = A B, or out += A B (accumulate). B's rows are made contiguous; then
 // register tiles of out (scan_tile_shape's rows x 2 vectors) each sum all of
-// k in registers, so out is written once and B's rows stream past (measured:
-// 3x the rows-in-memory loop it replaced on the non-causal forward, which is
-// these products). The columns left after whole vectors (the normaliser's
+// k in registers, so out is written once and B's rows stream past (measured
+// on the non-causal forward, mostly these products, B·H = 8, N = 4096, D = 64:
+// 48 -> 104 GFLOP/s against four rows of out kept in memory). The columns
+// left after whole vectors (the normaliser's
 // one, say) are summed row by row. Rows are split across idle threads when
 // the product is large (a single long sequence).
 template <class T>
