@@ -704,30 +704,34 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate)
   if (r * c == 0) return;
   index whole = c / L * L;  // columns in whole vectors
   T* o0 = out.row_mut(0);
+  // Rows [i0, i1) of out, k in blocks of `block` rows of B (which then stay in
+  // L2 while every tile of the rows reads them; a long sum such as φ(K)ᵀ[V|1]
+  // over N = 65536 rows otherwise streams B from memory once per tile).
+  constexpr index block = 512;
   auto rows = [&](index i0, index i1) {
-    index j0 = 0;
-    for (; j0 + V * L <= whole; j0 += V * L)
-      detail::gemm_strip<R, V, vec>(a, i0, i1, b.data + j0, b.rs, o0 + j0, out.rs, accumulate);
-    for (; j0 < whole; j0 += L)
-      detail::gemm_strip<R, 1, vec>(a, i0, i1, b.data + j0, b.rs, o0 + j0, out.rs, accumulate);
-    if (whole == c) return;
-    // the columns left over (fewer than a vector): B's through a zero-padded
-    // copy, a block of its rows at a time, into a last, partial vector of out
-    constexpr index block = 256;
-    alignas(64) T pad[block * L];
+    if (k == 0 && !accumulate)
+      for (index i = i0; i < i1; ++i) std::fill_n(out.row_mut(i), c, T(0));
     for (index p0 = 0; p0 < k; p0 += block) {
       index kn = std::min(block, k - p0);
+      bool acc = accumulate || p0 > 0;
+      matrix<T> ak = view<T>(a.data + p0 * a.cs, a.rows, kn, a.rs, a.cs);
+      T const* bk = b.data + p0 * b.rs;
+      index j0 = 0;
+      for (; j0 + V * L <= whole; j0 += V * L)
+        detail::gemm_strip<R, V, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc);
+      for (; j0 < whole; j0 += L) detail::gemm_strip<R, 1, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc);
+      if (whole == c) continue;
+      // the columns left over (fewer than a vector): B's through a zero-padded
+      // copy into a last, partial vector of out
+      alignas(64) T pad[block * L];
       for (index p = 0; p < kn; ++p) {
-        T const* from = b.data + (p0 + p) * b.rs;
+        T const* from = bk + p * b.rs;
         std::copy(from + whole, from + c, pad + p * L);
         std::fill(pad + p * L + (c - whole), pad + (p + 1) * L, T(0));
       }
-      matrix<T> ak = view<T>(a.data + p0 * a.cs, a.rows, kn, a.rs, a.cs);
-      detail::gemm_strip<R, 1, vec>(ak, i0, i1, static_cast<T const*>(pad), index{L}, o0 + whole, out.rs,
-                                    accumulate || p0 > 0, c - whole);
+      detail::gemm_strip<R, 1, vec>(ak, i0, i1, static_cast<T const*>(pad), index{L}, o0 + whole, out.rs, acc,
+                                    c - whole);
     }
-    if (k == 0 && !accumulate)
-      for (index i = i0; i < i1; ++i) std::fill(out.row_mut(i) + whole, out.row_mut(i) + c, T(0));
   };
 #ifdef _OPENMP
   // rows in blocks of whole tiles over idle threads, when there is work for them
