@@ -71,3 +71,27 @@ TEST_CASE_TEMPLATE("gemm matches a long-double product", T, float, double) {
 TEST_CASE_TEMPLATE("gemm over a long sum and over many rows (threads, blocks of the padded columns)", T, float, double) {
   check_random_products<T>(sizeof(T) == 4 ? 53 : 54, 6, 1500);
 }
+
+TEST_CASE_TEMPLATE("favor through one product of all rows gives the bits of its row-by-row apply", T, float, double) {
+  // kernels::feature_map projects every row at once when the map has finish();
+  // the sums are the same, in the same order, as favor::apply's
+  test::rng r{55};
+  for (idx n : {1, 7, 300}) {
+    idx d = static_cast<idx>(r.in(1, 70)), m = static_cast<idx>(r.in(1, 300));
+    CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    std::vector<T> xv(static_cast<std::size_t>(n * d)), wv(static_cast<std::size_t>(d * m));
+    for (auto& x : xv) x = static_cast<T>(uniform(r));
+    for (auto& x : wv) x = static_cast<T>(uniform(r));
+    auto x = cpu::view<T>(xv.data(), n, d, d, 1), w = cpu::view<T>(wv.data(), d, m, m, 1);
+    cpu::matrix<T> out = cpu::allocate<T>(n, m);
+    cpu::kernels::feature_map<favor>(x, w, out);
+    std::vector<T> row(static_cast<std::size_t>(m));
+    bool same = true;
+    for (idx i = 0; i < n; ++i) {
+      favor::apply(xv.data() + i * d, static_cast<std::size_t>(d), static_cast<T const*>(wv.data()),
+                   static_cast<std::size_t>(m), row.data());
+      for (idx j = 0; j < m; ++j) same = same && out(i, j) == row[static_cast<std::size_t>(j)];
+    }
+    CHECK(same);
+  }
+}

@@ -31,6 +31,12 @@
 //
 // (w is row-major: w[i * m + j].) NaN inputs must give NaN outputs: compare
 // so that NaN falls through.
+//
+// A parametric map that is the projection z = x·W (each z_j summed over i in
+// order) followed by a function of the row may say so with
+//     template <class T> static void finish(T const* x, std::size_t d, std::size_t m, T* out);
+// (out[0, m) holds z on entry, the features on exit): a backend then projects
+// every row at once, as one product, instead of calling apply row by row.
 #pragma once
 
 #include <cmath>
@@ -153,10 +159,6 @@ struct favor {
   static constexpr std::size_t features(std::size_t m) { return m; }
   template <class T>
   static void apply(T const* x, std::size_t d, T const* w, std::size_t m, T* out) {
-    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
-    T half_norm = 0;
-    for (std::size_t i = 0; i < d; ++i) half_norm += x[i] * x[i];
-    half_norm *= s * s / 2;
     // z = x·W a row of W at a time (contiguous, vectorised over j; each z_j
     // still sums over i in order), then the exp over the row
     for (std::size_t j = 0; j < m; ++j) out[j] = 0;
@@ -165,6 +167,15 @@ struct favor {
       T const* wi = w + i * m;
       for (std::size_t j = 0; j < m; ++j) out[j] += wi[j] * xi;
     }
+    finish(x, d, m, out);
+  }
+  // out[j] = exp(z_j D^-1/4 - |x|² D^-1/2 / 2) / √m, from out[j] = z_j
+  template <class T>
+  static void finish(T const* x, std::size_t d, std::size_t m, T* out) {
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
+    T half_norm = 0;
+    for (std::size_t i = 0; i < d; ++i) half_norm += x[i] * x[i];
+    half_norm *= s * s / 2;
     for (std::size_t j = 0; j < m; ++j) out[j] = detail::exp(s * out[j] - half_norm) * inv;
   }
   // ∂φ_j/∂x_i = φ_j (w_ij - x'_i) D^-1/4

@@ -765,15 +765,28 @@ void copy_row(matrix<T> const& x, index i, T* to) {
   for (index j = 0; j < x.cols; ++j) to[j] = x(i, j);
 }
 
-// A parametric map: every row of x with the projection w (d x m).
+// A parametric map: every row of x with the projection w (d x m). A map that
+// is a projection and a function of the row (Map::finish) projects all rows
+// as one product (gemm: the same sums in the same order as its apply), then
+// finishes each row in place.
 template <class Map, class T>
 void feature_map(matrix<T> const& x, matrix<T> const& w, matrix<T>& out) {
   std::size_t d = static_cast<std::size_t>(x.cols), m = static_cast<std::size_t>(w.cols);
-  matrix<T> wc = writable(view(w.data, w.rows, w.cols, w.rs, w.cs));  // contiguous d x m
   buffer<T> row(d);
-  for (index i = 0; i < x.rows; ++i) {
-    copy_row(x, i, row.get());
-    Map::apply(static_cast<T const*>(row.get()), d, wc.data, m, out.row_mut(i));
+  if constexpr (requires(T* p) { Map::finish(static_cast<T const*>(p), d, m, p); }) {
+    if (x.rows == 0) return;
+    matrix<T> z = view<T>(out.row_mut(0), x.rows, w.cols, out.rs, 1);  // out's first m columns
+    gemm(x, view(w.data, w.rows, w.cols, w.rs, w.cs), z);
+    for (index i = 0; i < x.rows; ++i) {
+      copy_row(x, i, row.get());
+      Map::finish(static_cast<T const*>(row.get()), d, m, out.row_mut(i));
+    }
+  } else {
+    matrix<T> wc = writable(view(w.data, w.rows, w.cols, w.rs, w.cs));  // contiguous d x m
+    for (index i = 0; i < x.rows; ++i) {
+      copy_row(x, i, row.get());
+      Map::apply(static_cast<T const*>(row.get()), d, wc.data, m, out.row_mut(i));
+    }
   }
 }
 
