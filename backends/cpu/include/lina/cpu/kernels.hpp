@@ -31,77 +31,6 @@ matrix<T> rows_contiguous(matrix<T>&& m) {
 }
 
 namespace detail {
-// Rows [i0, i0 + R) x vectors [j0, j0 + V lanes) of out (+)= A B, the tile in
-// registers over the whole sum: per k, V vectors of B's row k and R
-// broadcasts of A's column k (A in any layout; B's rows contiguous).
-// (valid < lanes: a last vector of which only the first `valid` columns exist in out.)
-template <int R, int V, class Vec, class T>
-inline void gemm_tile(matrix<T> const& a, index i0, T const* __restrict b, index ldb, index k, T* __restrict out,
-                      index ldo, bool accumulate, index valid) {
-  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
-  Vec acc[R][V];
-  T const* ar[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    ar[r] = a.data + (i0 + r) * a.rs;
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[r][v] = Vec{};
-  }
-  index cs = a.cs;
-  for (index p = 0; p < k; ++p) {
-    Vec bv[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) bv[v] = simd::load<Vec>(b + p * ldb + v * L);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      Vec x = simd::broadcast<Vec>(ar[r][p * cs]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] += x * bv[v];
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) {
-      T* o = out + r * ldo + v * L;
-      if (valid == L) {
-        simd::store(o, accumulate ? simd::load<Vec>(o) + acc[r][v] : acc[r][v]);
-      } else {  // through a copy: only `valid` columns exist
-        T t[L];
-        simd::store(t, acc[r][v]);
-        for (index j = 0; j < valid; ++j) o[j] = accumulate ? o[j] + t[j] : t[j];
-      }
-    }
-}
-// Rows [i0, i1) of the strip of V vectors from column j0: R-row tiles, then 4, 2, 1.
-// (B's rows from column j0 at b, ldb apart; valid as for gemm_tile.)
-template <int R, int V, class Vec, class T>
-void gemm_strip(matrix<T> const& a, index i0, index i1, T const* b, index ldb, T* out, index ldo, bool accumulate,
-                index valid = static_cast<index>(sizeof(Vec) / sizeof(T))) {
-  index i = i0;
-  auto tiles = [&]<int Rows>() {
-    for (; i + Rows <= i1; i += Rows)
-      gemm_tile<Rows, V, Vec>(a, i, b, ldb, a.cols, out + i * ldo, ldo, accumulate, valid);
-  };
-  tiles.template operator()<R>();
-  if constexpr (R > 4) tiles.template operator()<4>();
-  if constexpr (R > 2) tiles.template operator()<2>();
-  tiles.template operator()<1>();
-}
-}  // namespace detail
-
-// out = A B, or out += A B (accumulate). B's rows are made contiguous; then
-// register tiles of out (scan_tile_shape's rows x 2 vectors) each sum all of
-// k in registers, so out is written once and B's rows stream past (measured
-// on the non-causal forward, mostly these products, B·H = 8, N = 4096, D = 64:
-// 48 -> 104 GFLOP/s against four rows of out kept in memory). The columns
-// left after whole vectors (the normaliser's
-// one, say) are summed row by row. Rows are split across idle threads when
-// the product is large (a single long sequence).
-template <class T>
-void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate = false);
-
-namespace detail {
 
 // The scan's register tile: `rows` state rows x `vectors` SIMD vectors of
 // state columns stay in registers while a chunk of rows streams past, with
@@ -219,26 +148,6 @@ void scan_strip(T* state, index da, index db, index q0, T const* a, T const* b, 
   for (index p = 0; p < da - p0; ++p) std::copy_n(tile + p * W, W, state + (p0 + p) * db + q0);
 }
 
-// Sum of a vector's lanes, in a fixed order (halves added pairwise).
-template <class Vec, class T>
-inline T lane_sum(Vec const& v) {
-  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
-  using half = simd::vector_of<T, static_cast<int>(sizeof(Vec)) / 2>;
-  if constexpr (L > 1 && half::lanes == L / 2) {
-    // halves added as vectors, in registers (the same order as lane by lane below)
-    typename half::type lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<char const*>(&v) + sizeof(lo), sizeof(hi));
-    return lane_sum<typename half::type, T>(lo + hi);
-  } else {
-    T t[L];
-    std::memcpy(t, &v, sizeof(Vec));
-    for (int w = L / 2; w >= 1; w /= 2)
-      for (int l = 0; l < w; ++l) t[l] += t[l + w];
-    return t[0];
-  }
-}
-
 // State rows [p0, p0 + K x lanes) of one state column q, for the columns
 // left over after whole-vector strips: here vectors run along the state's
 // rows, and each output element adds its dot product with a_i as a sum of
@@ -276,7 +185,7 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
         }
       }
     }
-    if constexpr (Out) o[i * ldo + q] += lane_sum<Vec, T>(ov);
+    if constexpr (Out) o[i * ldo + q] += simd::lane_sum<Vec, T>(ov);
   }
 #pragma GCC unroll 8
   for (int k = 0; k < K; ++k) simd::store(col + k * L, two ? simd::load<Vec>(col + k * L) + s[k] : s[k]);
@@ -332,15 +241,14 @@ inline void scan_one_row_block(T* __restrict state, index da, index db, T const*
 template <class Vec, class T>
 void scan_one_row(T* state, index da, index db, index vectors, T const* a, T const* b, T const* c, T* o) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
-  index v0 = 0;
-  for (; v0 + 4 <= vectors; v0 += 4) scan_one_row_block<4, Vec>(state + v0 * L, da, db, a, b, c + v0 * L, o + v0 * L);
-  T* s = state + v0 * L;
-  switch (vectors - v0) {
-    case 3: scan_one_row_block<3, Vec>(s, da, db, a, b, c + v0 * L, o + v0 * L); break;
-    case 2: scan_one_row_block<2, Vec>(s, da, db, a, b, c + v0 * L, o + v0 * L); break;
-    case 1: scan_one_row_block<1, Vec>(s, da, db, a, b, c + v0 * L, o + v0 * L); break;
-    default: break;
-  }
+  index v0 = 0;  // (each vector of columns is its own sums: splitting them changes no bits)
+  auto block = [&]<int W>() {
+    scan_one_row_block<W, Vec>(state + v0 * L, da, db, a, b, c + v0 * L, o + v0 * L);
+    v0 += W;
+  };
+  while (v0 + 4 <= vectors) block.template operator()<4>();
+  if (v0 + 2 <= vectors) block.template operator()<2>();
+  if (v0 < vectors) block.template operator()<1>();
 }
 
 // Rows first, first + 1, ... (first, first - 1, ... when reversed) of x,
@@ -379,8 +287,9 @@ inline constexpr index scan_chunk_rows = 64;
 // row by row, a running sum's rounding error grows like sqrt(n) eps relative
 // to the sum (measured, bench/limits: 5.5e-5 for float at n = 2^20); in two
 // levels like sqrt(chunk rows + n / chunk rows) eps. Below the threshold,
-// sqrt(n) eps <= 2^-17 (7.6e-6) and the single level is ~20% faster
-// (bench/scan_kernel: the extra add per state element and row), so only float
+// sqrt(n) eps <= 2^-17 (7.6e-6) and the single level is 8-11% faster (the
+// extra add per state element and row; bench/scan_kernel --n 16384 --da 64
+// --db 65), so only float
 // scans over more than 4096 rows take two levels; a double scan never does.
 template <class T>
 inline constexpr index two_level_rows = [] {
@@ -694,8 +603,76 @@ void scan_contract_split(matrix<T> const& a, matrix<T> const& b, matrix<T> const
                   reverse, parts);
 }
 
+namespace detail {
+// Rows [i0, i0 + R) x vectors [j0, j0 + V lanes) of out (+)= A B, the tile in
+// registers over the whole sum: per k, V vectors of B's row k and R
+// broadcasts of A's column k (A in any layout; B's rows contiguous).
+// (valid < lanes: a last vector of which only the first `valid` columns exist in out.)
+template <int R, int V, class Vec, class T>
+inline void gemm_tile(matrix<T> const& a, index i0, T const* __restrict b, index ldb, index k, T* __restrict out,
+                      index ldo, bool accumulate, index valid) {
+  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  Vec acc[R][V];
+  T const* ar[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    ar[r] = a.data + (i0 + r) * a.rs;
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = Vec{};
+  }
+  index cs = a.cs;
+  for (index p = 0; p < k; ++p) {
+    Vec bv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) bv[v] = simd::load<Vec>(b + p * ldb + v * L);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      Vec x = simd::broadcast<Vec>(ar[r][p * cs]);
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] += x * bv[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      T* o = out + r * ldo + v * L;
+      if (valid == L) {
+        simd::store(o, accumulate ? simd::load<Vec>(o) + acc[r][v] : acc[r][v]);
+      } else {  // through a copy: only `valid` columns exist
+        T t[L];
+        simd::store(t, acc[r][v]);
+        for (index j = 0; j < valid; ++j) o[j] = accumulate ? o[j] + t[j] : t[j];
+      }
+    }
+}
+// Rows [i0, i1) of the strip of V vectors from column j0: R-row tiles, then 4, 2, 1.
+// (B's rows from column j0 at b, ldb apart; valid as for gemm_tile.)
+template <int R, int V, class Vec, class T>
+void gemm_strip(matrix<T> const& a, index i0, index i1, T const* b, index ldb, T* out, index ldo, bool accumulate,
+                index valid = static_cast<index>(sizeof(Vec) / sizeof(T))) {
+  index i = i0;
+  auto tiles = [&]<int Rows>() {
+    for (; i + Rows <= i1; i += Rows)
+      gemm_tile<Rows, V, Vec>(a, i, b, ldb, a.cols, out + i * ldo, ldo, accumulate, valid);
+  };
+  tiles.template operator()<R>();
+  if constexpr (R > 4) tiles.template operator()<4>();
+  if constexpr (R > 2) tiles.template operator()<2>();
+  tiles.template operator()<1>();
+}
+}  // namespace detail
+
+// out = A B, or out += A B (accumulate). B's rows are made contiguous; then
+// register tiles of out (scan_tile_shape's rows x 2 vectors) each sum a block
+// of k in registers, so out is written once per block and B's rows stream
+// past (measured on the non-causal forward, mostly these products, B·H = 8,
+// N = 4096, D = 64: 48 -> 104 GFLOP/s against four rows of out kept in
+// memory). The columns left after whole vectors (the normaliser's one, say)
+// go through a zero-padded copy of B's as a last, partial vector. Rows are
+// split across idle threads when the product is large (a single long sequence).
 template <class T>
-void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate) {
+void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate = false) {
   using shape = detail::scan_tile_shape<T>;
   using vec = typename shape::vec;
   constexpr int R = shape::rows, L = shape::lanes, V = shape::vectors;
@@ -735,7 +712,9 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate)
   };
 #ifdef _OPENMP
   // rows in blocks of whole tiles over idle threads, when there is work for them
-  int threads = omp_in_parallel() || double(r) * double(k) * double(c) < 1 << 22 ? 1 : omp_get_max_threads();
+  constexpr double parallel_min_products = 1 << 22;  // multiply-adds: ~0.1 ms on one core, 100x an OpenMP start
+  bool small = double(r) * double(k) * double(c) < parallel_min_products;
+  int threads = omp_in_parallel() || small ? 1 : omp_get_max_threads();
   if (threads > 1) {
     index blocks = (r + R - 1) / R;
 #pragma omp parallel for num_threads(threads) schedule(static)

@@ -91,6 +91,26 @@ inline V broadcast(T x) {
   return x - V{};
 }
 
+// Sum of a vector's lanes, in a fixed order (halves added pairwise).
+template <class Vec, class T>
+inline T lane_sum(Vec const& v) {
+  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  using half = vector_of<T, static_cast<int>(sizeof(Vec)) / 2>;
+  if constexpr (L > 1 && half::lanes == L / 2) {
+    // halves added as vectors, in registers (the same order as lane by lane below)
+    typename half::type lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<char const*>(&v) + sizeof(lo), sizeof(hi));
+    return lane_sum<typename half::type, T>(lo + hi);
+  } else {
+    T t[L];
+    std::memcpy(t, &v, sizeof(Vec));
+    for (int w = L / 2; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) t[l] += t[l + w];
+    return t[0];
+  }
+}
+
 // out[p] += the sum of u[p]'s lanes, for P vectors at once: a transposing
 // tree of shuffles (each level adds the halves of two vectors' segments into
 // one vector) costs P - 1 + log2(L / P) adds where P separate lane sums cost
@@ -141,13 +161,7 @@ inline void add_lane_sums(V const (&u)[P], T* out) {
     std::memcpy(t, &v, sizeof(V));
     for (int p = 0; p < P; ++p) out[p] += t[p * (L / P)];
   } else {
-    for (int p = 0; p < P; ++p) {
-      T t[L];
-      std::memcpy(t, &u[p], sizeof(V));
-      T sum = t[0];
-      for (int l = 1; l < L; ++l) sum += t[l];
-      out[p] += sum;
-    }
+    for (int p = 0; p < P; ++p) out[p] += lane_sum<V, T>(u[p]);
   }
 }
 
