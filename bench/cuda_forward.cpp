@@ -8,7 +8,15 @@
 // result is checked against the host emulation on the first rows of one
 // (batch, head), so a fast wrong kernel does not pass for a benchmark.
 //
-//   cuda_forward [--shapes BxTxHxD,…] [--budget seconds] [--tsv file] [--check-rows n] [--copy-mib m] [--ablate]
+//   cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--budget seconds] [--tsv file] [--check-rows n]
+//                [--copy-mib m] [--ablate]
+//
+// --decode BxHxD (default 64x32x128; "none" skips it) times decode steps:
+// cuda::recurrent's step_into for B sequences × H heads at D = M, bf16 in and
+// out, one token per sequence per launch, from a state of earlier tokens; µs per
+// step and GB/s counting the fp32 state read and written once (the floor of a
+// step), against the copy. The first step is checked against the emulation.
+// Its tsv row has T = 1.
 //
 // --ablate adds, per shape, the times of the same program launched with
 // cuda::launch (no host-side checks: the host overhead of evaluate_into)
@@ -182,6 +190,78 @@ void ablate(cuda::program const& base, cuda::forward_args const& a, double full_
   }
 }
 
+// Decode steps (--decode): B sequences × H heads, D = M, bf16, from a state
+// holding `warm` earlier tokens. True when the first step matches the emulation.
+bool decode_steps(std::string const& text, double budget, double copy_bw, cudaStream_t stream, std::FILE* tsv) {
+  std::size_t b = 0, h = 0, d = 0;
+  if (std::sscanf(text.c_str(), "%zux%zux%zu", &b, &h, &d) != 3 || !b || !h || !d)
+    throw std::invalid_argument("cuda_forward: --decode is BxHxD, e.g. 64x32x128, or none; not '" + text + "'");
+  std::size_t const m = d, warm = 64;
+  shape4 const one{b, h, 1, d}, prompt{b, h, warm, d};
+  auto to = [&](shape4 s, std::uint64_t seed) {
+    auto bits = random_bf16(s[0] * s[1] * s[2] * s[3], seed);
+    cuda::tensor<cuda::bf16> t(s);
+    check(cudaMemcpy(t.data(), bits.data(), t.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
+    return std::pair{std::move(t), std::move(bits)};
+  };
+  auto [pq, hpq] = to(prompt, 11);
+  auto [pk, hpk] = to(prompt, 12);
+  auto [pv, hpv] = to(prompt, 13);
+  auto [q, hq] = to(one, 14);
+  auto [k, hk] = to(one, 15);
+  auto [v, hv] = to(one, 16);
+  cuda::tensor<cuda::bf16> po(prompt), o(one);
+  cuda::options const bf16{cuda::dtype::bf16, cuda::dtype::bf16};
+  auto rnn = cuda::recurrent(plan, b, h, bf16);
+  rnn.prefill_into(po.view(), stream, Q = pq, K = pk, V = pv);
+  rnn.step_into(o.view(), stream, Q = q, K = k, V = v);  // prepares (compiles, loads) the step kernel
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (first step)");
+
+  // The last (batch, head): its prompt and first step, emulated.
+  std::size_t const slice = b * h - 1;
+  lina::tensor<float> eq({1, 1, warm + 1, d}), ek({1, 1, warm + 1, d}), ev({1, 1, warm + 1, m});
+  for (std::size_t r = 0; r <= warm; ++r)
+    for (std::size_t c = 0; c < d; ++c) {
+      bool const last = r == warm;
+      std::size_t const at = last ? slice * d + c : (slice * warm + r) * d + c;
+      eq(0, 0, r, c) = cuda::from_bf16_bits(last ? hq[at] : hpq[at]);
+      ek(0, 0, r, c) = cuda::from_bf16_bits(last ? hk[at] : hpk[at]);
+      ev(0, 0, r, c) = cuda::from_bf16_bits(last ? hv[at] : hpv[at]);
+    }
+  auto want = cuda::emulate(plan, bf16, Q = eq, K = ek, V = ev);
+  std::vector<std::uint16_t> got(m);
+  check(cudaMemcpy(got.data(), o.data() + slice * m, m * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  double num = 0, den = 0;
+  for (std::size_t c = 0; c < m; ++c) {
+    double g = cuda::from_bf16_bits(got[c]), w = want(0, 0, warm, c);
+    num += (g - w) * (g - w);
+    den += w * w;
+  }
+  double const err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  bool const ok = err <= std::ldexp(1.0, -8);
+
+  auto step = [&] { rnn.step_into(o.view(), stream, Q = q, K = k, V = v); };
+  events first;
+  check(cudaEventRecord(first.start, stream), "cudaEventRecord");
+  step();
+  check(cudaEventRecord(first.stop, stream), "cudaEventRecord");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  int const reps = static_cast<int>(std::clamp(budget * 1e3 / std::max(double(first.ms()), 1e-3), 3.0, 200.0));
+  double const ms = time_launches(step, reps, stream);
+  double const state_bytes = double(b) * double(h) * double(d) * double(m + 1) * 4.0;
+  double const gbs = 2.0 * state_bytes / (ms * 1e-3) / 1e9;
+  fmt::print("\n## CUDA decode step: cuda::recurrent::step_into, causal elu+1, normalised, bf16 in and out, fp32 state\n\n");
+  fmt::print("| sequences | H | D = M | state MiB | reps | median µs per step | GB/s (state read + written) | of copy | "
+             "check (first step vs emulation) |\n|---|---|---|---|---|---|---|---|---|\n");
+  fmt::print("| {} | {} | {} | {:.1f} | {} | {:.1f} | {:.0f} | {:.1f} % | {:.1e} {} |\n", b, h, d, state_bytes / (1 << 20),
+             reps, ms * 1e3, gbs, 100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
+  fmt::print("\nfloor (the state read and written once at the copy's bandwidth): {:.1f} µs; a step takes {:.2f}× that\n",
+             2.0 * state_bytes / (copy_bw * 1e9) * 1e6, ms * 1e-3 / (2.0 * state_bytes / (copy_bw * 1e9)));
+  std::fflush(stdout);
+  if (tsv) std::fprintf(tsv, "%zu\t1\t%zu\t%zu\t%.6f\n", b, h, d, ms);
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -190,6 +270,7 @@ int main(int argc, char** argv) {
   std::string tsv;
   std::size_t check_rows = 2048, copy_mib = 2048;
   bool ablation = false;
+  std::string decode = "64x32x128";
   try {
     for (int i = 1; i < argc; ++i) {
       std::string_view a = argv[i];
@@ -198,12 +279,14 @@ int main(int argc, char** argv) {
         return argv[++i];
       };
       if (a == "--help") {
-        fmt::print("usage: cuda_forward [--shapes BxTxHxD,…] [--budget seconds per shape] [--tsv file] "
+        fmt::print("usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--budget seconds per shape] [--tsv file] "
                    "[--check-rows n] [--copy-mib m] [--ablate]\n");
         return 0;
       }
       if (a == "--shapes")
         shapes = parse_shapes(value());
+      else if (a == "--decode")
+        decode = value();
       else if (a == "--budget")
         budget = std::stod(std::string(value()));
       else if (a == "--tsv")
@@ -216,7 +299,7 @@ int main(int argc, char** argv) {
         ablation = true;
       else
         throw std::invalid_argument(fmt::format(
-            "cuda_forward: unknown argument {}; usage: cuda_forward [--shapes BxTxHxD,…] [--budget s] [--tsv file] "
+            "cuda_forward: unknown argument {}; usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--budget s] [--tsv file] "
             "[--check-rows n] [--copy-mib m] [--ablate]",
             a));
     }
@@ -320,6 +403,7 @@ int main(int argc, char** argv) {
         fmt::print("\n");
       }
     }
+    if (decode != "none") failures += decode_steps(decode, budget, copy_bw, stream, out) ? 0 : 1;
     if (out) std::fclose(out);
     cudaStreamDestroy(stream);
   } catch (std::exception const& e) {

@@ -2,7 +2,7 @@
 """flash-linear-attention's chunked linear attention at the shapes of
 bench/cuda_forward.cpp, for scripts/gpu-check to print lina's time next to it.
 
-    fla_forward.py [--shapes BxTxHxD,...] [--budget seconds] [--tsv file]
+    fla_forward.py [--shapes BxTxHxD,...] [--decode BxHxD|none] [--budget seconds] [--tsv file]
 
 Times fla.ops.linear_attn.chunk_linear_attn(q, k, v, scale=1, normalize=True)
 on bf16 tensors in fla's [B, T, H, D] layout (D = M), with CUDA events: the
@@ -10,6 +10,12 @@ median of repeated calls after three warm-up calls. The feature map (elu+1)
 is applied to q and k beforehand and not timed: fla's op takes mapped
 inputs, while lina's kernel applies the map itself — so the comparison
 slightly favours fla. fla normalises with eps = 1e-5, lina with 1e-6.
+
+--decode (default 64x32x128) also times one decode step of B sequences x H
+heads: fla.ops.linear_attn.fused_recurrent_linear_attn on one token per
+sequence ([B, 1, H, D]) from an fp32 state (kv [B, H, D, D], z [B, 1, H, D]),
+normalize=True, output_final_state=True: what lina's cuda::recurrent step
+does. Its tsv row has T = 1, as bench/cuda_forward's.
 
 Exits 3, printing why, when torch with CUDA or fla cannot be imported.
 """
@@ -22,6 +28,7 @@ import sys
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x8192x96x128,2x16384x16x128,8x2048x32x64,8x1024x8x64")
+    ap.add_argument("--decode", default="64x32x128")
     ap.add_argument("--budget", type=float, default=6.0, help="seconds of timed calls per shape, at most")
     ap.add_argument("--tsv", default="")
     args = ap.parse_args()
@@ -85,9 +92,62 @@ def main():
             tsv.flush()
         del q, k, v
         torch.cuda.empty_cache()
+    if args.decode != "none":
+        try:
+            decode(args, tsv, torch)
+        except Exception as e:  # noqa: BLE001 - the forward rows stand; say why the step has none
+            print(f"\nfla decode step: failed: {e}")
     if tsv:
         tsv.close()
     return 0
+
+
+def median_ms(f, budget, torch):
+    """Median ms of repeated calls of f between CUDA events, after three warm-up calls."""
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    f()
+    stop.record()
+    torch.cuda.synchronize()
+    reps = int(min(200, max(3, budget * 1e3 / max(start.elapsed_time(stop), 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in events:
+        s.record()
+        f()
+        e.record()
+    torch.cuda.synchronize()
+    return reps, statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def decode(args, tsv, torch):
+    from fla.ops.linear_attn import fused_recurrent_linear_attn
+    b, h, d = (int(x) for x in args.decode.split("x"))
+    g = torch.Generator(device="cuda").manual_seed(2)
+    def rand(*s, dtype=torch.bfloat16):
+        return torch.rand(*s, device="cuda", generator=g, dtype=torch.float32).mul_(2).sub_(1).to(dtype)
+    q = torch.nn.functional.elu(rand(b, 1, h, d)) + 1
+    k = torch.nn.functional.elu(rand(b, 1, h, d)) + 1
+    v = rand(b, 1, h, d)
+    kv = rand(b, h, d, d, dtype=torch.float32).abs_()
+    z = rand(b, 1, h, d, dtype=torch.float32).abs_().add_(1)
+    def step():
+        return fused_recurrent_linear_attn(q, k, v, scale=1.0, initial_state=(kv, z), output_final_state=True,
+                                           normalize=True)
+    reps, ms = median_ms(step, args.budget, torch)
+    state_bytes = b * h * d * (d + 1) * 4
+    print()
+    print("fla decode step: fused_recurrent_linear_attn(scale=1.0, initial_state=(kv, z), "
+          "output_final_state=True, normalize=True), one token per sequence")
+    print()
+    print("| sequences | H | D = M | reps | median µs per step (fla) | GB/s (state read + written) |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {b} | {h} | {d} | {reps} | {ms * 1e3:.1f} | {2 * state_bytes / (ms * 1e-3) / 1e9:.0f} |", flush=True)
+    if tsv:
+        tsv.write(f"{b}\t1\t{h}\t{d}\t{ms:.6f}\n")
+        tsv.flush()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -23,6 +24,7 @@
 #include <unistd.h>
 
 #include "support.hpp"
+#include "heap_counter.hpp"
 
 using namespace lina;
 
@@ -902,9 +904,17 @@ TEST_CASE("no device: device tensors, copies, evaluate and chained launches thro
   CHECK(copy.where() == cuda::memory::host);
   CHECK(copy.shape() == host.shape());
   CHECK(std::equal(host.data(), host.data() + host.size(), copy.data()));
-  // The kernel launcher itself says so too.
+  // Decoding: a prompt and a step on the device (one token: [1, 2, 1, ·]).
+  auto rnn = cuda::recurrent(plan, 1, 2);
+  cuda::device_view<float const> tq(fake.data(), {1, 2, 1, 4}), tv(fake.data(), {1, 2, 1, 3});
+  cuda::device_view<float> tout(fake.data(), {1, 2, 1, 3});
+  expect([&] { rnn.step_into(tout, nullptr, Q = tq, K = tq, V = tv); }, "cuda::recurrent::step_into");
+  expect([&] { rnn.prefill_into(dout, nullptr, Q = dq, K = dq, V = dv); }, "cuda::recurrent::prefill_into");
+  CHECK(!rnn.state().sized());
+  // The kernel launcher itself says so too, and a kernel cannot be prepared.
   cuda::forward_args a;
   expect([&] { cuda::launch(cuda::program_of(plan, {}, D = 4, M = 3), a); }, "launch");
+  expect([&] { cuda::prepared_kernel k(cuda::program_of(plan, {}, D = 4, M = 3)); }, "cuda::prepared_kernel");
 }
 
 namespace {
@@ -1024,4 +1034,178 @@ TEST_CASE("NVRTC on-disk cache: keyed by source and architecture, checked on rea
   CHECK(!cuda::compile_cached(src, p.kernel_name, "sm_90").from_cache);
   ::unsetenv("LINA_CUDA_CACHE");
   fs::remove_all(dir);
+}
+
+// ---- recurrent mode ------------------------------------------------------------------------
+namespace {
+// A prompt of p tokens, then one step per token, through cuda::recurrent in
+// host memory (the emulation of the chunked and the step kernels), against
+// one emulated pass, the CPU backend, and the CPU's state after all tokens.
+template <class Expr>
+void check_steps(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, bool positive = false) {
+  auto const plan = compile(expr);
+  auto const linear = compile<order::linear>(expr);
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    double worst = 0;
+    for (shape const& s : cases) {
+      auto q = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+      auto k = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+      if (positive)
+        for (auto* x : {&q, &k})
+          for (std::size_t i = 0; i < x->size(); ++i) x->data()[i] = std::abs(x->data()[i]);
+      q = rounded(q, dt);
+      k = rounded(k, dt);
+      auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      std::size_t const prompt = s.n < 2 ? 0 : r.in(0, s.n / 2);
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(prompt);
+      for (bool exact : {true, false}) {
+        cuda::options opt{dt, dt, exact};
+        if (!exact && dt == cuda::dtype::f32) continue;
+        auto rnn = cuda::recurrent(plan, s.b, s.h, opt, cuda::memory::host);
+        tensor<float> got({s.b, s.h, s.n, s.m});
+        rnn.prefill_into(rows_of(got, 0, prompt), Q = test::tokens(q, 0, prompt), K = test::tokens(k, 0, prompt),
+                         V = test::tokens(v, 0, prompt));
+        for (std::size_t t = prompt; t < s.n; ++t)
+          rnn.step_into(rows_of(got, t, t + 1), Q = test::tokens(q, t, t + 1), K = test::tokens(k, t, t + 1),
+                        V = test::tokens(v, t, t + 1));
+        auto exact_result = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
+        if (exact) {
+          auto once = cuda::emulate(linear, opt, Q = q, K = k, V = v);
+          auto cpu = cpu::evaluate(plan, Q = q, K = k, V = v);
+          double e_once = relative_rms(got, once), e_cpu = relative_rms(got, cpu);
+          CHECK(e_once <= tolerance(dt));
+          CHECK(e_cpu <= tolerance(dt));
+          cpu::state<float> cst;
+          cpu::evaluate(plan, cst, Q = q, K = k, V = v);
+          REQUIRE(rnn.state().shape() == cst[0].shape());
+          tensor<float> ours(rnn.state().shape()), theirs(cst[0].shape());
+          std::copy(rnn.state().data(), rnn.state().data() + rnn.state().size(), ours.data());
+          for (std::size_t i = 0; i < theirs.size(); ++i) theirs.data()[i] = cst[0].data()[i];
+          double e_state = relative_rms(ours, theirs);
+          CHECK(e_state <= 1e-5);
+          worst = std::max({worst, e_once / tolerance(dt), e_cpu / tolerance(dt), e_state / 1e-5});
+        } else {  // tensor-core products: within their rounding of the exact result
+          double bound = tolerance(dt) + rounding_bound(expr, dt, q, k, v, exact_result);
+          CAPTURE(bound);
+          CHECK(relative_rms(got, exact_result) <= bound);
+        }
+        // The step kernel: chained, T = 16, and it compiles.
+        auto spec = cuda::spec_of(linear, opt);
+        spec.d = s.d, spec.m = s.m, spec.chained = true, spec.step = true;
+        auto const p = cuda::program_of(spec);
+        CHECK(p.tiles.chunk == 16);
+        check_compiles(p);
+        // Reset: the sums are zero again and the next token starts a new sequence.
+        rnn.reset();
+        CHECK(std::all_of(rnn.state().data(), rnn.state().data() + rnn.state().size(), [](float x) { return x == 0.0f; }));
+        if (s.n > 0) {
+          auto first = rnn.step(Q = test::tokens(q, 0, 1), K = test::tokens(k, 0, 1), V = test::tokens(v, 0, 1));
+          auto alone = cuda::emulate(linear, opt, Q = test::tokens(q, 0, 1), K = test::tokens(k, 0, 1), V = test::tokens(v, 0, 1));
+          CHECK(relative_rms(first, alone) <= tolerance(dt));
+        }
+      }
+    }
+    MESSAGE(cuda::name_of(dt) << " steps: largest error / tolerance: " << worst);
+  }
+}
+}  // namespace
+
+TEST_CASE("recurrent: emulated prompt + steps = one pass = the CPU backend, and the same state") {
+  // Several M tiles (M > 64) share z; D ≠ M; a prompt of no tokens; N = 1.
+  std::vector<shape> const cases = {{1, 1, 1, 5, 3}, {2, 3, 20, 16, 8}, {1, 2, 12, 24, 100}, {2, 1, 40, 64, 64}};
+  check_steps(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 61, cases);
+  check_steps(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 62, cases);
+  check_steps(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 63, {{1, 2, 9, 6, 5}, {2, 1, 17, 12, 70}}, true);
+}
+
+TEST_CASE("recurrent: bad input is refused before anything runs, and the state survives") {
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  auto rnn = cuda::recurrent(plan, 2, 3, {}, cuda::memory::host);
+  auto q = tensor<float>::random({2, 3, 1, 8}, 1), v = tensor<float>::random({2, 3, 1, 4}, 2);
+  rnn.step(Q = q, K = q, V = v);
+  std::vector<float> before(rnn.state().data(), rnn.state().data() + rnn.state().size());
+  auto unchanged = [&] { return std::equal(before.begin(), before.end(), rnn.state().data()); };
+  auto two = tensor<float>::random({2, 3, 2, 8}, 3), two_v = tensor<float>::random({2, 3, 2, 4}, 4);
+  CHECK_THROWS_WITH_AS(rnn.step(Q = two, K = two, V = two_v), doctest::Contains("a step takes one token"), shape_error);
+  auto wide = tensor<float>::random({2, 3, 1, 9}, 5);
+  CHECK_THROWS_WITH_AS(rnn.step(Q = wide, K = wide, V = v), doctest::Contains("dimension D"), shape_error);
+  auto other_batch = tensor<float>::random({1, 3, 1, 8}, 6), other_v = tensor<float>::random({1, 3, 1, 4}, 7);
+  CHECK_THROWS_AS(rnn.step(Q = other_batch, K = other_batch, V = other_v), shape_error);
+  CHECK(unchanged());
+  // A state of another plan, or of another batch, is refused.
+  auto relu_rnn = cuda::recurrent(compile(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V), 2, 3, {}, cuda::memory::host);
+  CHECK_THROWS_AS(rnn.set_state(cuda::state(relu_rnn.plan(), 2, 3, cuda::memory::host)), state_error);
+  CHECK_THROWS_AS(rnn.set_state(cuda::state(rnn.plan(), 1, 3, cuda::memory::host)), state_error);
+  CHECK(unchanged());
+  // A host recurrent given device views, or a device one given host tensors at run time.
+  auto dev_rnn = cuda::recurrent(plan, 2, 3);  // device memory: without a GPU nothing runs
+  CHECK_THROWS_AS(dev_rnn.step(Q = q, K = q, V = v), std::invalid_argument);
+  // A saved state continues the sequence.
+  cuda::state saved = cuda::to_host(rnn.state());
+  auto next = rnn.step(Q = q, K = q, V = v);
+  rnn.set_state(std::move(saved));
+  auto again = rnn.step(Q = q, K = q, V = v);
+  CHECK(max_abs_diff(next, again) == 0.0);
+}
+
+// Steps launched on the device = the same steps emulated (state included),
+// and after the first a step allocates nothing on the host.
+TEST_CASE("device: recurrent steps = their emulation, and allocate nothing after the first") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  auto run = [&]<class E>(shape s, std::uint64_t seed) {
+    cuda::dtype const dt = dtype_for<E>();
+    CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
+    auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
+    auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
+    auto gpu = cuda::recurrent(plan, s.b, s.h, {dt, dt});
+    auto host = cuda::recurrent(plan, s.b, s.h, {dt, dt}, cuda::memory::host);
+    std::size_t const prompt = s.n / 2;
+    cuda::tensor<E> out({s.b, s.h, s.n, s.m});
+    tensor<float> want({s.b, s.h, s.n, s.m});
+    std::vector<cuda::tensor<E>> dq, dk, dv;  // every token's inputs, uploaded before the steps
+    for (std::size_t t = prompt; t < s.n; ++t) {
+      dq.push_back(cuda::to_device<E>(test::tokens(q, t, t + 1)));
+      dk.push_back(cuda::to_device<E>(test::tokens(k, t, t + 1)));
+      dv.push_back(cuda::to_device<E>(test::tokens(v, t, t + 1)));
+    }
+    auto pq = cuda::to_device<E>(test::tokens(q, 0, prompt)), pk = cuda::to_device<E>(test::tokens(k, 0, prompt)),
+         pv = cuda::to_device<E>(test::tokens(v, 0, prompt));
+    auto rows = [&](std::size_t from, std::size_t to) {
+      auto ov = out.view();
+      return cuda::device_view<E>(ov.data() + static_cast<std::ptrdiff_t>(from) * ov.strides()[2],
+                                  {s.b, s.h, to - from, s.m}, ov.strides());
+    };
+    gpu.prefill_into(rows(0, prompt), nullptr, Q = pq, K = pk, V = pv);
+    host.prefill_into(rows_of(want, 0, prompt), Q = test::tokens(q, 0, prompt), K = test::tokens(k, 0, prompt),
+                      V = test::tokens(v, 0, prompt));
+    std::size_t heap = 0;
+    for (std::size_t t = prompt; t < s.n; ++t) {
+      std::size_t const i = t - prompt;
+      test::heap_counter c;
+      gpu.step_into(rows(t, t + 1), nullptr, Q = dq[i], K = dk[i], V = dv[i]);
+      if (i > 0) heap += c.allocations();
+      host.step_into(rows_of(want, t, t + 1), Q = test::tokens(q, t, t + 1), K = test::tokens(k, t, t + 1),
+                     V = test::tokens(v, t, t + 1));
+    }
+    CHECK(heap == 0);
+    CHECK(relative_rms(cuda::to_host(out), want) <= (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
+    cuda::state back = cuda::to_host(gpu.state());
+    tensor<float> a(back.shape()), b(host.state().shape());
+    std::copy(back.data(), back.data() + back.size(), a.data());
+    std::copy(host.state().data(), host.state().data() + host.state().size(), b.data());
+    CHECK(relative_rms(a, b) <= 1e-6);
+    // Element types other than the recurrent's: refused before any launch.
+    auto f = cuda::to_device(test::tokens(q, 0, 1));
+    auto fv = cuda::to_device(test::tokens(v, 0, 1));
+    cuda::tensor<float> fo({s.b, s.h, 1, s.m});
+    if (dt != cuda::dtype::f32) CHECK_THROWS_AS(gpu.step_into(fo.view(), nullptr, Q = f, K = f, V = fv), std::invalid_argument);
+  };
+  for (shape s : {shape{2, 3, 9, 16, 8}, shape{1, 2, 40, 64, 64}, shape{2, 1, 20, 48, 130}}) {
+    run.template operator()<float>(s, 700);
+    run.template operator()<cuda::bf16>(s, 800);
+  }
 }

@@ -95,14 +95,13 @@ device_status require_device(std::string const& call) {
   return dev;
 }
 
-void launch(program const& p, forward_args const& args, void* stream) {
+namespace {
+// launch()'s checks before anything runs: false when there is nothing to launch.
+bool check_launch(program const& p, forward_args const& args, std::int64_t& blocks) {
   std::string const& name = p.kernel_name;
-  device_status dev = probe_device();
-  if (!dev.available) throw cuda_error("launch", name, unavailable(dev));
-
-  std::int64_t blocks = blocks_of(p, args);
+  blocks = blocks_of(p, args);
   if (blocks > 0x7fffffff) throw std::invalid_argument(fmt::format("lina::cuda: {} blocks is too many for kernel {}", blocks, name));
-  if (blocks == 0 || (args.n == 0 && !p.spec.chained)) return;
+  if (blocks == 0 || (args.n == 0 && !p.spec.chained)) return false;
   if (args.n > 0) {
     for (std::size_t s = 0; s < p.inputs.size(); ++s)
       check_device_pointer(args.in[s].data, ("input " + p.inputs[s].name).c_str(), name);
@@ -115,37 +114,70 @@ void launch(program const& p, forward_args const& args, void* stream) {
                 static_cast<std::int64_t>(features(p.spec.map_q, p.spec.d))))
       throw std::invalid_argument(fmt::format("lina::cuda: the state in and the state out of kernel {} overlap", name));
   }
+  return true;
+}
 
+// The kernel of p on this device: compiled, loaded and given its shared memory
+// the first time (kept per device, architecture and source; never unloaded).
+loaded load_kernel(program const& p, device_status const& dev) {
+  std::string const& name = p.kernel_name;
   std::size_t const smem = p.shared_bytes();
   int optin = 0;
   check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.device), "cudaDeviceGetAttribute", name);
   if (smem > static_cast<std::size_t>(optin))
     throw std::invalid_argument(fmt::format("lina::cuda: kernel {} needs {} bytes of shared memory; device {} allows {}",
                                             name, smem, dev.device, optin));
-
-  loaded k;
-  {
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    std::string source = emit(p);
-    auto key = std::make_tuple(dev.device, dev.arch, source);
-    auto it = cache().find(key);
-    if (it == cache().end()) {
-      compiled_kernel c = compile_cached(source, name, dev.arch);
-      check(cudaLibraryLoadData(&k.library, c.image.data(), nullptr, nullptr, 0, nullptr, nullptr, 0),
-            "cudaLibraryLoadData", name);
-      check(cudaLibraryGetKernel(&k.kernel, k.library, name.c_str()), "cudaLibraryGetKernel", name);
-      check(cudaKernelSetAttributeForDevice(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem), dev.device),
-            "cudaKernelSetAttributeForDevice", name);
-      it = cache().emplace(key, k).first;
-    }
-    k = it->second;
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  std::string source = emit(p);
+  auto key = std::make_tuple(dev.device, dev.arch, source);
+  auto it = cache().find(key);
+  if (it == cache().end()) {
+    loaded k;
+    compiled_kernel c = compile_cached(source, name, dev.arch);
+    check(cudaLibraryLoadData(&k.library, c.image.data(), nullptr, nullptr, 0, nullptr, nullptr, 0),
+          "cudaLibraryLoadData", name);
+    check(cudaLibraryGetKernel(&k.kernel, k.library, name.c_str()), "cudaLibraryGetKernel", name);
+    check(cudaKernelSetAttributeForDevice(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem),
+                                          dev.device),
+          "cudaKernelSetAttributeForDevice", name);
+    it = cache().emplace(key, k).first;
   }
+  return it->second;
+}
+
+void launch_loaded(cudaKernel_t kernel, program const& p, forward_args const& args, std::int64_t blocks, void* stream) {
   forward_args a = args;
   void* params[] = {&a};
-  check(cudaLaunchKernel(reinterpret_cast<void const*>(k.kernel), dim3(static_cast<unsigned>(blocks)),
-                         dim3(static_cast<unsigned>(p.tiles.threads)), params, smem, static_cast<cudaStream_t>(stream)),
-        "cudaLaunchKernel", name);
+  check(cudaLaunchKernel(reinterpret_cast<void const*>(kernel), dim3(static_cast<unsigned>(blocks)),
+                         dim3(static_cast<unsigned>(p.tiles.threads)), params, p.shared_bytes(),
+                         static_cast<cudaStream_t>(stream)),
+        "cudaLaunchKernel", p.kernel_name);
+}
+}  // namespace
+
+void launch(program const& p, forward_args const& args, void* stream) {
+  device_status dev = probe_device();
+  if (!dev.available) throw cuda_error("launch", p.kernel_name, unavailable(dev));
+  std::int64_t blocks = 0;
+  if (!check_launch(p, args, blocks)) return;
+  launch_loaded(load_kernel(p, dev).kernel, p, args, blocks, stream);
+}
+
+prepared_kernel::prepared_kernel(program p) : p_(std::move(p)) {
+  device_status dev = require_device("cuda::prepared_kernel");
+  kernel_ = reinterpret_cast<void const*>(load_kernel(p_, dev).kernel);
+  device_ = dev.device;
+}
+
+void prepared_kernel::launch(forward_args const& args, void* stream) const {
+  int current = -1;
+  check(cudaGetDevice(&current), "cudaGetDevice", p_.kernel_name);
+  if (current != device_)
+    throw std::invalid_argument(fmt::format("lina::cuda: kernel {} was prepared for device {}; the current device is {}",
+                                            p_.kernel_name, device_, current));
+  std::int64_t blocks = 0;
+  if (!check_launch(p_, args, blocks)) return;
+  launch_loaded(reinterpret_cast<cudaKernel_t>(const_cast<void*>(kernel_)), p_, args, blocks, stream);
 }
 
 device_buffer::device_buffer(std::size_t bytes, std::string const& call) : bytes_(bytes) {

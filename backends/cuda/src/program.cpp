@@ -248,6 +248,7 @@ tile_config choose_tiles(attention_spec const& s) {
   constexpr int order[][2] = {{64, 64}, {64, 32}, {32, 64}, {32, 32}, {16, 64}, {16, 32},
                               {64, 16}, {32, 16}, {16, 16}, {64, 8},  {32, 8},  {16, 8}};
   for (auto const& [t, tm] : order) {
+    if (s.step && t != 16) continue;
     std::size_t use = std::min(static_cast<std::size_t>(tm), s.m);
     tile_config const c{t, static_cast<int>(use), 256};
     if (lay_out(s, c).shared_bytes() <= shared_memory_budget) return c;
@@ -263,6 +264,8 @@ program program_of(attention_spec const& s) {
     throw std::invalid_argument(
         "lina::cuda: only a causal attention carries a state from one evaluation to the next: every row of a "
         "non-causal one reads the whole sequence, so it has no running state");
+  if (s.step && !s.chained)
+    throw std::invalid_argument("lina::cuda: a step program continues a state: make its spec chained");
   if (features(s.map_q, s.d) != features(s.map_k, s.d))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   return lay_out(s, choose_tiles(s));

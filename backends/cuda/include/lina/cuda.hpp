@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -524,6 +525,10 @@ class state : public state_info {
   // state on `stream`. Nothing changes when a check or an allocation throws.
   template <class L, class Bound>
   void prepare(L const& linear, Bound const& in, void* stream, std::string const& call) {
+    if (sized()) {  // checks only (and no copy: a decode step allocates nothing)
+      state_info::prepare(linear, in);
+      return;
+    }
     state_info info = *this;
     if (info.prepare(linear, in)) {
       std::size_t const n = in.batch * in.heads * info.scan(0).a * info.scan(0).b;
@@ -606,19 +611,31 @@ inline operand operand_of(tensor_view<float const> const& v, dtype t, std::vecto
   return o;
 }
 
-// The emulated kernel of `plan` (checked: lowerable) on bound host inputs,
-// into `out` (its shape already checked); chained through `st` when given.
+// The spec of plan at the bound extents and element types.
 template <class Plan, class Bound>
-void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound const& in, state* st) {
-  static_assert(std::is_same_v<typename Bound::value_type, float>,
-                "lina::cuda::emulate: bind float tensors (the kernels read fp32, fp16 or bf16; see options)");
+attention_spec bound_spec(Plan const& plan, options opt, Bound const& in) {
   using F = forward_plan<Plan>;
   attention_spec s = spec_of(plan, opt);
   if constexpr (F::ok) {
-    shape4 const want = out.shape();
     s.d = static_cast<std::size_t>(F::q::input::cols::extent(in.table));
     s.m = static_cast<std::size_t>(F::v::input::cols::extent(in.table));
+  }
+  return s;
+}
+
+// The emulated kernel of `plan` (checked: lowerable) on bound host inputs,
+// into `out` (its shape already checked); chained through `st` when given.
+// A step (cuda::recurrent) runs the step-sized kernel, T = 16.
+template <class Plan, class Bound>
+void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound const& in, state* st, bool step = false) {
+  static_assert(std::is_same_v<typename Bound::value_type, float>,
+                "lina::cuda::emulate: bind float tensors (the kernels read fp32, fp16 or bf16; see options)");
+  using F = forward_plan<Plan>;
+  if constexpr (F::ok) {
+    shape4 const want = out.shape();
+    attention_spec s = bound_spec(plan, opt, in);
     s.chained = st != nullptr;
+    s.step = step;
     program p = program_of(s);
     std::vector<std::uint16_t> stores[3];
     forward_args a;
@@ -743,24 +760,29 @@ operand device_operand(View const& v) {
 
 // The launch of `plan`'s kernel on bound device inputs into `out` (shape
 // checked), chained through `st` when given (checked and sized).
+// The kernel arguments of a lowerable plan F on bound device inputs, into `out`.
+template <class F, class O, class Bound>
+forward_args device_args(device_view<O> out, Bound const& in) {
+  forward_args a;
+  a.in[0] = device_operand(in.views[Bound::template input_index<typename F::q::input>()]);
+  a.in[1] = device_operand(in.views[Bound::template input_index<typename F::k::input>()]);
+  a.in[2] = device_operand(in.views[Bound::template input_index<typename F::v::input>()]);
+  a.out = device_operand(out);
+  a.batch = static_cast<std::int64_t>(in.batch);
+  a.heads = static_cast<std::int64_t>(in.heads);
+  a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
+  return a;
+}
+
 template <class Plan, class O, class Bound>
 void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* st, void* stream, char const* call) {
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using F = forward_plan<Plan>;
   using T = typename Bound::value_type;
-  attention_spec s = spec_of(plan, options{dtype_of<T>, dtype_of<O>});
   if constexpr (F::ok && is_device_view<typename Bound::view_type>) {
-    s.d = static_cast<std::size_t>(F::q::input::cols::extent(in.table));
-    s.m = static_cast<std::size_t>(F::v::input::cols::extent(in.table));
+    attention_spec s = bound_spec(plan, options{dtype_of<T>, dtype_of<O>}, in);
     s.chained = st != nullptr;
-    forward_args a;
-    a.in[0] = device_operand(in.views[Bound::template input_index<typename F::q::input>()]);
-    a.in[1] = device_operand(in.views[Bound::template input_index<typename F::k::input>()]);
-    a.in[2] = device_operand(in.views[Bound::template input_index<typename F::v::input>()]);
-    a.out = device_operand(out);
-    a.batch = static_cast<std::int64_t>(in.batch);
-    a.heads = static_cast<std::int64_t>(in.heads);
-    a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
+    forward_args a = device_args<F>(out, in);
     program const p = program_of(s);
     require_device(call);
     if (st) {
@@ -836,6 +858,187 @@ auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
   tensor<O> out(result_shape<L>(in), "cuda::evaluate");
   evaluate_into(plan, out.view(), st, stream, bindings...);
   return out;
+}
+
+// ---- recurrent mode: decoding one token at a time -----------------------------------------
+// A causal plan run token by token on this backend (cpu::recurrent's
+// counterpart): the paper's RNN, at constant cost per token.
+//
+//   auto rnn = cuda::recurrent(plan, B, H, {cuda::dtype::bf16, cuda::dtype::bf16});  // device state
+//   rnn.prefill_into(out, stream, Q = q, K = k, V = v);     // a prompt of any length
+//   rnn.step_into(out1, stream, Q = q1, K = k1, V = v1);    // one token per sequence: [B, H, 1, ·]
+//
+// Both continue one cuda::state, so any mix of prompts and steps gives what
+// one evaluation of all the tokens gives. The B sequences may stand at
+// different positions: the running sums do not depend on the position. A
+// prompt runs the chunked kernel (T = 64 where it fits), a step the
+// step-sized one (T = 16: one row is read, so the shorter chunk frees shared
+// memory for more blocks per SM), both generated from the plan; every (batch,
+// head, M tile) is a block of one launch.
+//
+// In device memory (the default) the views bound must hold the element types
+// the options name (else std::invalid_argument before any launch); the step
+// kernel is compiled and loaded at the first step (prepared_kernel), so after
+// it a step emits, compiles and allocates nothing on the host: it checks the
+// shapes and the pointers and launches. The state keeps its sums in two
+// buffers and each step reads one and writes the other (cuda::state): the
+// same bytes as an update in place, which the blocks of one (batch, head)
+// cannot do safely when M spans several tiles (they share z).
+// In host memory (memory::host) both run through the host emulation of the
+// same kernels, on float tensors read as the options' input type.
+template <class L>
+class rnn {
+ public:
+  rnn(L plan, std::size_t batch, std::size_t heads, options opt, memory where)
+      : plan_(plan), opt_(opt), state_(plan_, batch, heads, where) {}
+
+  // One token per sequence, every input [B, H, 1, ·], into out [B, H, 1, M]:
+  // on the device (device views, on `stream`) ...
+  template <class O, class... B>
+    requires(is_binding<B> && ...)
+  void step_into(device_view<O> out, void* stream, B const&... bindings) {
+    run_on_device(out, stream, true, "cuda::recurrent::step_into", bindings...);
+  }
+  // ... or through the host emulation (float tensors; a host state).
+  template <class... B>
+    requires(is_binding<B> && ...)
+  void step_into(tensor_view<float> out, B const&... bindings) {
+    run_on_host(out, true, "cuda::recurrent::step_into", bindings...);
+  }
+  // The same into a new tensor: a cuda::tensor of the output type on the
+  // device, a float tensor on the host.
+  template <class... B>
+    requires(is_binding<B> && ...)
+  auto step(void* stream, B const&... bindings) {
+    auto in = bind<L>(bindings...);
+    tensor<typename decltype(in)::value_type> out(result_shape<L>(in), "cuda::recurrent::step");
+    step_into(out.view(), stream, bindings...);
+    return out;
+  }
+  template <class... B>
+    requires(is_binding<B> && ...)
+  lina::tensor<float> step(B const&... bindings) {
+    auto in = bind<L>(bindings...);
+    lina::tensor<float> out(result_shape<L>(in));
+    step_into(out.view(), bindings...);
+    return out;
+  }
+
+  // A block of tokens of any length (a prompt), into out [B, H, N, M].
+  template <class O, class... B>
+    requires(is_binding<B> && ...)
+  void prefill_into(device_view<O> out, void* stream, B const&... bindings) {
+    run_on_device(out, stream, false, "cuda::recurrent::prefill_into", bindings...);
+  }
+  template <class... B>
+    requires(is_binding<B> && ...)
+  void prefill_into(tensor_view<float> out, B const&... bindings) {
+    run_on_host(out, false, "cuda::recurrent::prefill_into", bindings...);
+  }
+
+  // Zero the running sums (on `stream` for a device state), as if no token had been seen.
+  void reset(void* stream = nullptr) { state_.reset(stream); }
+  lina::cuda::state const& state() const noexcept { return state_; }
+  lina::cuda::state& state() noexcept { return state_; }
+  // Restore a saved state (cuda::to_device / to_host of another one): it must
+  // come from this plan, batch and heads (state_error, shape_error otherwise).
+  void set_state(lina::cuda::state s) {
+    s.check_replaces(state_);
+    if (s.where() != state_.where())
+      throw std::invalid_argument(
+          "lina::cuda::recurrent::set_state: the state is in the other memory; copy it with cuda::to_device or "
+          "cuda::to_host");
+    state_ = std::move(s);
+  }
+  L const& plan() const noexcept { return plan_; }
+  options const& element_types() const noexcept { return opt_; }
+
+ private:
+  using F = detail::forward_plan<L>;
+
+  template <class Bound>
+  static void check_one_token(Bound const& in) {
+    using seq = scanned_dim<L>;
+    constexpr std::size_t k = Bound::table_type::template index_of<seq>();
+    if (in.table.value[k] != 1)
+      throw shape_error(in.table.bound_by[k], seq::label(), in.table.value[k], 1, "(a step takes one token)");
+  }
+
+  template <class... B>
+  void run_on_host(tensor_view<float> out, bool step, char const* call, B const&... bindings) {
+    auto in = bind<L>(bindings...);
+    check_result_shape<L>(out.shape(), in);
+    if (step) check_one_token(in);
+    if (state_.where() != memory::host)
+      throw std::invalid_argument(std::string("lina::") + call +
+                                  ": the state is in device memory; bind device views and give a stream, or make the "
+                                  "recurrent with cuda::memory::host");
+    state_.prepare(plan_, in, nullptr, call);
+    detail::emulate_bound(plan_, opt_, out, in, &state_, step);
+  }
+
+  template <class O, class... B>
+  void run_on_device(device_view<O> out, void* stream, bool step, char const* call, B const&... bindings) {
+    static_assert(!std::is_const_v<O>, "lina::cuda::recurrent: the output view must be writable");
+    auto in = bind<L>(bindings...);
+    using Bound = decltype(in);
+    static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
+    if constexpr (is_device_view<typename Bound::view_type>) {
+      check_result_shape<L>(out.shape(), in);
+      if (step) check_one_token(in);
+      if (state_.where() != memory::device)
+        throw std::invalid_argument(std::string("lina::") + call +
+                                    ": the state is in host memory; bind float host tensors (the emulation), or make "
+                                    "the recurrent with cuda::memory::device");
+      using T = typename Bound::value_type;
+      if (dtype_of<T> != opt_.in || dtype_of<O> != opt_.out)
+        throw std::invalid_argument(std::string("lina::") + call + ": the inputs are " +
+                                    std::string(name_of(dtype_of<T>)) + " and the output " +
+                                    std::string(name_of(dtype_of<O>)) + "; this recurrent was made for " +
+                                    std::string(name_of(opt_.in)) + " inputs and a " + std::string(name_of(opt_.out)) +
+                                    " output");
+      require_device(call);
+      state_.prepare(plan_, in, stream, call);
+      forward_args a = detail::device_args<F>(out, in);
+      a.state_in = state_.kernel_in();
+      a.state_out = state_.kernel_out();
+      if (!step) {
+        attention_spec s = detail::bound_spec(plan_, opt_, in);
+        s.chained = true;
+        launch(program_of(s), a, stream);
+      } else {
+        std::size_t const d = static_cast<std::size_t>(F::q::input::cols::extent(in.table));
+        std::size_t const m = static_cast<std::size_t>(F::v::input::cols::extent(in.table));
+        if (!kernel_ || kernel_->prog().spec.d != d || kernel_->prog().spec.m != m) {  // the first step
+          attention_spec s = detail::bound_spec(plan_, opt_, in);
+          s.chained = true;
+          s.step = true;
+          kernel_.emplace(program_of(s));
+        }
+        kernel_->launch(a, stream);
+      }
+      state_.flip();
+    }
+  }
+
+  L plan_;
+  options opt_;
+  lina::cuda::state state_;
+  std::optional<prepared_kernel> kernel_;
+};
+
+// recurrent(plan, B, H, options, memory): the plan's linear form as an RNN
+// over B × H sequences, from zero sums; its state in device memory (launches)
+// or host memory (the emulation). A plan without a running state (non-causal,
+// quadratic) is the compile error it is on the CPU.
+template <class Plan>
+  requires is_node<Plan>
+auto recurrent(Plan const& plan, std::size_t batch, std::size_t heads, options opt = {},
+               memory where = memory::device) {
+  auto linear = longest_branch(plan);
+  using L = decltype(linear);
+  static_assert(detail::chainable<L>() || true);
+  return rnn<L>(linear, batch, heads, opt, where);
 }
 
 }  // namespace lina::cuda

@@ -53,6 +53,25 @@ device_status require_device(std::string const& call);
 // the program is chained (then the kernel copies state_in to state_out).
 void launch(program const& p, forward_args const& args, void* stream = nullptr);
 
+// A program's kernel compiled (NVRTC, through the on-disk cache) and loaded
+// once for the current device, then launched any number of times with nothing
+// on the host but launch()'s checks and the launch: no source emitted, no
+// lookup, no allocation (cuda::recurrent's decode steps). Needs a device:
+// cuda_error naming cuda::prepared_kernel otherwise; std::invalid_argument
+// when the program's shared memory exceeds what the device allows.
+class prepared_kernel {
+ public:
+  explicit prepared_kernel(program p);
+  program const& prog() const noexcept { return p_; }
+  // What launch(p, args, stream) checks and does, with the kernel at hand.
+  void launch(forward_args const& args, void* stream = nullptr) const;
+
+ private:
+  program p_;
+  void const* kernel_ = nullptr;  // cudaKernel_t
+  int device_ = -1;
+};
+
 // Device memory: a buffer of bytes (what cuda::tensor and cuda::state hold).
 class device_buffer {
  public:

@@ -96,6 +96,7 @@ struct attention_spec {
   std::size_t d = 0, m = 0; // columns of Q and K (D), of V and the output (M)
   dtype in = dtype::f32, out = dtype::f32;
   bool chained = false;     // causal only: the scan starts from state_in and leaves its sums in state_out
+  bool step = false;        // sized for a token or a few per launch (cuda::recurrent): the short chunk, T = 16
   bool exact_products = false;  // fp32 FMA products even for 16-bit inputs (else precision_for(in))
   std::string q_name = "Q", k_name = "K", v_name = "V";  // the plan's input symbols
   std::string description;  // the plan as the user's program printed it (messages)
@@ -113,8 +114,10 @@ struct tile_config {
 // block (sm_90: 227 KiB); 160 KiB fits both targets.
 inline constexpr std::size_t shared_memory_budget = 160 * 1024;
 
-// T = 64 when the tiles fit, else 32, then 16; the M tile is min(M, 64) (or
-// smaller when needed). Throws std::invalid_argument when nothing fits.
+// T = 64 when the tiles fit, else 32, then 16 (always 16 for a step spec: a
+// decode step reads one row, and a short chunk leaves more shared memory to
+// other blocks); the M tile is min(M, 64) (or smaller when needed). Throws
+// std::invalid_argument when nothing fits.
 tile_config choose_tiles(attention_spec const& s);
 
 // How a product multiplies (see the semantics above). 16-bit programs use the
