@@ -8,8 +8,16 @@
 // result is checked against the host emulation on the first rows of one
 // (batch, head), so a fast wrong kernel does not pass for a benchmark.
 //
-//   cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--budget seconds] [--tsv file] [--check-rows n]
+//   cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget seconds] [--tsv file] [--check-rows n]
 //                [--copy-mib m] [--ablate]
+//
+// Per shape also the backward (--no-backward skips it): the generated backward
+// kernel (cuda::backward_program_of) launched on preallocated ∂Q, ∂K, ∂V (bf16)
+// and its fp32 scratch rows, timed the same way; forward + backward against the
+// floor of reading q, k, v, ∂o (twice: forward and backward) and writing o,
+// ∂q, ∂k, ∂v once, bf16 (11 tensors of the input's size: the anchors' arithmetic), and ∂Q of the first
+// rows of one (batch, head) checked against the emulation (∂Q of a row depends on
+// earlier rows alone). Its tsv row has its ms in a sixth column.
 //
 // --decode BxHxD (default 64x32x128; "none" skips it) times decode steps:
 // cuda::recurrent's step_into for B sequences × H heads at D = M, bf16 in and
@@ -190,6 +198,74 @@ void ablate(cuda::program const& base, cuda::forward_args const& a, double full_
   }
 }
 
+// The backward of one shape: its kernel launched on preallocated gradients,
+// timed like the forward; prints a row. True when ∂Q's first rows of the last
+// (batch, head) match the emulation.
+bool time_backward(shape const& s, std::vector<std::uint16_t> const& hq, std::vector<std::uint16_t> const& hk,
+                   std::vector<std::uint16_t> const& hv, cuda::tensor<cuda::bf16> const& q, cuda::tensor<cuda::bf16> const& k,
+                   cuda::tensor<cuda::bf16> const& v, double fwd_ms, double copy_bw, double budget, std::size_t check_rows,
+                   cudaStream_t stream, double* ms_out) {
+  std::size_t const m = s.d;
+  shape4 const sq{s.b, s.h, s.t, s.d}, sv{s.b, s.h, s.t, m};
+  auto hd = random_bf16(s.b * s.h * s.t * m, 99);
+  cuda::tensor<cuda::bf16> dout(sv), gq(sq), gk(sq), gv(sv);
+  cuda::tensor<float> scratch({s.b, s.h, s.t, m + 1});
+  check(cudaMemcpy(dout.data(), hd.data(), dout.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
+  auto spec = cuda::spec_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16});
+  spec.d = s.d, spec.m = m;
+  cuda::program const p = cuda::backward_program_of(spec);
+  cuda::forward_args a;
+  a.in[0] = cuda::detail::device_operand(q.view());
+  a.in[1] = cuda::detail::device_operand(k.view());
+  a.in[2] = cuda::detail::device_operand(v.view());
+  a.in[3] = cuda::detail::device_operand(dout.view());
+  a.out = cuda::detail::device_operand(gq.view());
+  a.extra[0] = cuda::detail::device_operand(gk.view());
+  a.extra[1] = cuda::detail::device_operand(gv.view());
+  a.extra[2] = cuda::detail::device_operand(scratch.view());
+  a.batch = static_cast<std::int64_t>(s.b), a.heads = static_cast<std::int64_t>(s.h), a.n = static_cast<std::int64_t>(s.t);
+  auto launch = [&] { cuda::launch(p, a, stream); };
+  launch();
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (first backward)");
+  events one;
+  check(cudaEventRecord(one.start, stream), "cudaEventRecord");
+  launch();
+  check(cudaEventRecord(one.stop, stream), "cudaEventRecord");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  int const reps = static_cast<int>(std::clamp(budget * 1e3 / std::max(double(one.ms()), 1e-3), 3.0, 50.0));
+  double const ms = time_launches(launch, reps, stream);
+  *ms_out = ms;
+
+  // ∂Q of the first rows of the last (batch, head): they depend on those rows alone.
+  std::size_t const rows = std::min(check_rows, s.t), slice = s.b * s.h - 1;
+  lina::tensor<float> cq({1, 1, rows, s.d}), ck({1, 1, rows, s.d}), cv({1, 1, rows, m}), cd({1, 1, rows, m});
+  for (std::size_t i = 0; i < rows * s.d; ++i) {
+    cq.data()[i] = cuda::from_bf16_bits(hq[slice * s.t * s.d + i]);
+    ck.data()[i] = cuda::from_bf16_bits(hk[slice * s.t * s.d + i]);
+  }
+  for (std::size_t i = 0; i < rows * m; ++i) {
+    cv.data()[i] = cuda::from_bf16_bits(hv[slice * s.t * m + i]);
+    cd.data()[i] = cuda::from_bf16_bits(hd[slice * s.t * m + i]);
+  }
+  auto want = cuda::emulate_gradient(plan, {cuda::dtype::bf16, cuda::dtype::bf16}, cd, Q = cq, K = ck, V = cv);
+  std::vector<std::uint16_t> got(rows * s.d);
+  check(cudaMemcpy(got.data(), gq.data() + slice * s.t * s.d, got.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    double g = cuda::from_bf16_bits(got[i]), w = want[Q].data()[i];
+    num += (g - w) * (g - w);
+    den += w * w;
+  }
+  double const err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  bool const ok = err <= std::ldexp(1.0, -8);
+  double const bytes = 11.0 * 2.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d);  // D = M
+  double const gbs = bytes / ((fwd_ms + ms) * 1e-3) / 1e9;
+  fmt::print("| ↳ backward | | | | {} | {} | {} | {:.3f} (fwd+bwd {:.3f}) | | {:.0f} (fwd+bwd floor bytes) | {:.1f} % | ∂Q {:.1e} {} |\n",
+             p.kernel_name, p.tiles.chunk, reps, ms, fwd_ms + ms, gbs, 100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
+  std::fflush(stdout);
+  return ok;
+}
+
 // Decode steps (--decode): B sequences × H heads, D = M, bf16, from a state
 // holding `warm` earlier tokens. True when the first step matches the emulation.
 bool decode_steps(std::string const& text, double budget, double copy_bw, cudaStream_t stream, std::FILE* tsv) {
@@ -271,6 +347,7 @@ int main(int argc, char** argv) {
   std::size_t check_rows = 2048, copy_mib = 2048;
   bool ablation = false;
   std::string decode = "64x32x128";
+  bool backward = true;
   try {
     for (int i = 1; i < argc; ++i) {
       std::string_view a = argv[i];
@@ -279,7 +356,7 @@ int main(int argc, char** argv) {
         return argv[++i];
       };
       if (a == "--help") {
-        fmt::print("usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--budget seconds per shape] [--tsv file] "
+        fmt::print("usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget seconds per shape] [--tsv file] "
                    "[--check-rows n] [--copy-mib m] [--ablate]\n");
         return 0;
       }
@@ -287,6 +364,8 @@ int main(int argc, char** argv) {
         shapes = parse_shapes(value());
       else if (a == "--decode")
         decode = value();
+      else if (a == "--no-backward")
+        backward = false;
       else if (a == "--budget")
         budget = std::stod(std::string(value()));
       else if (a == "--tsv")
@@ -299,7 +378,7 @@ int main(int argc, char** argv) {
         ablation = true;
       else
         throw std::invalid_argument(fmt::format(
-            "cuda_forward: unknown argument {}; usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--budget s] [--tsv file] "
+            "cuda_forward: unknown argument {}; usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget s] [--tsv file] "
             "[--check-rows n] [--copy-mib m] [--ablate]",
             a));
     }
@@ -391,7 +470,17 @@ int main(int argc, char** argv) {
                  s.d, program.kernel_name, program.tiles.chunk, reps, ms, flops / (ms * 1e-3) / 1e12, gbs,
                  100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
       std::fflush(stdout);
-      if (out) std::fprintf(out, "%zu\t%zu\t%zu\t%zu\t%.6f\n", s.b, s.t, s.h, s.d, ms);
+      double bwd_ms = 0;
+      if (backward) {
+        bool const bwd_ok = time_backward(s, hq, hk, hv, q, k, v, ms, copy_bw, budget, check_rows, stream, &bwd_ms);
+        failures += bwd_ok ? 0 : 1;
+      }
+      if (out) {
+        if (backward)
+          std::fprintf(out, "%zu\t%zu\t%zu\t%zu\t%.6f\t%.6f\n", s.b, s.t, s.h, s.d, ms, bwd_ms);
+        else
+          std::fprintf(out, "%zu\t%zu\t%zu\t%zu\t%.6f\n", s.b, s.t, s.h, s.d, ms);
+      }
       if (ablation) {
         cuda::forward_args a;
         a.in[0] = cuda::detail::device_operand(q.view());

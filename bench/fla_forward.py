@@ -2,7 +2,11 @@
 """flash-linear-attention's chunked linear attention at the shapes of
 bench/cuda_forward.cpp, for scripts/gpu-check to print lina's time next to it.
 
-    fla_forward.py [--shapes BxTxHxD,...] [--decode BxHxD|none] [--budget seconds] [--tsv file]
+    fla_forward.py [--shapes BxTxHxD,...] [--decode BxHxD|none] [--no-backward] [--budget seconds] [--tsv file]
+
+Per shape also forward + backward (unless --no-backward): autograd through
+chunk_linear_attn with the mapped q, k and v as leaves and a random ∂o, timed
+as one call; its ms go in the tsv's sixth column.
 
 Times fla.ops.linear_attn.chunk_linear_attn(q, k, v, scale=1, normalize=True)
 on bf16 tensors in fla's [B, T, H, D] layout (D = M), with CUDA events: the
@@ -29,6 +33,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x8192x96x128,2x16384x16x128,8x2048x32x64,8x1024x8x64")
     ap.add_argument("--decode", default="64x32x128")
+    ap.add_argument("--no-backward", dest="backward", action="store_false",
+                    help="skip forward + backward (autograd through chunk_linear_attn)")
     ap.add_argument("--budget", type=float, default=6.0, help="seconds of timed calls per shape, at most")
     ap.add_argument("--tsv", default="")
     args = ap.parse_args()
@@ -57,8 +63,8 @@ def main():
     print(f"fla {getattr(fla, '__version__', '?')}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}: chunk_linear_attn({', '.join(f'{k}={v}' for k, v in kwargs.items())})")
     print()
-    print("| B | T | H | D = M | reps | median ms (fla) | TFLOP/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| B | T | H | D = M | reps | median ms (fla) | TFLOP/s |" + (" fwd+bwd ms (fla) |" if args.backward else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if args.backward else ""))
     tsv = open(args.tsv, "w") if args.tsv else None  # a row per shape as it finishes: a timeout keeps the done ones
     for text in args.shapes.split(","):
         b, t, h, d = (int(x) for x in text.split("x"))
@@ -86,9 +92,18 @@ def main():
         torch.cuda.synchronize()
         ms = statistics.median(s.elapsed_time(e) for s, e in events)
         flops = 4.0 * b * h * t * d * d
-        print(f"| {b} | {t} | {h} | {d} | {reps} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.2f} |", flush=True)
+        both = ""
+        if args.backward:  # forward + backward through autograd, the map's inputs as leaves
+            ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+            do = rand(b, t, h, d)
+            def train():
+                torch.autograd.backward(chunk_linear_attn(ql, kl, vl, **kwargs)[0], do)
+            _, both_ms = median_ms(train, args.budget, torch)
+            both = f" {both_ms:.3f} |"
+            del ql, kl, vl, do
+        print(f"| {b} | {t} | {h} | {d} | {reps} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.2f} |{both}", flush=True)
         if tsv:
-            tsv.write(f"{b}\t{t}\t{h}\t{d}\t{ms:.6f}\n")
+            tsv.write(f"{b}\t{t}\t{h}\t{d}\t{ms:.6f}" + (f"\t{both_ms:.6f}" if args.backward else "") + "\n")
             tsv.flush()
         del q, k, v
         torch.cuda.empty_cache()

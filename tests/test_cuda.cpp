@@ -621,6 +621,10 @@ TEST_CASE("golden: the emitted sources of a few small plans") {
   check_golden(chained_program(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Qs) * transpose(phi<elu_plus_one>(Ks)))) * Vs),
                                {cuda::dtype::bf16, cuda::dtype::bf16}, 16, 8),
                "cuda_causal_elu1_d16_m8_bf16_state.cu");
+  // Backward: a forward pass (rows again, rowdiv's adjoint, ∂Q) and a reverse pass (∂K, ∂V).
+  auto spec = cuda::spec_of(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Qs) * transpose(phi<elu_plus_one>(Ks)))) * Vs),
+                            {cuda::dtype::bf16, cuda::dtype::bf16});
+  check_golden(cuda::backward_program_of(spec), "cuda_causal_backward_elu1_d16_m8_bf16.cu");
 }
 
 // The kernels scripts/gpu-check's benchmark launches first compile here, so a
@@ -1207,5 +1211,216 @@ TEST_CASE("device: recurrent steps = their emulation, and allocate nothing after
   for (shape s : {shape{2, 3, 9, 16, 8}, shape{1, 2, 40, 64, 64}, shape{2, 1, 20, 48, 130}}) {
     run.template operator()<float>(s, 700);
     run.template operator()<cuda::bf16>(s, 800);
+  }
+}
+
+// ---- gradients: the backward kernels -----------------------------------------------------
+namespace {
+template <class G>
+tensor<float> as_float(G const& x) {
+  tensor<float> r(x.shape());
+  for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = static_cast<float>(x.data()[i]);
+  return r;
+}
+
+// The emulated backward kernel of compile<order::linear>(expr) against
+// cpu::gradient of the same plan (fp32, the same rounded inputs) and against
+// the expression's gradient in double, for ∂Q, ∂K, ∂V.
+template <class Expr>
+void check_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, bool positive = false) {
+  auto const plan = compile<order::linear>(expr);
+  bool const normalized = cuda::spec_of(plan).normalized;
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
+    double worst = 0, worst_mma = 0;
+    for (shape const& s : cases) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      auto q = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+      auto k = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+      if (positive)
+        for (auto* x : {&q, &k})
+          for (std::size_t i = 0; i < x->size(); ++i) x->data()[i] = std::abs(x->data()[i]);
+      q = rounded(q, dt);
+      k = rounded(k, dt);
+      auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      auto cpu = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+      auto exact = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
+      for (bool exact_products : {true, false}) {
+        if (!exact_products && dt == cuda::dtype::f32) continue;
+        cuda::options opt{dt, dt, exact_products};
+        auto g = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+        auto one = [&](auto const& x, std::string const& name) {
+          CAPTURE(name);
+          CAPTURE(exact_products);
+          double const u = exact_products ? 0.0 : operand_roundoff(dt);
+          if (normalized && s.n == 1 && name != "∂V") {
+            // One token: its output is v·s/(s + eps), s = φq·φk > 0, which
+            // depends on q and k through eps alone — the relative error of a
+            // gradient that small is cancellation noise; its size is the
+            // property. The two terms that cancel (through the numerator and
+            // the denominator) are each about ‖dout‖, and the tensor cores
+            // round their operands by u.
+            double size = 0, scale = 0;
+            for (std::size_t i = 0; i < g[x].size(); ++i) size += double(g[x].data()[i]) * g[x].data()[i];
+            for (std::size_t i = 0; i < dout.size(); ++i) scale += double(dout.data()[i]) * dout.data()[i];
+            CHECK(std::sqrt(size) <= (1e-4 + 2 * u) * std::sqrt(scale));
+            return;
+          }
+          double e1 = relative_rms(g[x], cpu[x]), e2 = relative_rms(g[x], as_float(exact[x]));
+          if (exact_products) {
+            CHECK(e1 <= tolerance(dt));
+            CHECK(e2 <= tolerance(dt));
+            worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
+          } else {
+            // Tensor-core products round every operand they read by u. A term of
+            // an unnormalised gradient carries at most four rounded factors
+            // (∂out or ĝ, [v|1] or φq, then the chunk's score and φk, or the
+            // state); a normalised one also rounds the recomputed rows (three
+            // factors) that ĝ divides by, twice (numerator and denominator):
+            // 4u and 10u on the RMS, plus the output's rounding.
+            double const bound = tolerance(dt) + (normalized ? 10 : 4) * u;
+            CAPTURE(bound);
+            CHECK(e2 <= bound);
+            worst_mma = std::max(worst_mma, e2 / bound);
+          }
+        };
+        one(Q, "∂Q");
+        one(K, "∂K");
+        one(V, "∂V");
+        // The kernels a launch uses compile: at the first shape and at the largest.
+        auto spec = cuda::spec_of(plan, opt);
+        spec.d = s.d, spec.m = s.m;
+        if ((&s == &cases.front() || s.d == 128) && (!exact_products || dt == cuda::dtype::f32))
+          check_compiles(cuda::backward_program_of(spec));
+      }
+    }
+    MESSAGE(cuda::name_of(dt) << " backward: largest error / tolerance: " << worst << "; tensor-core products, error / bound: "
+                              << worst_mma);
+  }
+}
+
+std::vector<shape> backward_shapes(std::uint64_t seed, bool large = false) {
+  // N = 0, 1, a chunk ± 1, several chunks; D ≠ M; (large) the largest D = M the kernel holds, T = 16.
+  std::vector<shape> s = {{1, 1, 0, 5, 3}, {1, 2, 1, 7, 4}, {2, 1, 63, 16, 9}, {1, 1, 65, 24, 40}};
+  if (large) s.push_back({1, 1, 150, 128, 128});
+  test::rng r{seed};
+  for (int i = 0; i < 2; ++i) {
+    shape x{r.in(1, 2), r.in(1, 3), r.in(2, 200), r.in(1, 40), 0};
+    do x.m = r.in(1, 80);
+    while (x.m == x.d);
+    s.push_back(x);
+  }
+  return s;
+}
+}  // namespace
+
+TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, causal") {
+  check_backward(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 81, backward_shapes(81, true));
+  check_backward(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 82, backward_shapes(82));
+  check_backward(causal(Q * transpose(K)) * V, 83, backward_shapes(83));
+}
+TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, non-causal and poly2") {
+  check_backward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 84, backward_shapes(84));
+  check_backward(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 85, backward_shapes(85));
+  check_backward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 86, {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}}, true);
+}
+
+// A few small cases against central finite differences of the expression in
+// double (the references above are cpu::gradient, itself checked so in the CPU suite).
+TEST_CASE("backward: emulated gradients = finite differences in double, small cases") {
+  auto check_fd = [](auto const& expr, shape s, std::uint64_t seed) {
+    CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto const plan = compile<order::linear>(expr);
+    auto q = tensor<float>::random({s.b, s.h, s.n, s.d}, seed), k = tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1);
+    auto v = tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dout = tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 3);
+    auto g = cuda::emulate_gradient(plan, {cuda::dtype::f32, cuda::dtype::f32, true}, dout, Q = q, K = k, V = v);
+    auto wq = widened(q), wk = widened(k), wv = widened(v), wd = widened(dout);
+    auto loss = [&] {  // Σ dout ∘ f(q, k, v), in double
+      auto y = cpu::evaluate(expr, Q = wq, K = wk, V = wv);
+      double l = 0;
+      for (std::size_t i = 0; i < y.size(); ++i) l += y.data()[i] * wd.data()[i];
+      return l;
+    };
+    auto fd = [&](tensor<double>& x, tensor<float> const& got) {
+      double num = 0, den = 0;
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        double const keep = x.data()[i], h = 1e-6;
+        x.data()[i] = keep + h;
+        double const up = loss();
+        x.data()[i] = keep - h;
+        double const down = loss();
+        x.data()[i] = keep;
+        double const want = (up - down) / (2 * h);
+        num += (got.data()[i] - want) * (got.data()[i] - want);
+        den += want * want;
+      }
+      return std::sqrt(num / den);
+    };
+    CHECK(fd(wq, g[Q]) <= 1e-5);
+    CHECK(fd(wk, g[K]) <= 1e-5);
+    CHECK(fd(wv, g[V]) <= 1e-5);
+  };
+  check_fd(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, {1, 2, 7, 3, 2}, 91);
+  check_fd(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, {2, 1, 5, 4, 3}, 92);
+  check_fd(causal(Q * transpose(K)) * V, {1, 1, 70, 3, 2}, 93);  // two chunks
+}
+
+TEST_CASE("backward: bad input is refused before anything runs") {
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  auto q = tensor<float>::random({1, 2, 10, 4}, 1), v = tensor<float>::random({1, 2, 10, 3}, 2);
+  auto wrong = tensor<float>::random({1, 2, 10, 4}, 3);  // M = 3, not 4
+  CHECK_THROWS_WITH_AS(cuda::emulate_gradient(plan, {}, wrong, Q = q, K = q, V = v), doctest::Contains("dout"), shape_error);
+  auto short_dout = tensor<float>::random({1, 2, 9, 3}, 4);
+  CHECK_THROWS_AS(cuda::emulate_gradient(plan, {}, short_dout, Q = q, K = q, V = v), shape_error);
+  // Too large for one block per (batch, head): a clear error.
+  auto spec = cuda::spec_of(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V));
+  spec.d = spec.m = 256;
+  CHECK_THROWS_WITH_AS(cuda::backward_program_of(spec), doctest::Contains("too large for the backward kernel"),
+                       std::invalid_argument);
+  spec.d = spec.m = 8;
+  spec.chained = true;
+  CHECK_THROWS_AS(cuda::backward_program_of(spec), std::invalid_argument);
+  // On the device: without one, cuda_error naming the call; host memory is refused at compile time.
+  if (!cuda::probe_device().available) {
+    std::vector<float> fake(80);
+    cuda::device_view<float const> dq(fake.data(), {1, 2, 10, 4}), dv(fake.data(), {1, 2, 10, 3});
+    try {
+      (void)cuda::gradient(plan, dv, nullptr, Q = dq, K = dq, V = dv);
+      FAIL("no cuda_error");
+    } catch (cuda::cuda_error const& e) {
+      CHECK(e.call() == "cuda::gradient");
+    }
+    CHECK_THROWS_AS((void)cuda::gradient(plan, dq, nullptr, Q = dq, K = dq, V = dv), shape_error);  // dout of Q's shape
+  }
+}
+
+// The backward kernels launched on the device = their emulation.
+TEST_CASE("device: gradients = their emulation") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  auto run = [&]<class E>(auto const& plan, shape s, std::uint64_t seed) {
+    cuda::dtype const dt = dtype_for<E>();
+    CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
+    auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
+    auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
+    auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 3), dt);
+    auto want = cuda::emulate_gradient(plan, {dt, dt}, dout, Q = q, K = k, V = v);
+    auto dq = cuda::to_device<E>(q), dk = cuda::to_device<E>(k), dv = cuda::to_device<E>(v), dd = cuda::to_device<E>(dout);
+    auto got = cuda::gradient(plan, dd, nullptr, Q = dq, K = dk, V = dv);
+    // fp32: the same fma chains, but expf differs from the host's exp by ulps;
+    // 16-bit: the tensor cores sum in their own order.
+    double const tol = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt) / 2;
+    CHECK(relative_rms(cuda::to_host(got[Q]), want[Q]) <= tol);
+    CHECK(relative_rms(cuda::to_host(got[K]), want[K]) <= tol);
+    CHECK(relative_rms(cuda::to_host(got[V]), want[V]) <= tol);
+  };
+  constexpr auto causal_plan = compile<order::linear>(causal_expr);
+  constexpr auto full_plan = compile<order::linear>(full_expr);
+  for (shape s : {shape{2, 3, 40, 16, 8}, shape{1, 2, 150, 64, 64}, shape{1, 1, 70, 128, 128}}) {
+    run.template operator()<float>(causal_plan, s, 900);
+    run.template operator()<cuda::bf16>(causal_plan, s, 910);
+    run.template operator()<cuda::bf16>(full_plan, s, 920);
   }
 }

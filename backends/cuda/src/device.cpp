@@ -13,7 +13,7 @@
 
 namespace lina::cuda {
 
-static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 7 * 48 + 24,
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 11 * 48 + 24,
               "forward_args must keep the layout of lina::tile::forward_args (tiles.cuh)");
 
 cuda_error::cuda_error(std::string call, std::string kernel, std::string status)
@@ -106,6 +106,8 @@ bool check_launch(program const& p, forward_args const& args, std::int64_t& bloc
     for (std::size_t s = 0; s < p.inputs.size(); ++s)
       check_device_pointer(args.in[s].data, ("input " + p.inputs[s].name).c_str(), name);
     check_device_pointer(args.out.data, "the output", name);
+    for (std::size_t e = 0; e < p.extras.size(); ++e)
+      check_device_pointer(args.extra[e].data, ("buffer " + p.extras[e].name).c_str(), name);
   }
   if (p.spec.chained) {
     check_device_pointer(args.state_in.data, "the state in", name);

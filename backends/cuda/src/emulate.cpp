@@ -40,6 +40,28 @@ float apply(feature_map m, float x) {
   }
   return x;
 }
+// φ′(x) of an element-wise map (program.hpp, map_grad).
+float derivative(feature_map m, float x) {
+  switch (m) {
+    case feature_map::elu_plus_one: return x > 0.0f ? 1.0f : std::exp(x);
+    case feature_map::relu: return x > 0.0f ? 1.0f : 0.0f;
+    default: return 1.0f;
+  }
+}
+// The adjoint of poly2 on one row: dx[c] = Σ_f g[f] ∂poly2(x)_f/∂x_c, one fma
+// chain per dx[c] over the features in increasing order.
+void poly2_adjoint(float const* x, int d, float const* g, float* dx) {
+  float const r2 = 1.41421356237309504880f;
+  std::fill(dx, dx + d, 0.0f);
+  int f = 0;
+  for (int a = 0; a < d; ++a) {
+    dx[a] = std::fma(g[f++], 2.0f * x[a], dx[a]);
+    for (int b = a + 1; b < d; ++b, ++f) {
+      dx[a] = std::fma(g[f], r2 * x[b], dx[a]);
+      dx[b] = std::fma(g[f], r2 * x[a], dx[b]);
+    }
+  }
+}
 // poly2 of one row: [x_a² (a), (√2·x_a)·x_b (b > a)], as lina::poly2 packs it.
 void poly2_row(float const* x, int d, float* out) {
   float const r2 = 1.41421356237309504880f;
@@ -74,6 +96,11 @@ struct block {
   }
 
   std::int64_t slice_offset(operand const& o) const { return b * o.stride[0] + h * o.stride[1]; }
+  // A load's (or map_grad's) memory: an input, or an extra buffer past them.
+  operand const& source(int slot) const { return slot < max_inputs ? a.in[slot] : a.extra[slot - max_inputs]; }
+  dtype source_type(int slot) const {
+    return slot < max_inputs ? p.spec.in : p.extras.at(static_cast<std::size_t>(slot - max_inputs)).type;
+  }
   std::int64_t col0(instruction const& i) const { return i.by_m_tile ? m_tile * p.tiles.tile_m : 0; }
 
   void run(instruction const& i, std::int64_t r0, int rows) {
@@ -81,15 +108,47 @@ struct block {
     switch (i.op) {
       case opcode::zero: std::fill(t.v.begin(), t.v.end(), 0.0f); break;
       case opcode::load: {
-        operand const& o = a.in[i.slot];
+        operand const& o = source(i.slot);
+        dtype const type = source_type(i.slot);
         std::int64_t base = slice_offset(o), c0 = col0(i);
         for (int r = 0; r < t.rows; ++r)
           for (int c = 0; c < t.cols; ++c) {
             bool inside = r < rows && c < i.width && c0 + c < o.cols;
-            t.at(r, c) = inside ? read(o.data, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], p.spec.in) : 0.0f;
+            t.at(r, c) = inside ? read(o.data, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], type) : 0.0f;
           }
         break;
       }
+      case opcode::map_grad: {
+        operand const& o = source(i.slot);
+        dtype const type = source_type(i.slot);
+        std::int64_t const base = slice_offset(o);
+        std::vector<float> x(static_cast<std::size_t>(o.cols));
+        if (i.a >= 0) std::fill(t.v.begin(), t.v.end(), 0.0f);
+        for (int r = 0; r < rows; ++r) {
+          for (std::int64_t c = 0; c < o.cols; ++c) x[static_cast<std::size_t>(c)] = read(o.data, base + (r0 + r) * o.stride[2] + c * o.stride[3], type);
+          if (i.a >= 0)  // a row map, out of place: t (T × D) from the features' adjoints in a (T × C)
+            poly2_adjoint(x.data(), t.cols, &reg[static_cast<std::size_t>(i.a)].at(r, 0), &t.at(r, 0));
+          else
+            for (int c = 0; c < t.cols; ++c) t.at(r, c) = t.at(r, c) * derivative(i.map, x[static_cast<std::size_t>(c)]);
+        }
+        break;
+      }
+      case opcode::rowdiv_grad: {
+        tile& o = reg[static_cast<std::size_t>(i.a)];
+        int const w = o.cols;
+        for (int r = 0; r < rows; ++r) {
+          float const d = o.at(r, w - 1) + i.eps;
+          float sum = 0.0f;
+          for (int c = 0; c + 1 < w; ++c) sum = std::fma(t.at(r, c), o.at(r, c) / d, sum);
+          t.at(r, w - 1) = -sum / d;
+          for (int c = 0; c + 1 < w; ++c) t.at(r, c) = t.at(r, c) / d;
+        }
+        break;
+      }
+      case opcode::mask_anticausal:
+        for (int r = 0; r < t.rows; ++r)
+          for (int c = 0; c < r && c < t.cols; ++c) t.at(r, c) = 0.0f;
+        break;
       case opcode::map:
         if (i.a >= 0) {  // a row map, out of place
           tile& x = reg[static_cast<std::size_t>(i.a)];
@@ -162,12 +221,13 @@ struct block {
         break;
       }
       case opcode::store: {
-        operand const& o = a.out;
+        operand const& o = i.slot < 0 ? a.out : a.extra[i.slot];
+        dtype const type = i.slot < 0 ? p.spec.out : p.extras.at(static_cast<std::size_t>(i.slot)).type;
         std::int64_t base = slice_offset(o), c0 = col0(i);
         void* out = const_cast<void*>(o.data);
         for (int r = 0; r < rows; ++r)
           for (int c = 0; c < i.width && c0 + c < o.cols; ++c)
-            write(out, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], p.spec.out, t.at(r, c));
+            write(out, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], type, t.at(r, c));
         break;
       }
     }
@@ -190,11 +250,15 @@ struct block {
       reg.push_back({r.rows, r.cols, std::vector<float>(static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols))});
     for (auto const& i : p.prologue) step(i, 0, 0);
     std::int64_t const t = p.tiles.chunk;
-    for (auto const& pass : p.passes)
-      for (std::int64_t r0 = 0; r0 < a.n; r0 += t) {
+    std::int64_t const chunks = (a.n + t - 1) / t;
+    for (auto const& pass : p.passes) {
+      for (auto const& i : pass.before) step(i, 0, 0);
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        std::int64_t const r0 = (pass.reverse ? chunks - 1 - c : c) * t;
         int rows = static_cast<int>(std::min(t, a.n - r0));
         for (auto const& i : pass) step(i, r0, rows);
       }
+    }
     for (auto const& i : p.epilogue) step(i, a.n, 0);
   }
 };
@@ -213,6 +277,10 @@ void emulate(program const& p, forward_args const& args) {
       throw std::invalid_argument("lina::cuda::emulate: the state in and the state out of kernel " + p.kernel_name +
                                   " overlap (one block may store its z before another loads it)");
   }
+  if (args.batch * args.heads * args.n > 0)
+    for (std::size_t e = 0; e < p.extras.size(); ++e)
+      if (args.extra[e].data == nullptr)
+        throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " needs its buffer " + p.extras[e].name);
   std::int64_t blocks = blocks_of(p, args);
   for (std::int64_t x = 0; x < blocks; ++x) {
     block blk{p, args, 0, 0, 0, {}, {}, {}};

@@ -42,6 +42,9 @@ std::string_view name_of(opcode o) {
     case opcode::store: return "store";
     case opcode::load_state: return "load_state";
     case opcode::store_state: return "store_state";
+    case opcode::mask_anticausal: return "mask_anticausal";
+    case opcode::map_grad: return "map_grad";
+    case opcode::rowdiv_grad: return "rowdiv_grad";
   }
   return "?";
 }
@@ -141,6 +144,14 @@ struct builder {
             .prec = prec};
   }
   static instruction mask(int t) { return {.op = opcode::mask_causal, .dst = t}; }
+  static instruction mask_upper(int t) { return {.op = opcode::mask_anticausal, .dst = t}; }
+  static instruction map_grad(int t, feature_map m, int slot, int from = -1) {
+    return {.op = opcode::map_grad, .dst = t, .a = from, .slot = slot, .map = m};
+  }
+  static instruction rowdiv_grad(int t, int o, float eps) { return {.op = opcode::rowdiv_grad, .dst = t, .a = o, .eps = eps}; }
+  static instruction store_to(int t, int slot, int width) {
+    return {.op = opcode::store, .dst = t, .slot = slot, .width = width};
+  }
   static instruction divide(int t, float eps) { return {.op = opcode::row_divide, .dst = t, .eps = eps}; }
   static instruction store(int t, int width) {
     return {.op = opcode::store, .dst = t, .width = width, .by_m_tile = true};
@@ -240,6 +251,164 @@ program lay_out(attention_spec const& s, tile_config tiles) {
 }
 }  // namespace
 
+namespace {
+// The backward program of a (valid, unchained) spec at chunk T (program.hpp,
+// backward_program_of). Slots: Q, K, V, ∂out in 0–3; extra[0] ∂K, extra[1] ∂V,
+// extra[2] the scratch rows ĝ (normalised only).
+program lay_out_backward(attention_spec const& s, int t) {
+  builder b;
+  program& p = b.p;
+  p.spec = s;
+  p.tiles = {t, static_cast<int>(s.m), 256};
+  p.m_tiles = 1;
+  b.prec = precision_of(s);
+  int const d = static_cast<int>(s.d), m = static_cast<int>(s.m);
+  int const c = static_cast<int>(features(s.map_q, s.d));
+  bool const row_map = c != d;
+  int const w = m + (s.normalized ? 1 : 0);
+  p.kernel_name = fmt::format("lina_{}_backward_{}_{}_d{}_m{}_t{}_{}_{}{}{}", s.causal ? "causal" : "full", id_of(s.map_q),
+                              id_of(s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
+                              s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
+  p.description = fmt::format("{} linear attention, backward{}: ∂{}, ∂{}, ∂{} of {}", s.causal ? "causal" : "non-causal",
+                              s.normalized ? "" : " (unnormalized)", s.q_name, s.k_name, s.v_name, plan_text(s));
+  p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}, {"∂out", "dout"}};
+  p.out_name = "∂" + s.q_name;
+  p.extras = {{"∂" + s.k_name, s.out, "the gradient of " + s.k_name},
+              {"∂" + s.v_name, s.out, "the gradient of " + s.v_name}};
+  int const scratch = max_inputs + 2;  // the load slot of extra[2]
+  if (s.normalized) p.extras.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the unnormalised rows [num | den], fp32"});
+
+  std::string const v1 = s.normalized ? "[V|1]" : "V";
+  std::string const cdim = row_map ? "C" : "D";
+  int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")");
+  int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")");
+  int const x = row_map ? b.reg("x", t, d, "Q or K chunk before the row map (T, D)") : -1;
+  int const v = b.reg("v", t, w, v1 + " chunk (T, W)");
+  int const g = b.reg("g", t, w, s.normalized ? "ĝ: ∂out, then the adjoint of the unnormalised rows (T, W)" : "∂out chunk (T, M)");
+  int const o = b.reg("o", t, w, s.normalized ? "the unnormalised rows [num | den], then ∂" + v1 + " (T, W)" : "∂V rows (T, M)");
+  int const a = b.reg("a", t, t, "a chunk's scores or their adjoints (T, T)");
+  int const dx = b.reg("dx", t, c, "∂φ(Q) or ∂φ(K) rows (T, " + cdim + ")");
+  int const gx = row_map ? b.reg("gx", t, d, "∂Q or ∂K rows through the row map (T, D)") : -1;
+  int const st = b.reg("state", c, w, "S = Σ φ(K)ᵀ" + v1 + " (forward), then R = Σ φ(Q)ᵀĝ (reverse), fp32 (" + cdim + ", W)");
+  float const eps = static_cast<float>(s.eps);
+
+  auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map mp) {
+    if (row_map) {
+      body.push_back(builder::load(x, slot, d));
+      body.push_back(builder::map(dst, mp, x));
+    } else {
+      body.push_back(builder::load(dst, slot, d));
+      if (mp != feature_map::identity) body.push_back(builder::map(dst, mp));
+    }
+  };
+  auto load_v = [&](std::vector<instruction>& body) {
+    body.push_back(builder::load(v, 2, m));
+    if (s.normalized) body.push_back(builder::ones(v));
+  };
+  // ∂φ rows in dx → ∂X rows stored to `to` (-1: out, else extra[to]).
+  auto finish_grad = [&](std::vector<instruction>& body, int slot, feature_map mp, int to) {
+    if (row_map) {
+      body.push_back(builder::map_grad(gx, mp, slot, dx));
+      body.push_back(builder::store_to(gx, to, d));
+    } else {
+      if (mp != feature_map::identity) body.push_back(builder::map_grad(dx, mp, slot));
+      body.push_back(builder::store_to(dx, to, d));
+    }
+  };
+  // ĝ: ∂out, through rowdiv's adjoint when normalised (o holds the rows), kept in scratch.
+  auto adjoint_rows = [&](std::vector<instruction>& body) {
+    body.push_back(builder::load(g, 3, m));
+    if (s.normalized) {
+      body.push_back(builder::rowdiv_grad(g, o, eps));
+      body.push_back(builder::store_to(g, 2, w));
+    }
+  };
+  auto reload_adjoint = [&](std::vector<instruction>& body) {
+    body.push_back(s.normalized ? builder::load(g, scratch, w) : builder::load(g, 3, m));
+  };
+
+  p.prologue.push_back(builder::zero(st));
+  if (s.causal) {
+    std::vector<instruction> fwd, rev;
+    load_mapped(fwd, q, 0, s.map_q);
+    load_mapped(fwd, k, 1, s.map_k);
+    load_v(fwd);
+    if (s.normalized) {  // the rows again: o = causal(φQ·φKᵀ)·[V|1] + φQ·S
+      fwd.push_back(b.product(a, q, false, k, true, false));
+      fwd.push_back(builder::mask(a));
+      fwd.push_back(b.product(o, a, false, v, false, false));
+      fwd.push_back(b.product(o, q, false, st, false, true));
+    }
+    adjoint_rows(fwd);
+    fwd.push_back(b.product(a, g, false, v, true, false));   // a = ĝ·[V|1]ᵀ
+    fwd.push_back(builder::mask(a));                          // j ≤ i
+    fwd.push_back(b.product(dx, a, false, k, false, false)); // ∂φQ = a·φK
+    fwd.push_back(b.product(dx, g, false, st, true, true));  //      + ĝ·Sᵀ (earlier chunks)
+    fwd.push_back(b.product(st, k, true, v, false, true));   // S += φKᵀ·[V|1]
+    finish_grad(fwd, 0, s.map_q, -1);
+
+    load_mapped(rev, q, 0, s.map_q);
+    load_mapped(rev, k, 1, s.map_k);
+    load_v(rev);
+    reload_adjoint(rev);
+    rev.push_back(b.product(a, v, false, g, true, false));   // a[j][i] = [v|1]_j·ĝ_i
+    rev.push_back(builder::mask_upper(a));                    // i ≥ j
+    rev.push_back(b.product(dx, a, false, q, false, false)); // ∂φK = a·φQ
+    rev.push_back(b.product(dx, v, false, st, true, true));  //      + [V|1]·Rᵀ (later chunks)
+    rev.push_back(b.product(a, k, false, q, true, false));   // a[j][i] = φk_j·φq_i
+    rev.push_back(builder::mask_upper(a));
+    rev.push_back(b.product(o, a, false, g, false, false));  // ∂[V|1] = a·ĝ
+    rev.push_back(b.product(o, k, false, st, false, true));  //         + φK·R
+    rev.push_back(builder::store_to(o, 1, m));
+    rev.push_back(b.product(st, q, true, g, false, true));   // R += φQᵀ·ĝ
+    finish_grad(rev, 1, s.map_k, 0);
+    p.passes.emplace_back(std::move(fwd));
+    p.passes.emplace_back(std::move(rev), true, std::vector<instruction>{builder::zero(st)});
+  } else {
+    std::vector<instruction> sum, rows, adj, kv;
+    load_mapped(sum, k, 1, s.map_k);  // S = Σ φKᵀ·[V|1]
+    load_v(sum);
+    sum.push_back(b.product(st, k, true, v, false, true));
+    load_mapped(rows, q, 0, s.map_q);  // the rows, their adjoint, ∂φQ = ĝ·Sᵀ
+    if (s.normalized) rows.push_back(b.product(o, q, false, st, false, false));
+    adjoint_rows(rows);
+    rows.push_back(b.product(dx, g, false, st, true, false));
+    finish_grad(rows, 0, s.map_q, -1);
+    load_mapped(adj, q, 0, s.map_q);  // R = Σ φQᵀ·ĝ
+    reload_adjoint(adj);
+    adj.push_back(b.product(st, q, true, g, false, true));
+    load_mapped(kv, k, 1, s.map_k);  // ∂φK = [V|1]·Rᵀ, ∂[V|1] = φK·R
+    load_v(kv);
+    kv.push_back(b.product(dx, v, false, st, true, false));
+    kv.push_back(b.product(o, k, false, st, false, false));
+    kv.push_back(builder::store_to(o, 1, m));
+    finish_grad(kv, 1, s.map_k, 0);
+    p.passes.emplace_back(std::move(sum));
+    p.passes.emplace_back(std::move(rows));
+    p.passes.emplace_back(std::move(adj), false, std::vector<instruction>{builder::zero(st)});
+    p.passes.emplace_back(std::move(kv));
+  }
+  return p;
+}
+}  // namespace
+
+program backward_program_of(attention_spec const& s) {
+  if (s.chained || s.step)
+    throw std::invalid_argument("lina::cuda: the backward kernels do not take a state yet (no gradient of an initial state)");
+  if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
+  if (features(s.map_q, s.d) != features(s.map_k, s.d))
+    throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
+  for (int t : {64, 32, 16}) {
+    program p = lay_out_backward(s, t);
+    if (p.shared_bytes() <= shared_memory_budget) return p;
+  }
+  throw std::invalid_argument(fmt::format(
+      "lina::cuda: D = {}, M = {} is too large for the backward kernel: one block holds the whole C × (M+1) state "
+      "and, at T = 16, needs {} bytes of shared memory, more than the {} a block may use (splitting M over blocks: "
+      "not yet)",
+      s.d, s.m, lay_out_backward(s, 16).shared_bytes(), shared_memory_budget));
+}
+
 tile_config choose_tiles(attention_spec const& s) {
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
   // The first (T, M tile) that fits. M tiles of 32 or more come first: every
@@ -286,15 +455,21 @@ std::string listing(program const& p) {
   std::string r = fmt::format("{} — {}\nT = {}, M tile = {}, {} block(s) per (batch, head), {} threads, {} bytes shared\n",
                               p.kernel_name, p.description, p.tiles.chunk, p.tiles.tile_m, p.m_tiles, p.tiles.threads,
                               p.shared_bytes());
+  for (std::size_t e = 0; e < p.extras.size(); ++e)
+    r += fmt::format("  extra[{}] {} ({}): {}\n", e, p.extras[e].name, name_of(p.extras[e].type), p.extras[e].comment);
   for (auto const& reg : p.registers)
     r += fmt::format("  {} ({}×{} {}, pitch {}): {}\n", reg.name, reg.rows, reg.cols, name_of(reg.storage), reg.pitch(),
                      reg.comment);
+  auto source = [&](int slot) {
+    return slot < max_inputs ? p.inputs.at(static_cast<std::size_t>(slot)).name
+                             : p.extras.at(static_cast<std::size_t>(slot - max_inputs)).name;
+  };
   auto one = [&](instruction const& i) {
     auto nm = [&](int x) { return p.registers[static_cast<std::size_t>(x)].name; };
     switch (i.op) {
       case opcode::load:
-        return fmt::format("load {} ← {}[:, {}{} cols]", nm(i.dst), p.inputs[static_cast<std::size_t>(i.slot)].name,
-                           i.by_m_tile ? "m_tile·tile_m + " : "", i.width);
+        return fmt::format("load {} ← {}[:, {}{} cols]", nm(i.dst), source(i.slot), i.by_m_tile ? "m_tile·tile_m + " : "",
+                           i.width);
       case opcode::map:
         return i.a >= 0 ? fmt::format("map {} ← φ[{}]({})", nm(i.dst), name_of(i.map), nm(i.a))
                         : fmt::format("map {} φ[{}]", nm(i.dst), name_of(i.map));
@@ -302,7 +477,14 @@ std::string listing(program const& p) {
         return fmt::format("{} {} {}{}·{}{} ({})", nm(i.dst), i.accumulate ? "+=" : "=", nm(i.a), i.transpose_a ? "ᵀ" : "",
                            nm(i.b), i.transpose_b ? "ᵀ" : "", name_of(i.prec));
       case opcode::row_divide: return fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);
-      case opcode::store: return fmt::format("store {} → out[:, m_tile·tile_m + {} cols]", nm(i.dst), i.width);
+      case opcode::store:
+        if (i.slot >= 0)
+          return fmt::format("store {} → {}[:, {} cols]", nm(i.dst), p.extras.at(static_cast<std::size_t>(i.slot)).name, i.width);
+        return fmt::format("store {} → {}[:, {}{} cols]", nm(i.dst), p.out_name, i.by_m_tile ? "m_tile·tile_m + " : "", i.width);
+      case opcode::map_grad:
+        return i.a >= 0 ? fmt::format("map_grad {} ← φ[{}]′({})ᵀ·{}", nm(i.dst), name_of(i.map), source(i.slot), nm(i.a))
+                        : fmt::format("map_grad {} ·= φ[{}]′({})", nm(i.dst), name_of(i.map), source(i.slot));
+      case opcode::rowdiv_grad: return fmt::format("rowdiv_grad {} (rows {}) eps={}", nm(i.dst), nm(i.a), i.eps);
       case opcode::load_state:
         return fmt::format("load_state {} ← state_in[:, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
                            i.z_column ? " | z" : "");
@@ -314,7 +496,8 @@ std::string listing(program const& p) {
   };
   for (auto const& i : p.prologue) r += "  " + one(i) + "\n";
   for (auto const& pass : p.passes) {
-    r += "  for each chunk:\n";
+    for (auto const& i : pass.before) r += "  " + one(i) + "\n";
+    r += pass.reverse ? "  for each chunk, last first:\n" : "  for each chunk:\n";
     for (auto const& i : pass) r += "    " + one(i) + "\n";
   }
   for (auto const& i : p.epilogue) r += "  " + one(i) + "\n";

@@ -42,6 +42,7 @@
 #include "lina/cuda/program.hpp"
 #include "lina/feature_maps.hpp"
 #include "lina/format.hpp"
+#include "lina/gradient.hpp"
 #include "lina/node.hpp"
 #include "lina/state.hpp"
 #include "lina/tensor.hpp"
@@ -858,6 +859,143 @@ auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
   tensor<O> out(result_shape<L>(in), "cuda::evaluate");
   evaluate_into(plan, out.view(), st, stream, bindings...);
   return out;
+}
+
+// ---- gradients: the backward kernels ------------------------------------------------------
+// cuda::emulate_gradient(plan, opts, dout, Q = q, K = k, V = v) and, on the
+// device, cuda::gradient(plan, dout, stream, Q = dq, K = dk, V = dv): the
+// gradients of a lowerable plan's inputs, g[Q], g[K], g[V], as
+// cpu::gradient(plan, dout, …) gives them — computed by the generated backward
+// kernel (lina/cuda/program.hpp, backward_program_of): for a causal plan one
+// forward pass (the rows again, rowdiv's adjoint, ∂Q from the prefix sums) and
+// one reverse pass (∂K, ∂V from the suffix sums), one block per (batch, head);
+// memory beyond inputs and gradients: the fp32 adjoint rows of a normalised plan,
+// N × (M+1) per (batch, head). dout must have the shape of the plan's result
+// (shape_error "dout" otherwise, before anything runs). Inputs and dout are read
+// as opts.in (the emulation) or have the device views' element type (one type
+// for all four); the gradients are rounded to opts.out (emulation: returned as
+// float) or have the inputs' element type (device: cuda::tensor<T>, dense
+// [B, H, N, ·]). Not yet: a state's gradient (chaining), M split over blocks
+// (D, M up to about 128 fit: a clear error beyond).
+namespace detail {
+template <class Op, class Tensor, class... In>
+Tensor& gradient_slot(gradients<Tensor, In...>& g) {
+  return g.all()[lina::detail::index_of_v<Op, lina::detail::type_list<In...>>];
+}
+
+template <class Plan, class Bound>
+void check_dout(shape4 const& got, Bound const& in) {
+  shape4 const want = result_shape<Plan>(in);
+  static constexpr char const* names[] = {"B (batch)", "H (heads)", "rows", "cols"};
+  for (int d = 0; d < 4; ++d)
+    if (got[d] != want[d]) throw shape_error("dout", names[d], got[d], want[d], "of the plan's result");
+}
+
+// A dense [B, H, N, cols] operand over `data` (elements of `bytes` bytes).
+inline operand dense_operand(void const* data, shape4 const& s) {
+  operand o;
+  o.data = data;
+  auto const st = tensor_view<float>::contiguous_strides(s);
+  for (int i = 0; i < 4; ++i) o.stride[i] = static_cast<std::int64_t>(st[static_cast<std::size_t>(i)]);
+  o.cols = static_cast<std::int64_t>(s[3]);
+  return o;
+}
+}  // namespace detail
+
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&... bindings) {
+  using F = detail::forward_plan<Plan>;
+  static_assert(diagnose::cuda_plan<F::ok>::ok || true);
+  using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
+  gradients_of<lina::tensor<float>, BP> g;
+  if constexpr (F::ok) {
+    auto in = bind<Plan>(bindings...);
+    static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
+                  "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
+    tensor_view<float const> const dv = view_of(dout);
+    detail::check_dout<Plan>(dv.shape(), in);
+    using Bound = decltype(in);
+    attention_spec const s = detail::bound_spec(plan, opt, in);
+    program const p = backward_program_of(s);
+    std::vector<std::uint16_t> stores[4];
+    forward_args a;
+    a.in[0] = detail::operand_of(in.views[Bound::template input_index<typename F::q::input>()], opt.in, stores[0]);
+    a.in[1] = detail::operand_of(in.views[Bound::template input_index<typename F::k::input>()], opt.in, stores[1]);
+    a.in[2] = detail::operand_of(in.views[Bound::template input_index<typename F::v::input>()], opt.in, stores[2]);
+    a.in[3] = detail::operand_of(dv, opt.in, stores[3]);
+    a.batch = static_cast<std::int64_t>(in.batch);
+    a.heads = static_cast<std::int64_t>(in.heads);
+    a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
+    std::size_t const bh = in.batch * in.heads, n = static_cast<std::size_t>(a.n);
+    shape4 const sq{in.batch, in.heads, n, s.d}, sv{in.batch, in.heads, n, s.m};
+    lina::tensor<float>& gq = detail::gradient_slot<typename F::q::input>(g);
+    lina::tensor<float>& gk = detail::gradient_slot<typename F::k::input>(g);
+    lina::tensor<float>& gv = detail::gradient_slot<typename F::v::input>(g);
+    gq = lina::tensor<float>(sq), gk = lina::tensor<float>(sq), gv = lina::tensor<float>(sv);
+    std::vector<std::uint16_t> bits[3];  // 16-bit gradients, widened below
+    auto sink = [&](lina::tensor<float>& t, std::vector<std::uint16_t>& b) {
+      if (opt.out == dtype::f32) return detail::dense_operand(t.data(), t.shape());
+      b.resize(t.size());
+      return detail::dense_operand(b.data(), t.shape());
+    };
+    a.out = sink(gq, bits[0]);
+    a.extra[0] = sink(gk, bits[1]);
+    a.extra[1] = sink(gv, bits[2]);
+    std::vector<float> scratch(s.normalized ? bh * n * (s.m + 1) : 0);
+    if (s.normalized) a.extra[2] = detail::dense_operand(scratch.data(), {in.batch, in.heads, n, s.m + 1});
+    emulate(p, a);
+    if (opt.out != dtype::f32) {
+      lina::tensor<float>* ts[] = {&gq, &gk, &gv};
+      for (int x = 0; x < 3; ++x)
+        for (std::size_t i = 0; i < ts[x]->size(); ++i)
+          ts[x]->data()[i] = opt.out == dtype::bf16 ? from_bf16_bits(bits[x][i]) : from_f16_bits(bits[x][i]);
+    }
+  }
+  return g;
+}
+
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bindings) {
+  using F = detail::forward_plan<Plan>;
+  static_assert(diagnose::cuda_plan<F::ok>::ok || true);
+  auto in = bind<Plan>(bindings...);
+  using Bound = decltype(in);
+  static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
+  using T = std::remove_const_t<typename Bound::value_type>;
+  using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
+  gradients_of<tensor<T>, BP> g;
+  if constexpr (F::ok && is_device_view<typename Bound::view_type>) {
+    char const* call = "cuda::gradient";
+    auto const dv = view_of(dout);
+    static_assert(std::is_same_v<std::remove_const_t<typename decltype(dv)::element_type_>, T>,
+                  "lina::cuda::gradient: dout must have the inputs' element type");
+    detail::check_dout<Plan>(dv.shape(), in);
+    attention_spec const s = detail::bound_spec(plan, options{dtype_of<T>, dtype_of<T>}, in);
+    program const p = backward_program_of(s);
+    require_device(call);
+    forward_args a = detail::device_args<F>(device_view<T>{}, in);
+    a.in[3] = detail::device_operand(dv);
+    std::size_t const n = static_cast<std::size_t>(a.n);
+    tensor<T>& gq = detail::gradient_slot<typename F::q::input>(g);
+    tensor<T>& gk = detail::gradient_slot<typename F::k::input>(g);
+    tensor<T>& gv = detail::gradient_slot<typename F::v::input>(g);
+    gq = tensor<T>({in.batch, in.heads, n, s.d}, call);
+    gk = tensor<T>({in.batch, in.heads, n, s.d}, call);
+    gv = tensor<T>({in.batch, in.heads, n, s.m}, call);
+    a.out = detail::device_operand(gq.view());
+    a.extra[0] = detail::device_operand(gk.view());
+    a.extra[1] = detail::device_operand(gv.view());
+    tensor<float> scratch;
+    if (s.normalized) {
+      scratch = tensor<float>({in.batch, in.heads, n, s.m + 1}, call);
+      a.extra[2] = detail::device_operand(scratch.view());
+    }
+    launch(p, a, stream);
+    if (s.normalized) synchronize_stream(stream, call);  // the scratch rows die with this call
+  }
+  return g;
 }
 
 // ---- recurrent mode: decoding one token at a time -----------------------------------------

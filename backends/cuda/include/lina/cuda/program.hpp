@@ -10,8 +10,10 @@
 //
 //   prologue                      once
 //   for each pass:                every pass walks the chunks of the sequence,
+//     before                      once, before its chunks
 //     for r0 = 0, T, 2T, … < n:   rows [r0, r0 + rows), rows = min(T, n - r0)
-//       body                      in order
+//       body                      in order (a reverse pass: the same chunks,
+//                                 last first — a suffix scan)
 //   epilogue                      once
 //
 // Registers are tiles (rows × cols) in shared memory, rows `pitch` elements
@@ -47,12 +49,28 @@
 //   row_divide t, eps      t[i][j] /= (t[i][cols-1] + eps) for j < cols-1
 //   store t → out          out(r0 + i, c0 + j) = round(t[i][j]) for i < rows,
 //                          j < width, c0 + j < cols(out) (c0 as for load);
-//                          round: fp32 → output dtype, to nearest even
+//                          round: fp32 → output dtype, to nearest even. With a slot
+//                          s ≥ 0 it writes extra[s] instead, in that buffer's dtype.
+//   load from slot s ≥ max_inputs reads extra[s − max_inputs] in its dtype.
 //   load_state t           t[i][j] = state_in(i, c0 + j) for i < t.rows, j < width,
 //                          c0 + j < m_cols, with c0 = m_tile · tile_m and m_cols =
 //                          cols(state) − 1 when `z_column`, else cols(state);
 //                          z_column: t[i][t.cols − 1] = state_in(i, cols(state) − 1),
 //                          the normaliser z; 0 elsewhere. fp32, exact.
+//   mask_anticausal t      t[i][j] = 0 for j < i (the transposed mask: backward passes)
+//   map_grad t, φ, in[s]   element-wise φ: t[i][j] = t[i][j] · φ′(x) with x = in[s](r0 + i, j)
+//                          (read as for load) for i < rows, j < t.cols; φ′ of elu+1 is
+//                          1 for x > 0, else exp(x); of relu 1 for x > 0, else 0; of
+//                          identity 1. Row map (poly2), out of place from register a
+//                          (T × C): t[i][c] = Σ_f a[i][f] · ∂poly2(x)_f/∂x_c, one fp32
+//                          fma chain per element over the features f in increasing order
+//                          (x_a² gives 2·x_a; (√2·x_a)·x_b gives √2·x_b to a and (√2·x_a)
+//                          to b); 0 for i ≥ rows
+//   rowdiv_grad t, o, eps  the adjoint of row_divide: per row i < rows, with
+//                          d = o[i][W−1] + eps (W = o.cols, o holds the unnormalised
+//                          [num | den]) and s = Σ_{j<W−1} t[i][j] · (o[i][j] / d) as one
+//                          fp32 fma chain in increasing j: t[i][W−1] = −s / d, then
+//                          t[i][j] = t[i][j] / d for j < W−1; rows ≥ rows stay as they are
 //   store_state t          state_out(i, c0 + j) = t[i][j] for the same (i, j); the z
 //                          column (z_column) only from the block with m_tile = 0 —
 //                          every block of a (batch, head) holds the same z. state_in
@@ -68,6 +86,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace lina::cuda {
@@ -152,16 +171,17 @@ struct tile_register {
 };
 
 enum class opcode : std::uint8_t {
-  zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state
+  zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state,
+  mask_anticausal, map_grad, rowdiv_grad
 };
 std::string_view name_of(opcode o);
 
 struct instruction {
   opcode op;
   int dst = -1;                 // the register written (read too, by in-place ops)
-  int a = -1, b = -1;           // product operands; map: the source of a row map (else -1)
+  int a = -1, b = -1;           // product operands; map, map_grad: the source of a row map (else -1); rowdiv_grad: o
   bool transpose_a = false, transpose_b = false, accumulate = false;  // product
-  int slot = -1;                // load: input slot; store: unused (one output)
+  int slot = -1;                // load, map_grad: input slot (≥ max_inputs: an extra buffer); store: -1 out, else extra[slot]
   int width = 0;                // load/store/load_state/store_state: columns read or written (≤ the register's)
   bool by_m_tile = false;       // load/store: columns start at m_tile · tile_m (load_state/store_state: always)
   bool z_column = false;        // load_state/store_state: the register's last column ↔ the state's last (z)
@@ -177,6 +197,25 @@ struct input_slot {
   std::string role;  // "q", "k" or "v"
 };
 
+// A pass: its instructions (the body, run per chunk), what runs once before
+// its chunks, and the direction it walks them. It is the vector of its body,
+// so that code reading bodies reads a pass as it reads any instruction list.
+struct pass : std::vector<instruction> {
+  pass() = default;
+  pass(std::vector<instruction> body, bool rev = false, std::vector<instruction> first = {})
+      : std::vector<instruction>(std::move(body)), reverse(rev), before(std::move(first)) {}
+  bool reverse = false;              // last chunk first
+  std::vector<instruction> before;   // zero: run once before the chunks
+};
+
+// A buffer beyond the inputs and the output (forward_args::extra): a backward
+// kernel's further gradients and its scratch rows.
+struct extra_buffer {
+  std::string name;   // e.g. "∂K", "scratch"
+  dtype type = dtype::f32;
+  std::string comment;
+};
+
 struct program {
   std::string kernel_name;   // a C identifier, unique per specialisation
   std::string description;   // what the kernel computes, and plan_text(spec)
@@ -186,8 +225,10 @@ struct program {
   std::vector<input_slot> inputs;
   std::vector<tile_register> registers;
   std::vector<instruction> prologue;                // zero or load_state, before the passes
-  std::vector<std::vector<instruction>> passes;
+  std::vector<pass> passes;
   std::vector<instruction> epilogue;                // store_state, after the passes
+  std::vector<extra_buffer> extras;                 // forward_args::extra[i], in order
+  std::string out_name = "out";                     // what `out` holds (a backward kernel: ∂Q)
 
   // Registers lie one after another in shared memory (rows × pitch elements),
   // each starting at a multiple of 16 bytes (ready for vector accesses).
@@ -203,6 +244,18 @@ struct program {
 // row of a non-causal attention reads the whole sequence, so there is no
 // running state to carry — as on the CPU, lina/state.hpp).
 program program_of(attention_spec const& s);
+
+// The tile program of the backward of a forward attention: ∂Q, ∂K, ∂V from
+// Q, K, V and ∂out (input slots 0–3, all of dtype `in`; the gradients are
+// written in dtype `out`: ∂Q to out, ∂K to extra[0], ∂V to extra[1]; a
+// normalised plan also writes and reads fp32 scratch rows, extra[2], [B, H, N,
+// M+1]: the adjoint of its unnormalised rows). One block per (batch, head)
+// holds every column. Causal: a forward pass that recomputes the rows, takes
+// rowdiv's adjoint and gives ∂Q from the prefix sums S = Σ φ(k)[v|1]ᵀ, then a
+// reverse pass that gives ∂K and ∂V from the suffix sums R = Σ φ(q)ĝᵀ — no
+// state is stored per chunk. Non-causal: four streaming passes (S; the rows,
+// their adjoint and ∂Q; R; ∂K and ∂V). Not chained (std::invalid_argument).
+program backward_program_of(attention_spec const& s);
 
 // The linear plan a spec computes, in lina's notation, written from the spec
 // alone: every plan with this spec (either order, a select between them) gets
@@ -227,6 +280,7 @@ struct forward_args {
   operand state_in;   // chained programs: fp32 [B, H, C, W], read by load_state
   operand state_out;  // chained programs: fp32 [B, H, C, W], written by store_state; must not overlap state_in
   std::int64_t batch = 0, heads = 0, n = 0;
+  operand extra[max_inputs];  // program::extras: further outputs and scratch (backward kernels)
 };
 
 // Do the elements of two fp32 [batch, heads, rows, cols] operands overlap?

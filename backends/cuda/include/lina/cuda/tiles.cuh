@@ -32,6 +32,7 @@ struct forward_args {
   operand state_in;   // chained kernels: the running sums they start from (fp32)
   operand state_out;  // chained kernels: where they leave them (fp32; never overlaps state_in)
   long long batch, heads, n;
+  operand extra[4];   // backward kernels: ∂K, ∂V and scratch rows (program::extras)
 };
 
 // ---- element types ----------------------------------------------------------------
@@ -72,14 +73,18 @@ __device__ __forceinline__ void store_element(f16, void* p, long long i, float x
 }
 
 // ---- feature maps -------------------------------------------------------------------
+// apply(x) is φ(x), derivative(x) is φ′(x) (map_grad).
 struct identity {
   __device__ static float apply(float x) { return x; }
+  __device__ static float derivative(float) { return 1.0f; }
 };
 struct elu_plus_one {
   __device__ static float apply(float x) { return x > 0.0f ? x + 1.0f : expf(x); }
+  __device__ static float derivative(float x) { return x > 0.0f ? 1.0f : expf(x); }  // NaN passes
 };
 struct relu {
   __device__ static float apply(float x) { return x < 0.0f ? 0.0f : x; }  // NaN passes
+  __device__ static float derivative(float x) { return x > 0.0f ? 1.0f : 0.0f; }
 };
 
 // A row map: Map::apply(x, d, feature) is feature f of the row x (d columns).
@@ -90,6 +95,20 @@ struct poly2 {
     while (f >= d - a) f -= d - a, ++a;  // row a of the packed upper triangle holds d - a features
     const float r2 = 1.41421356237309504880f;
     return f == 0 ? x[a] * x[a] : r2 * x[a] * x[a + f];
+  }
+  // ∂x_c = Σ_f g_f · ∂poly2(x)_f/∂x_c, one fmaf chain over the features f in
+  // increasing order; x is a row of d elements of type E in memory (stride cs).
+  template <class E>
+  __device__ static float adjoint(const void* data, long long row, long long cs, const float* g, int d, int c) {
+    const float r2 = 1.41421356237309504880f;
+    float acc = 0.0f;
+    for (int a = 0; a < c; ++a)  // features (a, c), a < c: (√2·x_a)·x_c
+      acc = fmaf(g[a * d - a * (a - 1) / 2 + (c - a)], r2 * load_element(E{}, data, row + a * cs), acc);
+    const int first = c * d - c * (c - 1) / 2;  // feature (c, c): x_c²
+    acc = fmaf(g[first], 2.0f * load_element(E{}, data, row + c * cs), acc);
+    for (int b = c + 1; b < d; ++b)  // features (c, b), b > c: (√2·x_c)·x_b
+      acc = fmaf(g[first + (b - c)], r2 * load_element(E{}, data, row + b * cs), acc);
+    return acc;
   }
 };
 
@@ -390,6 +409,53 @@ template <int R, int C, int P>
 __device__ void mask_causal(float* t) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x)
     if (e % C > e / C) t[(e / C) * P + e % C] = 0.0f;
+  __syncthreads();
+}
+
+// t[i][j] = 0 for j < i: the transposed mask of the backward's reverse pass.
+template <int R, int C, int P>
+__device__ void mask_anticausal(float* t) {
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x)
+    if (e % C < e / C) t[(e / C) * P + e % C] = 0.0f;
+  __syncthreads();
+}
+
+// Element-wise φ: t[i][j] *= φ′(in(r0 + i, j)) for i < rows (the input as stored, type E).
+template <class E, class Map, int R, int C, int P>
+__device__ void map_grad(float* t, const operand& in, long long base, long long r0, int rows) {
+  for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    const float x = load_element(E{}, in.data, base + (r0 + i) * in.stride[2] + j * in.stride[3]);
+    t[i * P + j] = t[i * P + j] * Map::derivative(x);
+  }
+  __syncthreads();
+}
+
+// A row map's adjoint, out of place: t (R × D) from the features' adjoints a
+// (R × C, pitch PA) at the rows of `in`; 0 for i ≥ rows.
+template <class E, class Map, int R, int D, int P, int PA>
+__device__ void map_grad_rows(float* t, const float* a, const operand& in, long long base, long long r0, int rows) {
+  for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
+    const int i = e / D, c = e % D;
+    t[i * P + c] = i < rows ? Map::template adjoint<E>(in.data, base + (r0 + i) * in.stride[2], in.stride[3], a + i * PA, D, c)
+                            : 0.0f;
+  }
+  __syncthreads();
+}
+
+// rowdiv's adjoint, a thread per row (program.hpp, rowdiv_grad): with o = [num |
+// den] (W columns, pitch PO) and t = ∂out (the first W − 1 columns),
+// d = den + eps, s = Σ_j t_j·(num_j / d) in increasing j: t_{W−1} = −s / d,
+// t_j = t_j / d.
+template <int R, int W, int PT, int PO>
+__device__ void rowdiv_grad(float* t, const float* o, float eps, int rows) {
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+    const float d = o[i * PO + W - 1] + eps;
+    float s = 0.0f;
+    for (int j = 0; j < W - 1; ++j) s = fmaf(t[i * PT + j], o[i * PO + j] / d, s);
+    t[i * PT + W - 1] = -s / d;
+    for (int j = 0; j < W - 1; ++j) t[i * PT + j] = t[i * PT + j] / d;
+  }
   __syncthreads();
 }
 
