@@ -629,7 +629,7 @@ TEST_CASE("golden: the emitted sources of a few small plans") {
 
 // The kernels scripts/gpu-check's benchmark launches first compile here, so a
 // device session is not spent finding an NVRTC error.
-TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp) compile for sm_80 and sm_90") {
+TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp: forward, backward, steps) compile for sm_80 and sm_90") {
   constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   cuda::options const bf16{cuda::dtype::bf16, cuda::dtype::bf16};
   for (std::size_t d : {128, 64}) {
@@ -638,6 +638,13 @@ TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp) compile for sm_80 an
     CHECK(p.shared_bytes() <= cuda::shared_memory_budget);
     check_compiles(p);
     check_compiles(chained_program(plan, bf16, d, d));
+    auto spec = cuda::spec_of(plan, bf16);
+    spec.d = spec.m = d;
+    auto backward = cuda::backward_program_of(spec);  // its backward rows
+    CHECK(backward.shared_bytes() <= cuda::shared_memory_budget);
+    check_compiles(backward);
+    spec.chained = spec.step = true;  // its decode steps
+    check_compiles(cuda::program_of(spec));
   }
 }
 
