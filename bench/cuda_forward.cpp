@@ -470,6 +470,21 @@ int main(int argc, char** argv) {
                  s.d, program.kernel_name, program.tiles.chunk, reps, ms, flops / (ms * 1e-3) / 1e12, gbs,
                  100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
       std::fflush(stdout);
+      // Split along N (the chunk-parallel form) where evaluate_into chose to: the one-pass kernel beside it.
+      std::int64_t const split = cuda::split_rows(static_cast<std::int64_t>(s.b * s.h) * program.m_tiles,
+                                                  static_cast<std::int64_t>(s.t), program.tiles.chunk, prop.multiProcessorCount);
+      if (split > 0) {
+        cuda::forward_args a;
+        a.in[0] = cuda::detail::device_operand(q.view());
+        a.in[1] = cuda::detail::device_operand(k.view());
+        a.in[2] = cuda::detail::device_operand(v.view());
+        a.out = cuda::detail::device_operand(o.view());
+        a.batch = static_cast<std::int64_t>(s.b), a.heads = static_cast<std::int64_t>(s.h), a.n = static_cast<std::int64_t>(s.t);
+        double const one_ms = time_launches([&] { cuda::launch(program, a, stream); }, std::min(reps, 20), stream);
+        fmt::print("| ↳ above: split into groups of {} rows (two launches); one pass | | | | {} | {} | {} | {:.3f} | {:.2f} | | | |\n",
+                   split, program.kernel_name, program.tiles.chunk, std::min(reps, 20), one_ms,
+                   flops / (one_ms * 1e-3) / 1e12);
+      }
       double bwd_ms = 0;
       if (backward) {
         bool const bwd_ok = time_backward(s, hq, hk, hv, q, k, v, ms, copy_bw, budget, check_rows, stream, &bwd_ms);

@@ -1431,3 +1431,96 @@ TEST_CASE("device: gradients = their emulation") {
     run.template operator()<cuda::bf16>(full_plan, s, 920);
   }
 }
+
+// ---- the chunk-parallel form (splitting N) -----------------------------------------------
+namespace {
+// Groups of 1, 2 and 3 chunks (and one group for all) against one pass of the
+// same kernel: the same sums in another order (exact products: the fp32
+// tolerance; tensor cores: the output's rounding, as two launches agree).
+template <class Expr>
+void check_split(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, bool positive = false) {
+  auto const plan = compile<order::linear>(expr);
+  test::rng r{seed};
+  double worst = 0;
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    for (shape const& s : cases) {
+      auto q = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+      auto k = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+      if (positive)
+        for (auto* x : {&q, &k})
+          for (std::size_t i = 0; i < x->size(); ++i) x->data()[i] = std::abs(x->data()[i]);
+      q = rounded(q, dt);
+      k = rounded(k, dt);
+      auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      for (bool exact : {true, false}) {
+        cuda::options opt{dt, dt, exact};
+        auto const once = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+        auto spec = cuda::spec_of(plan, opt);
+        spec.d = s.d, spec.m = s.m;
+        auto const sp = cuda::split_programs_of(spec);
+        std::int64_t const t = sp.scan.tiles.chunk;
+        for (std::int64_t rows : {t, 2 * t, 3 * t, 1000 * t}) {
+          CAPTURE(cuda::name_of(dt)); CAPTURE(exact); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+          CAPTURE(rows);
+          cuda::options split = opt;
+          split.split_rows = rows;
+          double const e = relative_rms(cuda::emulate(plan, split, Q = q, K = k, V = v), once);
+          double const tol = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt);
+          CHECK(e <= tol);
+          worst = std::max(worst, e / tol);
+        }
+        if (&s == &cases.front() || s.d == 128) {
+          check_compiles(sp.partials);
+          check_compiles(sp.scan);
+        }
+      }
+    }
+  }
+  MESSAGE("split: largest error / tolerance: " << worst);
+}
+}  // namespace
+
+TEST_CASE("split: the chunk-parallel form (groups of rows, two launches) = one pass") {
+  // Several groups and M tiles; N not a multiple of the chunk; a group shorter than the others; N = 0.
+  std::vector<shape> const cases = {{1, 1, 0, 8, 8}, {2, 1, 300, 16, 8}, {1, 2, 257, 24, 100}, {1, 1, 200, 128, 128}};
+  check_split(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 71, cases);
+  check_split(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 72, {{2, 1, 300, 16, 8}, {1, 2, 150, 9, 70}});
+  check_split(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 73, {{1, 2, 150, 6, 5}}, true);
+  // When to split: only when the unsplit blocks leave SMs idle and N has chunks to share.
+  CHECK(cuda::split_rows(192, 8192, 64, 132) == 0);   // enough blocks
+  CHECK(cuda::split_rows(16, 100, 64, 132) == 0);     // two chunks
+  std::int64_t const rows = cuda::split_rows(32, 16384, 64, 132);  // B2 H16: 9 groups of 29 chunks
+  CHECK(rows % 64 == 0);
+  CHECK((16384 + rows - 1) / rows * 32 >= 132);
+  CHECK(rows >= 128);
+}
+
+// Launches that split N (too few (batch, head) blocks for the device) = the
+// emulation of the same split.
+TEST_CASE("device: the chunk-parallel form = its emulation") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  constexpr auto plan = compile<order::linear>(causal_expr);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    for (shape s : {shape{1, 1, 1000, 64, 64}, shape{1, 2, 777, 128, 128}, shape{2, 1, 300, 16, 8}}) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d);
+      auto spec = cuda::spec_of(plan, {dt, dt});
+      spec.d = s.d, spec.m = s.m;
+      auto const p = cuda::program_of(spec);
+      std::int64_t const rows = cuda::split_rows(static_cast<std::int64_t>(s.b * s.h) * p.m_tiles,
+                                                 static_cast<std::int64_t>(s.n), p.tiles.chunk, dev.sms);
+      REQUIRE(rows > 0);
+      auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, 1), dt);
+      auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, 2), dt);
+      auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, 3), dt);
+      cuda::options opt{dt, dt};
+      opt.split_rows = rows;
+      auto want = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+      auto got = [&]<class E>() {
+        auto dq = cuda::to_device<E>(q), dk = cuda::to_device<E>(k), dv = cuda::to_device<E>(v);
+        return cuda::to_host(cuda::evaluate(plan, nullptr, Q = dq, K = dk, V = dv));
+      };
+      auto y = dt == cuda::dtype::f32 ? got.template operator()<float>() : got.template operator()<cuda::bf16>();
+      CHECK(relative_rms(y, want) <= (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
+    }
+}

@@ -13,7 +13,7 @@
 
 namespace lina::cuda {
 
-static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 11 * 48 + 24,
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 11 * 48 + 32,
               "forward_args must keep the layout of lina::tile::forward_args (tiles.cuh)");
 
 cuda_error::cuda_error(std::string call, std::string kernel, std::string status)
@@ -78,6 +78,10 @@ device_status probe_device() {
     return s;
   }
   s.arch = fmt::format("sm_{}{}", major, minor);
+  if (cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, s.device) != cudaSuccess) {
+    s.sms = 0;
+    cudaGetLastError();
+  }
   s.available = major >= 8;
   if (!s.available) s.reason = fmt::format("device {} is {}; the kernels need sm_80 or newer", s.device, s.arch);
   return s;
@@ -163,6 +167,37 @@ void launch(program const& p, forward_args const& args, void* stream) {
   std::int64_t blocks = 0;
   if (!check_launch(p, args, blocks)) return;
   launch_loaded(load_kernel(p, dev).kernel, p, args, blocks, stream);
+}
+
+void launch_split(split_programs const& sp, forward_args args, std::int64_t group_rows, void* stream) {
+  std::string const& name = sp.scan.kernel_name;
+  device_status dev = probe_device();
+  if (!dev.available) throw cuda_error("launch", name, unavailable(dev));
+  if (group_rows <= 0 || group_rows % sp.scan.tiles.chunk != 0)
+    throw std::invalid_argument(fmt::format("lina::cuda: kernel {} needs rows per group that are a positive multiple of {}",
+                                            name, sp.scan.tiles.chunk));
+  args.group_rows = group_rows;
+  std::int64_t const groups = (args.n + group_rows - 1) / group_rows;
+  std::int64_t const c = static_cast<std::int64_t>(features(sp.scan.spec.map_q, sp.scan.spec.d));
+  std::int64_t const w = static_cast<std::int64_t>(sp.scan.spec.m) + (sp.scan.spec.normalized ? 1 : 0);
+  std::size_t const bytes = static_cast<std::size_t>(args.batch * args.heads * groups * c * w) * sizeof(float);
+  if (bytes == 0) return;
+  cudaStream_t const s = static_cast<cudaStream_t>(stream);
+  void* partials = nullptr;
+  check(cudaMallocAsync(&partials, bytes, s), "cudaMallocAsync", name);
+  operand& o = args.extra[0];
+  o.data = partials;
+  o.stride[3] = 1, o.stride[2] = w, o.stride[1] = groups * c * w, o.stride[0] = args.heads * groups * c * w;
+  o.cols = w;
+  try {
+    std::int64_t blocks = 0;
+    if (check_launch(sp.partials, args, blocks)) launch_loaded(load_kernel(sp.partials, dev).kernel, sp.partials, args, blocks, stream);
+    if (check_launch(sp.scan, args, blocks)) launch_loaded(load_kernel(sp.scan, dev).kernel, sp.scan, args, blocks, stream);
+  } catch (...) {
+    cudaFreeAsync(partials, s);
+    throw;
+  }
+  check(cudaFreeAsync(partials, s), "cudaFreeAsync", name);
 }
 
 prepared_kernel::prepared_kernel(program p) : p_(std::move(p)) {

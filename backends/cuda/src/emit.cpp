@@ -149,6 +149,14 @@ struct emitter {
         line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.state_out, state_out_base, m0, {});", rows(i.dst),
              cols(i.dst), pitch(i.dst), yes(i.z_column), t, width(i));
         break;
+      case opcode::store_partial:  // this group's sums, rows group·C … (a partials program)
+        line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.extra[0], extra0_base + group * {} * args.extra[0].stride[2], m0, {});",
+             rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, rows(i.dst), width(i));
+        break;
+      case opcode::add_partials:  // the sums of the groups before this one, in increasing order
+        line(ind, "tl::add_partials<{}, {}, {}, {}>({}, args.extra[0], extra0_base, {} * args.extra[0].stride[2], group, m0, {});",
+             rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, rows(i.dst), width(i));
+        break;
     }
   }
 
@@ -207,9 +215,19 @@ struct emitter {
       line(2, "{}* const {} = reinterpret_cast<{}*>(shared + {});", type, p.registers[r].name, type,
            p.offset_of(static_cast<int>(r)));
     }
-    line(2, "const long long slice = blockIdx.x / m_tiles;  // (batch, head)");
+    if (p.split) {  // blocks per group of rows too: x = (slice · m_tiles + m_tile) · groups + group
+      line(2, "const long long groups = (args.n + args.group_rows - 1) / args.group_rows;");
+      line(2, "const long long group = blockIdx.x % groups, tile = blockIdx.x / groups;");
+      bool partials = false;
+      for (auto const& i : p.epilogue) partials = partials || i.op == opcode::store_partial;
+      if (partials) line(2, "if (group == groups - 1) return;  // nobody reads the last group's sums");
+      line(2, "const long long row_begin = group * args.group_rows;");
+      line(2, "const long long row_end = args.n - row_begin < args.group_rows ? args.n : row_begin + args.group_rows;");
+    }
+    std::string_view const tile = p.split ? "tile" : "blockIdx.x";
+    line(2, "const long long slice = {} / m_tiles;  // (batch, head)", tile);
     if (by_m)
-      line(2, "const long long m0 = static_cast<long long>(blockIdx.x % m_tiles) * tile_m;  // this block's first column of M");
+      line(2, "const long long m0 = static_cast<long long>({} % m_tiles) * tile_m;  // this block's first column of M", tile);
     line(2, "const long long b = slice / args.heads, h = slice % args.heads;");
     std::vector<bool> loaded(p.inputs.size()), extra(p.extras.size());  // likewise memory no instruction touches
     for (auto const& pass : p.passes)
@@ -219,12 +237,19 @@ struct emitter {
         if (reads && i.slot >= max_inputs) extra.at(static_cast<std::size_t>(i.slot - max_inputs)) = true;
         if (i.op == opcode::store && i.slot >= 0) extra.at(static_cast<std::size_t>(i.slot)) = true;
       }
+    for (auto const* list : {&p.prologue, &p.epilogue})
+      for (auto const& i : *list)
+        if (i.op == opcode::store_partial || i.op == opcode::add_partials) extra.at(0) = true;
     for (std::size_t s = 0; s < p.inputs.size(); ++s)
       if (loaded[s])
         line(2, "const long long in{}_base = b * args.in[{}].stride[0] + h * args.in[{}].stride[1];  // {}", s, s, s,
              p.inputs[s].name);
-    line(2, "const long long out_base = b * args.out.stride[0] + h * args.out.stride[1];{}",
-         p.out_name == "out" ? "" : "  // " + p.out_name);
+    bool stores_out = false;
+    for (auto const& pass : p.passes)
+      for (auto const& i : pass) stores_out = stores_out || (i.op == opcode::store && i.slot < 0);
+    if (stores_out)
+      line(2, "const long long out_base = b * args.out.stride[0] + h * args.out.stride[1];{}",
+           p.out_name == "out" ? "" : "  // " + p.out_name);
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (extra[e])
         line(2, "const long long extra{}_base = b * args.extra[{}].stride[0] + h * args.extra[{}].stride[1];  // {}", e, e,
@@ -234,8 +259,8 @@ struct emitter {
       line(2, "const long long state_out_base = b * args.state_out.stride[0] + h * args.state_out.stride[1];");
     }
     for (auto const& i : p.prologue) {
-      if (i.op != opcode::zero && i.op != opcode::load_state)
-        throw std::logic_error("lina::cuda::emit: a prologue holds only zero and load_state instructions");
+      if (i.op != opcode::zero && i.op != opcode::load_state && i.op != opcode::add_partials)
+        throw std::logic_error("lina::cuda::emit: a prologue holds only zero, load_state and add_partials instructions");
       instruction(2, i);
     }
     for (auto const& pass : p.passes) {
@@ -245,9 +270,14 @@ struct emitter {
       }
       if (pass.reverse)  // the same chunks, last first
         line(2, "for (long long r0 = args.n > 0 ? (args.n - 1) / chunk * chunk : -1; r0 >= 0; r0 -= chunk) {{  // last first");
+      else if (p.split)
+        line(2, "for (long long r0 = row_begin; r0 < row_end; r0 += chunk) {{");
       else
         line(2, "for (long long r0 = 0; r0 < args.n; r0 += chunk) {{");
-      line(4, "const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);");
+      if (p.split)
+        line(4, "const int rows = static_cast<int>(row_end - r0 < chunk ? row_end - r0 : chunk);");
+      else
+        line(4, "const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);");
       for (std::size_t n = 0; n < pass.size(); ++n) {
         // load t; map t φ (element-wise) → one pass over the chunk (tl::load_map).
         if (n + 1 < pass.size() && fusable(pass[n], pass[n + 1])) {
@@ -260,8 +290,8 @@ struct emitter {
       line(2, "}}");
     }
     for (auto const& i : p.epilogue) {
-      if (i.op != opcode::store_state)
-        throw std::logic_error("lina::cuda::emit: an epilogue holds only store_state instructions");
+      if (i.op != opcode::store_state && i.op != opcode::store_partial)
+        throw std::logic_error("lina::cuda::emit: an epilogue holds only store_state and store_partial instructions");
       instruction(2, i);
     }
     line(0, "}}");

@@ -82,8 +82,9 @@ struct block {
   program const& p;
   forward_args const& a;
   std::int64_t b = 0, h = 0, m_tile = 0;
-  std::vector<tile> reg;
-  tile op_a, op_b;  // rounded copies of product operands
+  std::int64_t group = 0, groups = 1, row_begin = 0, row_end = 0;  // split programs: this block's rows
+  std::vector<tile> reg{};
+  tile op_a{}, op_b{};  // rounded copies of product operands
 
   // Register r, or a copy of it rounded to precision p (into `copy`).
   tile const& rounded(int r, precision p, tile& copy) {
@@ -142,6 +143,32 @@ struct block {
           for (int c = 0; c + 1 < w; ++c) sum = std::fma(t.at(r, c), o.at(r, c) / d, sum);
           t.at(r, w - 1) = -sum / d;
           for (int c = 0; c + 1 < w; ++c) t.at(r, c) = t.at(r, c) / d;
+        }
+        break;
+      }
+      case opcode::store_partial: {
+        operand const& s = a.extra[0];
+        auto* data = static_cast<float*>(const_cast<void*>(s.data));
+        std::int64_t base = slice_offset(s) + group * t.rows * s.stride[2], c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
+        for (int r = 0; r < t.rows; ++r) {
+          for (int c = 0; c < i.width && c0 + c < m_cols; ++c) data[base + r * s.stride[2] + (c0 + c) * s.stride[3]] = t.at(r, c);
+          if (i.z_column && m_tile == 0) data[base + r * s.stride[2] + (s.cols - 1) * s.stride[3]] = t.at(r, t.cols - 1);
+        }
+        break;
+      }
+      case opcode::add_partials: {
+        operand const& s = a.extra[0];
+        auto const* data = static_cast<float const*>(s.data);
+        std::int64_t const c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
+        for (std::int64_t g = 0; g < group; ++g) {
+          std::int64_t const base = slice_offset(s) + g * t.rows * s.stride[2];
+          for (int r = 0; r < t.rows; ++r)
+            for (int c = 0; c < t.cols; ++c) {
+              if (i.z_column && c == t.cols - 1)
+                t.at(r, c) += data[base + r * s.stride[2] + (s.cols - 1) * s.stride[3]];
+              else if (c < i.width && c0 + c < m_cols)
+                t.at(r, c) += data[base + r * s.stride[2] + (c0 + c) * s.stride[3]];
+            }
         }
         break;
       }
@@ -243,19 +270,27 @@ struct block {
     run(i, r0, rows);
     settle(i);
   }
+  // A partials program's blocks of the last group do nothing (program.hpp).
+  bool idle() const {
+    if (!p.split || group + 1 < groups) return false;
+    for (auto const& i : p.epilogue)
+      if (i.op == opcode::store_partial) return true;
+    return false;
+  }
 
   void run_all() {
     reg.clear();
     for (auto const& r : p.registers)
       reg.push_back({r.rows, r.cols, std::vector<float>(static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols))});
+    if (idle()) return;
     for (auto const& i : p.prologue) step(i, 0, 0);
     std::int64_t const t = p.tiles.chunk;
-    std::int64_t const chunks = (a.n + t - 1) / t;
+    std::int64_t const chunks = (row_end - row_begin + t - 1) / t;
     for (auto const& pass : p.passes) {
       for (auto const& i : pass.before) step(i, 0, 0);
       for (std::int64_t c = 0; c < chunks; ++c) {
-        std::int64_t const r0 = (pass.reverse ? chunks - 1 - c : c) * t;
-        int rows = static_cast<int>(std::min(t, a.n - r0));
+        std::int64_t const r0 = row_begin + (pass.reverse ? chunks - 1 - c : c) * t;
+        int rows = static_cast<int>(std::min(t, row_end - r0));
         for (auto const& i : pass) step(i, r0, rows);
       }
     }
@@ -281,13 +316,20 @@ void emulate(program const& p, forward_args const& args) {
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (args.extra[e].data == nullptr)
         throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " needs its buffer " + p.extras[e].name);
-  std::int64_t blocks = blocks_of(p, args);
+  if (p.split && args.group_rows % p.tiles.chunk != 0)
+    throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " needs rows per group that are a "
+                                "positive multiple of its chunk");
+  std::int64_t const blocks = blocks_of(p, args), groups = groups_of(p, args);
   for (std::int64_t x = 0; x < blocks; ++x) {
-    block blk{p, args, 0, 0, 0, {}, {}, {}};
-    std::int64_t slice = x / p.m_tiles;
-    blk.m_tile = x % p.m_tiles;
+    block blk{p, args};
+    blk.groups = groups;
+    blk.group = x % groups;
+    std::int64_t const tile = x / groups, slice = tile / p.m_tiles;
+    blk.m_tile = tile % p.m_tiles;
     blk.b = slice / args.heads;
     blk.h = slice % args.heads;
+    blk.row_begin = p.split ? blk.group * args.group_rows : 0;
+    blk.row_end = p.split ? std::min(args.n, blk.row_begin + args.group_rows) : args.n;
     blk.run_all();
   }
 }

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -45,6 +46,8 @@ std::string_view name_of(opcode o) {
     case opcode::mask_anticausal: return "mask_anticausal";
     case opcode::map_grad: return "map_grad";
     case opcode::rowdiv_grad: return "rowdiv_grad";
+    case opcode::store_partial: return "store_partial";
+    case opcode::add_partials: return "add_partials";
   }
   return "?";
 }
@@ -409,6 +412,51 @@ program backward_program_of(attention_spec const& s) {
       s.d, s.m, lay_out_backward(s, 16).shared_bytes(), shared_memory_budget));
 }
 
+split_programs split_programs_of(attention_spec const& s) {
+  if (!s.causal || s.chained)
+    throw std::invalid_argument("lina::cuda: the chunk-parallel form is for causal, unchained forwards");
+  program scan = program_of(s);
+  program partials = scan;
+  auto reg = [&](char const* name) {
+    for (std::size_t r = 0; r < scan.registers.size(); ++r)
+      if (scan.registers[r].name == name) return static_cast<int>(r);
+    throw std::logic_error(std::string("lina::cuda: a causal program without a register ") + name);
+  };
+  int const st = reg("state"), k = reg("k");
+  instruction const partial_op{.op = opcode::store_partial, .dst = st, .width = scan.tiles.tile_m, .by_m_tile = true,
+                               .z_column = s.normalized};
+  instruction const add_op{.op = opcode::add_partials, .dst = st, .width = scan.tiles.tile_m, .by_m_tile = true,
+                           .z_column = s.normalized};
+  // partials: the group's Σ φ(K)ᵀ[V|1] — the scan's loads of K and V and its state update.
+  std::vector<instruction> sum;
+  for (auto const& i : scan.passes.at(0)) {
+    bool const k_or_v = (i.op == opcode::load && i.slot != 0) || i.op == opcode::ones_column ||
+                        (i.op == opcode::map && i.dst == k) || (i.op == opcode::product && i.dst == st);
+    if (k_or_v) sum.push_back(i);
+  }
+  partials.passes = {pass(std::move(sum))};
+  partials.epilogue = {partial_op};
+  partials.split = true;
+  partials.kernel_name += "_partials";
+  partials.description = "the sums of φ(K)ᵀ" + std::string(s.normalized ? "[V|1]" : "V") +
+                         " per group of rows (the chunk-parallel form's first launch) of: " + plan_text(s);
+  partials.extras = {{"partials", dtype::f32, "Σ φ(K)ᵀ[V|1] per group of rows, fp32 [B, H, groups·C, W]"}};
+  scan.prologue.push_back(add_op);
+  scan.split = true;
+  scan.kernel_name += "_split";
+  scan.description += " (chunk-parallel: each group of rows starts from the sums of the groups before it)";
+  scan.extras = partials.extras;
+  return {std::move(partials), std::move(scan)};
+}
+
+std::int64_t split_rows(std::int64_t blocks, std::int64_t n, int chunk, int sms) {
+  std::int64_t const chunks = (n + chunk - 1) / chunk;
+  if (blocks <= 0 || blocks >= sms || chunks < 4) return 0;
+  std::int64_t groups = std::min<std::int64_t>((2 * sms + blocks - 1) / blocks, chunks / 2);
+  if (groups < 2) return 0;
+  return (chunks + groups - 1) / groups * chunk;
+}
+
 tile_config choose_tiles(attention_spec const& s) {
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
   // The first (T, M tile) that fits. M tiles of 32 or more come first: every
@@ -485,6 +533,12 @@ std::string listing(program const& p) {
         return i.a >= 0 ? fmt::format("map_grad {} ← φ[{}]′({})ᵀ·{}", nm(i.dst), name_of(i.map), source(i.slot), nm(i.a))
                         : fmt::format("map_grad {} ·= φ[{}]′({})", nm(i.dst), name_of(i.map), source(i.slot));
       case opcode::rowdiv_grad: return fmt::format("rowdiv_grad {} (rows {}) eps={}", nm(i.dst), nm(i.a), i.eps);
+      case opcode::store_partial:
+        return fmt::format("store_partial {} → partials[group, :, m_tile·tile_m + {} cols{}] (not the last group)",
+                           nm(i.dst), i.width, i.z_column ? " | z (m_tile 0)" : "");
+      case opcode::add_partials:
+        return fmt::format("add_partials {} += Σ partials[g < group, :, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
+                           i.z_column ? " | z" : "");
       case opcode::load_state:
         return fmt::format("load_state {} ← state_in[:, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
                            i.z_column ? " | z" : "");
@@ -497,7 +551,7 @@ std::string listing(program const& p) {
   for (auto const& i : p.prologue) r += "  " + one(i) + "\n";
   for (auto const& pass : p.passes) {
     for (auto const& i : pass.before) r += "  " + one(i) + "\n";
-    r += pass.reverse ? "  for each chunk, last first:\n" : "  for each chunk:\n";
+    r += pass.reverse ? "  for each chunk, last first:\n" : p.split ? "  for each chunk of the group:\n" : "  for each chunk:\n";
     for (auto const& i : pass) r += "    " + one(i) + "\n";
   }
   for (auto const& i : p.epilogue) r += "  " + one(i) + "\n";

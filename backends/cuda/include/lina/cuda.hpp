@@ -59,6 +59,10 @@ struct options {
   // program.hpp's `precision`): operands rounded as they are read. true keeps
   // every product an exact fp32 FMA chain instead — slower, for checking.
   bool exact_products = false;
+  // The emulation of the chunk-parallel form (split_programs_of): groups of
+  // this many rows (a multiple of the chunk; 0: one pass) for causal plans
+  // without a state. Launches choose it from the device (split_rows).
+  std::int64_t split_rows = 0;
 };
 
 namespace diagnose {
@@ -612,6 +616,15 @@ inline operand operand_of(tensor_view<float const> const& v, dtype t, std::vecto
   return o;
 }
 
+// A dense [B, H, N, cols] operand over `data` (elements of `bytes` bytes).
+inline operand dense_operand(void const* data, shape4 const& s) {
+  operand o;
+  o.data = data;
+  auto const st = tensor_view<float>::contiguous_strides(s);
+  for (int i = 0; i < 4; ++i) o.stride[i] = static_cast<std::int64_t>(st[static_cast<std::size_t>(i)]);
+  o.cols = static_cast<std::int64_t>(s[3]);
+  return o;
+}
 // The spec of plan at the bound extents and element types.
 template <class Plan, class Bound>
 attention_spec bound_spec(Plan const& plan, options opt, Bound const& in) {
@@ -661,7 +674,19 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
     }
-    emulate(p, a);
+    if (opt.split_rows > 0 && s.causal && !st) {  // the chunk-parallel form: partials, then the scan
+      split_programs const sp = split_programs_of(s);
+      a.group_rows = opt.split_rows;
+      std::int64_t const groups = (a.n + a.group_rows - 1) / a.group_rows;
+      std::int64_t const c = static_cast<std::int64_t>(features(s.map_q, s.d)), w = static_cast<std::int64_t>(s.m) + s.normalized;
+      std::vector<float> partials(static_cast<std::size_t>(a.batch * a.heads * groups * c * w));
+      a.extra[0] = dense_operand(partials.data(), {in.batch, in.heads, static_cast<std::size_t>(groups * c),
+                                                   static_cast<std::size_t>(w)});
+      emulate(sp.partials, a);
+      emulate(sp.scan, a);
+    } else {
+      emulate(p, a);
+    }
     if (st) st->flip();
     if (opt.out != dtype::f32) {
       std::size_t x = 0;
@@ -785,10 +810,13 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* 
     s.chained = st != nullptr;
     forward_args a = device_args<F>(out, in);
     program const p = program_of(s);
-    require_device(call);
+    device_status const dev = require_device(call);
     if (st) {
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
+    } else if (s.causal) {  // too few (batch, head, M tile) blocks for the device: split N too
+      std::int64_t const rows = split_rows(blocks_of(p, a), a.n, p.tiles.chunk, dev.sms);
+      if (rows > 0) return launch_split(split_programs_of(s), a, rows, stream);
     }
     launch(p, a, stream);
     if (st) st->flip();
@@ -891,15 +919,6 @@ void check_dout(shape4 const& got, Bound const& in) {
     if (got[d] != want[d]) throw shape_error("dout", names[d], got[d], want[d], "of the plan's result");
 }
 
-// A dense [B, H, N, cols] operand over `data` (elements of `bytes` bytes).
-inline operand dense_operand(void const* data, shape4 const& s) {
-  operand o;
-  o.data = data;
-  auto const st = tensor_view<float>::contiguous_strides(s);
-  for (int i = 0; i < 4; ++i) o.stride[i] = static_cast<std::int64_t>(st[static_cast<std::size_t>(i)]);
-  o.cols = static_cast<std::int64_t>(s[3]);
-  return o;
-}
 }  // namespace detail
 
 template <class Plan, class Dout, class... B>

@@ -34,6 +34,7 @@ struct device_status {
   int count = 0;
   int device = -1;          // the current device
   std::string arch;         // its architecture, e.g. "sm_90"
+  int sms = 0;              // its streaming multiprocessors
   std::string reason;       // why none is available (the runtime's error)
 };
 // Never throws: no driver or no device is a status, not an error.
@@ -52,6 +53,13 @@ device_status require_device(std::string const& call);
 // nothing, otherwise. Nothing is launched for no blocks, nor for n = 0 unless
 // the program is chained (then the kernel copies state_in to state_out).
 void launch(program const& p, forward_args const& args, void* stream = nullptr);
+
+// The chunk-parallel form of a causal forward (split_programs_of): the
+// partials launch, then the scan, on `stream`, over groups of `group_rows`
+// rows (split_rows), the groups' sums in stream-ordered scratch memory
+// (cudaMallocAsync, freed on the stream: nothing waits). args.extra[0] and
+// args.group_rows are set here. Checks as launch() does.
+void launch_split(split_programs const& sp, forward_args args, std::int64_t group_rows, void* stream = nullptr);
 
 // A program's kernel compiled (NVRTC, through the on-disk cache) and loaded
 // once for the current device, then launched any number of times with nothing

@@ -6,7 +6,10 @@
 // Plain C++ (no Hana, no lina core headers): nvcc and NVRTC never see the DSL.
 //
 // A program runs once per CTA ("block"). Block x works on one (batch, head)
-// slice and one tile of the output's columns (m_tile = x % m_tiles):
+// slice and one tile of the output's columns (m_tile = x % m_tiles) — or, in a
+// split program (the chunk-parallel form), on one group of rows too: x =
+// (slice · m_tiles + m_tile) · groups + group, groups = ⌈n / group_rows⌉, and
+// its passes walk rows [group · group_rows, min(n, (group + 1) · group_rows)):
 //
 //   prologue                      once
 //   for each pass:                every pass walks the chunks of the sequence,
@@ -71,6 +74,14 @@
 //                          [num | den]) and s = Σ_{j<W−1} t[i][j] · (o[i][j] / d) as one
 //                          fp32 fma chain in increasing j: t[i][W−1] = −s / d, then
 //                          t[i][j] = t[i][j] / d for j < W−1; rows ≥ rows stay as they are
+//   store_partial t        (a partials program) extra[0](group·C + i, c0 + j) = t[i][j]
+//                          for the columns store_state writes, the z column from
+//                          m_tile 0 alone: this group's sums; blocks of the last
+//                          group do nothing at all (nobody reads their sums)
+//   add_partials t         (a split scan) t[i][j] += extra[0](g·C + i, c0 + j) for
+//                          g = 0 … group − 1 in increasing g, for the columns
+//                          load_state reads (z column included): the sums of the
+//                          rows before this block's group
 //   store_state t          state_out(i, c0 + j) = t[i][j] for the same (i, j); the z
 //                          column (z_column) only from the block with m_tile = 0 —
 //                          every block of a (batch, head) holds the same z. state_in
@@ -172,7 +183,7 @@ struct tile_register {
 
 enum class opcode : std::uint8_t {
   zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state,
-  mask_anticausal, map_grad, rowdiv_grad
+  mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials
 };
 std::string_view name_of(opcode o);
 
@@ -229,6 +240,7 @@ struct program {
   std::vector<instruction> epilogue;                // store_state, after the passes
   std::vector<extra_buffer> extras;                 // forward_args::extra[i], in order
   std::string out_name = "out";                     // what `out` holds (a backward kernel: ∂Q)
+  bool split = false;                               // blocks per group of rows too (forward_args::group_rows)
 
   // Registers lie one after another in shared memory (rows × pitch elements),
   // each starting at a multiple of 16 bytes (ready for vector accesses).
@@ -257,6 +269,24 @@ program program_of(attention_spec const& s);
 // their adjoint and ∂Q; R; ∂K and ∂V). Not chained (std::invalid_argument).
 program backward_program_of(attention_spec const& s);
 
+// The chunk-parallel form of a causal, unchained forward (splitting N when
+// B·H·m_tiles blocks cannot fill the device): two launches over groups of
+// group_rows rows (a multiple of the chunk). `partials` sums φ(K)ᵀ[V|1] over
+// each group into extra[0] (fp32 [B, H, groups·C, W]); `scan` starts each
+// group from the sums of the groups before it (add_partials) and runs the
+// chunked scan over its rows. Same tiles as program_of(s); the results equal
+// it up to the order of the state's sums.
+struct split_programs {
+  program partials, scan;
+};
+split_programs split_programs_of(attention_spec const& s);
+
+// Rows per group for a split launch: 0 (do not split) when `blocks` blocks of
+// the unsplit program already give every one of `sms` SMs one or when the
+// sequence has fewer than 4 chunks; else a multiple of the chunk that makes
+// about two blocks per SM, at least 2 chunks per group.
+std::int64_t split_rows(std::int64_t blocks, std::int64_t n, int chunk, int sms);
+
 // The linear plan a spec computes, in lina's notation, written from the spec
 // alone: every plan with this spec (either order, a select between them) gets
 // the same text, so the same kernel source and one cache entry.
@@ -281,6 +311,7 @@ struct forward_args {
   operand state_out;  // chained programs: fp32 [B, H, C, W], written by store_state; must not overlap state_in
   std::int64_t batch = 0, heads = 0, n = 0;
   operand extra[max_inputs];  // program::extras: further outputs and scratch (backward kernels)
+  std::int64_t group_rows = 0;  // split programs: rows per group (a multiple of the chunk)
 };
 
 // Do the elements of two fp32 [batch, heads, rows, cols] operands overlap?
@@ -288,6 +319,11 @@ struct forward_args {
 bool overlap(operand const& x, operand const& y, std::int64_t batch, std::int64_t heads, std::int64_t rows);
 
 // Blocks to launch for a program on these arguments.
-inline std::int64_t blocks_of(program const& p, forward_args const& a) { return a.batch * a.heads * p.m_tiles; }
+inline std::int64_t groups_of(program const& p, forward_args const& a) {
+  return !p.split ? 1 : a.group_rows <= 0 ? 0 : (a.n + a.group_rows - 1) / a.group_rows;
+}
+inline std::int64_t blocks_of(program const& p, forward_args const& a) {
+  return a.batch * a.heads * p.m_tiles * groups_of(p, a);
+}
 
 }  // namespace lina::cuda

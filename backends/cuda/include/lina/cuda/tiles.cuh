@@ -32,7 +32,8 @@ struct forward_args {
   operand state_in;   // chained kernels: the running sums they start from (fp32)
   operand state_out;  // chained kernels: where they leave them (fp32; never overlaps state_in)
   long long batch, heads, n;
-  operand extra[4];   // backward kernels: ∂K, ∂V and scratch rows (program::extras)
+  operand extra[4];   // backward kernels: ∂K, ∂V and scratch rows; split ones: the groups' sums (program::extras)
+  long long group_rows;  // split kernels: rows per group
 };
 
 // ---- element types ----------------------------------------------------------------
@@ -514,6 +515,29 @@ __device__ void store_state(const float* t, const operand& s, long long base, lo
     } else if (j < width && c0 + j < m_cols) {
       data[base + i * s.stride[2] + (c0 + j) * s.stride[3]] = t[i * P + j];
     }
+  }
+  __syncthreads();
+}
+
+// The chunk-parallel form's start of a group: t += the sums of groups 0 …
+// group − 1 (each `rows_apart` elements after the previous, in increasing
+// order), for the columns load_state reads.
+template <int R, int C, int P, bool Z>
+__device__ void add_partials(float* t, const operand& s, long long base, long long rows_apart, long long group,
+                             long long c0, int width) {
+  const float* data = static_cast<const float*>(s.data);
+  const long long m_cols = Z ? s.cols - 1 : s.cols;
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    long long col = -1;
+    if (Z && j == C - 1)
+      col = s.cols - 1;
+    else if (j < width && c0 + j < m_cols)
+      col = c0 + j;
+    if (col < 0) continue;
+    float x = t[i * P + j];
+    for (long long g = 0; g < group; ++g) x += data[base + g * rows_apart + i * s.stride[2] + col * s.stride[3]];
+    t[i * P + j] = x;
   }
   __syncthreads();
 }
