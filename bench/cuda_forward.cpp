@@ -164,6 +164,22 @@ double time_launches(F const& f, int reps, cudaStream_t stream) {
   return median(t);
 }
 
+// f launched once to warm up (the first launch compiles and loads its kernel),
+// once timed alone, then as many times as `budget` seconds allow (3 to `cap`):
+// the median ms, and the repetitions in *reps.
+template <class F>
+double time_within(F const& f, double budget, double cap, cudaStream_t stream, int* reps) {
+  f();
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (first launch)");
+  events one;
+  check(cudaEventRecord(one.start, stream), "cudaEventRecord");
+  f();
+  check(cudaEventRecord(one.stop, stream), "cudaEventRecord");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  *reps = static_cast<int>(std::clamp(budget * 1e3 / std::max(double(one.ms()), 1e-3), 3.0, cap));
+  return time_launches(f, *reps, stream);
+}
+
 // The program with every instruction whose opcode is in `drop` removed from its passes.
 cuda::program without(cuda::program p, std::vector<cuda::opcode> const& drop, std::string const& tag) {
   for (auto& pass : p.passes)
@@ -224,16 +240,8 @@ bool time_backward(shape const& s, std::vector<std::uint16_t> const& hq, std::ve
   a.extra[1] = cuda::detail::device_operand(gv.view());
   a.extra[2] = cuda::detail::device_operand(scratch.view());
   a.batch = static_cast<std::int64_t>(s.b), a.heads = static_cast<std::int64_t>(s.h), a.n = static_cast<std::int64_t>(s.t);
-  auto launch = [&] { cuda::launch(p, a, stream); };
-  launch();
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (first backward)");
-  events one;
-  check(cudaEventRecord(one.start, stream), "cudaEventRecord");
-  launch();
-  check(cudaEventRecord(one.stop, stream), "cudaEventRecord");
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-  int const reps = static_cast<int>(std::clamp(budget * 1e3 / std::max(double(one.ms()), 1e-3), 3.0, 50.0));
-  double const ms = time_launches(launch, reps, stream);
+  int reps = 0;
+  double const ms = time_within([&] { cuda::launch(p, a, stream); }, budget, 50, stream, &reps);
   *ms_out = ms;
 
   // ∂Q of the first rows of the last (batch, head): they depend on those rows alone.
@@ -316,14 +324,8 @@ bool decode_steps(std::string const& text, double budget, double copy_bw, cudaSt
   double const err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   bool const ok = err <= std::ldexp(1.0, -8);
 
-  auto step = [&] { rnn.step_into(o.view(), stream, Q = q, K = k, V = v); };
-  events first;
-  check(cudaEventRecord(first.start, stream), "cudaEventRecord");
-  step();
-  check(cudaEventRecord(first.stop, stream), "cudaEventRecord");
-  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-  int const reps = static_cast<int>(std::clamp(budget * 1e3 / std::max(double(first.ms()), 1e-3), 3.0, 200.0));
-  double const ms = time_launches(step, reps, stream);
+  int reps = 0;
+  double const ms = time_within([&] { rnn.step_into(o.view(), stream, Q = q, K = k, V = v); }, budget, 200, stream, &reps);
   double const state_bytes = double(b) * double(h) * double(d) * double(m + 1) * 4.0;
   double const gbs = 2.0 * state_bytes / (ms * 1e-3) / 1e9;
   fmt::print("\n## CUDA decode step: cuda::recurrent::step_into, causal elu+1, normalised, bf16 in and out, fp32 state\n\n");
@@ -429,16 +431,8 @@ int main(int argc, char** argv) {
       auto program = cuda::program_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16}, D = s.d, M = m);
       auto launch = [&] { cuda::evaluate_into(plan, o.view(), stream, Q = q, K = k, V = v); };
 
-      launch();  // compiles (NVRTC) and loads the kernel
-      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (first launch)");
-      events one;
-      check(cudaEventRecord(one.start, stream), "cudaEventRecord");
-      launch();
-      check(cudaEventRecord(one.stop, stream), "cudaEventRecord");
-      check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-      double const first_ms = one.ms();
-      int const reps = static_cast<int>(std::clamp(budget * 1e3 / std::max(first_ms, 1e-3), 3.0, 50.0));
-      double const ms = time_launches(launch, reps, stream);
+      int reps = 0;
+      double const ms = time_within(launch, budget, 50, stream, &reps);
       double const flops = 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) * double(m);
       double const bytes = 2.0 * (2.0 * double(nq) + 2.0 * double(nv));  // q, k, v read, o written, bf16
       double const gbs = bytes / (ms * 1e-3) / 1e9;
