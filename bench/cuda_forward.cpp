@@ -122,6 +122,18 @@ std::vector<shape> parse_shapes(std::string_view text) {
   return r;
 }
 
+// The arguments of a kernel launched directly on one shape's q, k, v and out.
+cuda::forward_args args_of(shape const& s, cuda::tensor<cuda::bf16> const& q, cuda::tensor<cuda::bf16> const& k,
+                           cuda::tensor<cuda::bf16> const& v, cuda::tensor<cuda::bf16>& out) {
+  cuda::forward_args a;
+  a.in[0] = cuda::detail::device_operand(q.view());
+  a.in[1] = cuda::detail::device_operand(k.view());
+  a.in[2] = cuda::detail::device_operand(v.view());
+  a.out = cuda::detail::device_operand(out.view());
+  a.batch = static_cast<std::int64_t>(s.b), a.heads = static_cast<std::int64_t>(s.h), a.n = static_cast<std::int64_t>(s.t);
+  return a;
+}
+
 // Device-to-device copy bandwidth: the median of cudaMemcpyAsync of `bytes`,
 // counting the bytes read and the bytes written.
 double copy_gbytes(std::size_t bytes, cudaStream_t stream, double* ms_out) {
@@ -230,16 +242,11 @@ bool time_backward(shape const& s, std::vector<std::uint16_t> const& hq, std::ve
   auto spec = cuda::spec_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16});
   spec.d = s.d, spec.m = m;
   cuda::program const p = cuda::backward_program_of(spec);
-  cuda::forward_args a;
-  a.in[0] = cuda::detail::device_operand(q.view());
-  a.in[1] = cuda::detail::device_operand(k.view());
-  a.in[2] = cuda::detail::device_operand(v.view());
+  cuda::forward_args a = args_of(s, q, k, v, gq);
   a.in[3] = cuda::detail::device_operand(dout.view());
-  a.out = cuda::detail::device_operand(gq.view());
   a.extra[0] = cuda::detail::device_operand(gk.view());
   a.extra[1] = cuda::detail::device_operand(gv.view());
   a.extra[2] = cuda::detail::device_operand(scratch.view());
-  a.batch = static_cast<std::int64_t>(s.b), a.heads = static_cast<std::int64_t>(s.h), a.n = static_cast<std::int64_t>(s.t);
   int reps = 0;
   double const ms = time_within([&] { cuda::launch(p, a, stream); }, budget, 50, stream, &reps);
   *ms_out = ms;
@@ -468,12 +475,7 @@ int main(int argc, char** argv) {
       std::int64_t const split = cuda::split_rows(static_cast<std::int64_t>(s.b * s.h) * program.m_tiles,
                                                   static_cast<std::int64_t>(s.t), program.tiles.chunk, prop.multiProcessorCount);
       if (split > 0) {
-        cuda::forward_args a;
-        a.in[0] = cuda::detail::device_operand(q.view());
-        a.in[1] = cuda::detail::device_operand(k.view());
-        a.in[2] = cuda::detail::device_operand(v.view());
-        a.out = cuda::detail::device_operand(o.view());
-        a.batch = static_cast<std::int64_t>(s.b), a.heads = static_cast<std::int64_t>(s.h), a.n = static_cast<std::int64_t>(s.t);
+        cuda::forward_args const a = args_of(s, q, k, v, o);
         double const one_ms = time_launches([&] { cuda::launch(program, a, stream); }, std::min(reps, 20), stream);
         fmt::print("| ↳ above: split into groups of {} rows (two launches); one pass | | | | {} | {} | {} | {:.3f} | {:.2f} | | | |\n",
                    split, program.kernel_name, program.tiles.chunk, std::min(reps, 20), one_ms,
@@ -491,12 +493,7 @@ int main(int argc, char** argv) {
           std::fprintf(out, "%zu\t%zu\t%zu\t%zu\t%.6f\n", s.b, s.t, s.h, s.d, ms);
       }
       if (ablation) {
-        cuda::forward_args a;
-        a.in[0] = cuda::detail::device_operand(q.view());
-        a.in[1] = cuda::detail::device_operand(k.view());
-        a.in[2] = cuda::detail::device_operand(v.view());
-        a.out = cuda::detail::device_operand(o.view());
-        a.batch = static_cast<std::int64_t>(s.b), a.heads = static_cast<std::int64_t>(s.h), a.n = static_cast<std::int64_t>(s.t);
+        cuda::forward_args const a = args_of(s, q, k, v, o);
         ablate(program, a, ms, std::min(reps, 20), stream);
         fmt::print("\n");
       }

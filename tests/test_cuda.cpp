@@ -141,18 +141,23 @@ struct shape {
   bool random = false;  // drawn at random: emulated, but its kernels are not compiled (NVRTC's time goes to the edge shapes)
 };
 
+// `count` random shapes with N in [n_min, n_max], D ≤ 40, M ≤ 80 and M ≠ D, appended to s.
+void add_random_shapes(std::vector<shape>& s, test::rng& r, int count, std::size_t n_min, std::size_t n_max) {
+  for (int i = 0; i < count; ++i) {
+    shape x{r.in(1, 2), r.in(1, 3), r.in(n_min, n_max), r.in(1, 40), 0, true};
+    do x.m = r.in(1, 80);
+    while (x.m == x.d);
+    s.push_back(x);
+  }
+}
+
 // Edge shapes first (N = 0, 1, a chunk ± 1; D ≠ M; non-powers of two up to
 // 256, which take the smaller chunk), then random ones.
 std::vector<shape> shapes(std::uint64_t seed, int random_count) {
   std::vector<shape> s = {{1, 1, 0, 5, 3},  {1, 2, 1, 7, 4},    {2, 1, 63, 16, 9},  {1, 1, 65, 48, 96},
                           {1, 1, 130, 96, 48}, {1, 1, 70, 200, 72}, {1, 1, 40, 256, 200}};
   test::rng r{seed};
-  for (int i = 0; i < random_count; ++i) {
-    shape x{r.in(1, 2), r.in(1, 3), r.in(0, 300), r.in(1, 40), 0, true};
-    do x.m = r.in(1, 80);
-    while (x.m == x.d);
-    s.push_back(x);
-  }
+  add_random_shapes(s, r, random_count, 0, 300);
   return s;
 }
 
@@ -461,12 +466,7 @@ void check_chained(Expr const& expr, std::uint64_t seed, std::vector<shape> cons
 std::vector<shape> chain_shapes(std::uint64_t seed) {
   std::vector<shape> s = {{1, 1, 1, 5, 3}, {1, 2, 2, 4, 7}, {2, 1, 150, 16, 100}, {1, 2, 130, 48, 130}, {1, 1, 97, 96, 40}};
   test::rng r{seed};
-  for (int i = 0; i < 3; ++i) {
-    shape x{r.in(1, 2), r.in(1, 3), r.in(2, 260), r.in(1, 40), 0, true};
-    do x.m = r.in(1, 80);
-    while (x.m == x.d);
-    s.push_back(x);
-  }
+  add_random_shapes(s, r, 3, 2, 260);
   return s;
 }
 }  // namespace
@@ -1301,12 +1301,7 @@ std::vector<shape> backward_shapes(std::uint64_t seed, bool large = false) {
   std::vector<shape> s = {{1, 1, 0, 5, 3}, {1, 2, 1, 7, 4}, {2, 1, 63, 16, 9}, {1, 1, 65, 24, 40}};
   if (large) s.push_back({1, 1, 150, 128, 128});
   test::rng r{seed};
-  for (int i = 0; i < 2; ++i) {
-    shape x{r.in(1, 2), r.in(1, 3), r.in(2, 200), r.in(1, 40), 0, true};
-    do x.m = r.in(1, 80);
-    while (x.m == x.d);
-    s.push_back(x);
-  }
+  add_random_shapes(s, r, 2, 2, 200);
   return s;
 }
 }  // namespace
