@@ -616,7 +616,7 @@ inline operand operand_of(tensor_view<float const> const& v, dtype t, std::vecto
   return o;
 }
 
-// A dense [B, H, N, cols] operand over `data` (elements of `bytes` bytes).
+// A dense row-major [B, H, N, cols] operand over `data` (strides in elements).
 inline operand dense_operand(void const* data, shape4 const& s) {
   operand o;
   o.data = data;
@@ -1062,8 +1062,9 @@ class rnn {
   void step_into(tensor_view<float> out, B const&... bindings) {
     run_on_host(out, true, "cuda::recurrent::step_into", bindings...);
   }
-  // The same into a new tensor: a cuda::tensor of the output type on the
-  // device, a float tensor on the host.
+  // The same into a new tensor: on the device a cuda::tensor of the inputs'
+  // element type (so the options' output type must be it, else the check of
+  // step_into throws), on the host a float tensor.
   template <class... B>
     requires(is_binding<B> && ...)
   auto step(void* stream, B const&... bindings) {
