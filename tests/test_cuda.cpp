@@ -66,6 +66,12 @@ tensor<double> widened(tensor<float> const& x) {
   for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = x.data()[i];
   return r;
 }
+template <class G>
+tensor<float> as_float(G const& x) {
+  tensor<float> r(x.shape());
+  for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = static_cast<float>(x.data()[i]);
+  return r;
+}
 
 // Relative RMS tolerance of an emulated result against references computed
 // from the same (rounded) inputs. Both sides then differ by fp32 summation
@@ -94,20 +100,33 @@ double operand_roundoff(cuda::dtype in) {
   }
 }
 
+// The plan a test runs: the linear order, or compile()'s plan for softmax
+// (exp never linearises).
+template <class Expr>
+constexpr auto plan_of(Expr const& expr) {
+  if constexpr (contains_op<Expr, op::exp>())
+    return compile(expr);
+  else
+    return compile<order::linear>(expr);
+}
+
 // How far operand rounding may move a result, relative RMS: every term of an
 // output's sums carries at most three rounded factors (φ(q), φ(k), and the
 // chunk's score or the state), so it errs by at most 3u of its magnitude, and
 // a normalised row divides two such sums: |error| ≤ 6u·Σ|terms| / |Σ a|.
 // Σ|terms| is the same expression on magnitudes: |V|, and |Q|, |K| where the
 // features are signed (identity, poly2 — whose features of |x| are the
-// magnitudes of x's); elu+1 and relu features are ≥ 0 already.
+// magnitudes of x's); elu+1 and relu features are ≥ 0 already. Softmax rounds
+// one factor per term (exp of the score: q and k arrive in the input type,
+// which the operand type holds exactly), so 2u·Σ exp·|v| / |Σ exp|.
 template <class Expr>
 double rounding_bound(Expr const& expr, cuda::dtype in, tensor<float> const& q, tensor<float> const& k,
                       tensor<float> const& v, tensor<double> const& exact) {
   double u = operand_roundoff(in);
   if (u == 0.0) return 0.0;
-  auto const spec = cuda::spec_of(compile<order::linear>(expr));
-  bool const signed_features = spec.map_q == cuda::feature_map::identity || spec.map_q == cuda::feature_map::poly2;
+  auto const spec = cuda::spec_of(plan_of(expr));
+  bool const signed_features =
+      !spec.softmax && (spec.map_q == cuda::feature_map::identity || spec.map_q == cuda::feature_map::poly2);
   auto magnitude = [](tensor<float> const& x) {
     tensor<double> r(x.shape());
     for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = std::abs(static_cast<double>(x.data()[i]));
@@ -118,7 +137,7 @@ double rounding_bound(Expr const& expr, cuda::dtype in, tensor<float> const& q, 
   double num = 0, den = 0;
   for (std::size_t i = 0; i < terms.size(); ++i) num += terms.data()[i] * terms.data()[i];
   for (std::size_t i = 0; i < exact.size(); ++i) den += exact.data()[i] * exact.data()[i];
-  return den == 0.0 ? 0.0 : 6.0 * u * std::sqrt(num / den);
+  return den == 0.0 ? 0.0 : (spec.softmax ? 2.0 : 6.0) * u * std::sqrt(num / den);
 }
 
 // Compile each distinct generated kernel once per architecture; any log fails.
@@ -176,12 +195,14 @@ qkv random_inputs(shape const& s, cuda::dtype t, test::rng& r, bool positive) {
   return {rounded(q, t), rounded(k, t), rounded(v, t)};
 }
 
-// The emulated kernel of compile<order::linear>(expr) against cpu::evaluate of
-// the same plan and against the expression as written, in double, all on the
-// inputs as the kernel reads them.
+// The emulated kernel of plan_of(expr) against cpu::evaluate of the same plan
+// and against the expression as written, in double, all on the inputs as the
+// kernel reads them. The kernels of the first `compiled` fixed shapes compile
+// (all of them by default).
 template <class Expr>
-void check_forward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& fixed = {}, bool positive = false) {
-  auto const plan = compile<order::linear>(expr);
+void check_forward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& fixed = {}, bool positive = false,
+                   std::size_t compiled = SIZE_MAX) {
+  auto const plan = plan_of(expr);
   static_assert(cuda::lowerable<decltype(plan)>);
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
     double worst = 0, worst_mma = 0;
@@ -202,7 +223,8 @@ void check_forward(Expr const& expr, std::uint64_t seed, std::vector<shape> cons
       worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
       // The kernels a launch would use (the tensor-core ones for 16-bit inputs)
       // compile at every shape; the exact-product variants at the first.
-      if (!s.random && (dt == cuda::dtype::f32 || &s == &cases.front()))
+      bool const compiles = !s.random && static_cast<std::size_t>(&s - cases.data()) < compiled;
+      if (compiles && (dt == cuda::dtype::f32 || &s == &cases.front()))
         check_compiles(cuda::program_of(plan, opt, D = s.d, M = s.m));
       if (dt != cuda::dtype::f32) {  // the tensor-core precision: within its operands' rounding too
         cuda::options fast{dt, dt};
@@ -212,7 +234,7 @@ void check_forward(Expr const& expr, std::uint64_t seed, std::vector<shape> cons
         CAPTURE(bound);
         CHECK(e3 <= bound);
         worst_mma = std::max(worst_mma, e3 / bound);
-        if (!s.random) check_compiles(cuda::program_of(plan, fast, D = s.d, M = s.m));
+        if (compiles) check_compiles(cuda::program_of(plan, fast, D = s.d, M = s.m));
       }
     }
     std::string mma = dt == cuda::dtype::f32 ? "" : "; tensor-core products, error / bound: " + std::to_string(worst_mma);
@@ -250,7 +272,8 @@ TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
   static_assert(cuda::lowerable<decltype(causal_plan)> && cuda::lowerable<decltype(full_plan)>);
   static_assert(cuda::lowerable<decltype(automatic)>);  // a select between the two orders of one attention
   static_assert(cuda::lowerable<decltype(compile<order::linear>(Q * transpose(K) * V))>);
-  static_assert(!cuda::lowerable<decltype(compile(normalize(exp(Q * transpose(K))) * V))>);  // softmax: not yet
+  static_assert(cuda::lowerable<decltype(compile(normalize(exp(Q * transpose(K))) * V))>);  // softmax: quadratic
+  static_assert(!cuda::lowerable<decltype(compile(normalize(exp(causal(Q * transpose(K)))) * V))>);  // exp(0) = 1 above the diagonal
   static_assert(cuda::lowerable<decltype(compile<order::linear>(normalize(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V))>);
   constexpr auto W = input<"W">(D, dim<"F">);
   static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // parametric maps: not yet
@@ -264,6 +287,14 @@ TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
   CHECK(s.description == "rowdiv(contract(φ[elu+1](Q), prefix(φ[elu+1](K)⊗[V|1])))");
   CHECK(!cuda::spec_of(full_plan).causal);
   CHECK(cuda::spec_of(automatic).causal);
+
+  // poly2 is a row map even at D = 1, where it has as many features as columns (x²).
+  auto one = cuda::program_of(compile<order::linear>(causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V), {}, D = 1, M = 2);
+  CHECK(std::count_if(one.passes[0].begin(), one.passes[0].end(),
+                      [](cuda::instruction const& i) { return i.op == cuda::opcode::map && i.a >= 0; }) == 2);
+  auto q1 = tensor<float>::random({1, 1, 9, 1}, 1), v1 = tensor<float>::random({1, 1, 9, 2}, 2);
+  auto poly2_d1 = compile<order::linear>(causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V);
+  CHECK(relative_rms(cuda::emulate(poly2_d1, Q = q1, K = q1, V = v1), cpu::evaluate(poly2_d1, Q = q1, K = q1, V = v1)) <= 1e-6);
 
   auto p = cuda::program_of(causal_plan, {}, D = 64, M = 64);
   CHECK(p.tiles.chunk == 64);
@@ -312,6 +343,152 @@ TEST_CASE("emulated non-causal forward = CPU backend = as written") {
   check_forward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 21);
   check_forward(normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 22);
   check_forward(Q * transpose(K) * V, 23);
+}
+
+// Softmax stays quadratic: a block per chunk of query rows walks the key
+// chunks with a running max. The edge shapes and random ones; the kernels
+// compile at the first shapes of each plan (the causal normalised one also at
+// D = 256, M = 200, which takes T = 32). exp turns a score's absolute error
+// into a relative one, so the fp32 tolerance holds for scores of moderate
+// size, as scaled attention has them (|score| ≲ 10 here; elu+1's features are
+// positive, so its scores grow with D and take a smaller scale).
+TEST_CASE("emulated softmax forward (quadratic) = CPU backend = as written") {
+  std::vector<shape> cases = {{1, 1, 0, 5, 3},    {1, 1, 40, 256, 200}, {1, 2, 1, 7, 4},    {2, 1, 63, 16, 9},
+                              {1, 1, 65, 48, 96}, {1, 1, 130, 96, 48},  {1, 1, 70, 200, 72}};
+  test::rng r{41};
+  add_random_shapes(cases, r, 3, 0, 300);
+  check_forward(normalize(causal(exp(Q * transpose(K) * 0.25))) * V, 41, cases, false, 2);
+  check_forward(normalize(exp(Q * transpose(K) / 4.0)) * V, 42, cases, false, 1);
+  check_forward(causal(exp(0.5 * (Q * transpose(K)))) * V, 43, cases, false, 1);
+  check_forward(normalize(causal(exp(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)) * 0.03))) * V, 44, cases,
+                false, 0);
+}
+
+// The kernel shifts each row by its running max (at least 0), an identity of
+// the normalised plan — exp(x)/(Σexp(x) + eps) = exp(x−m)/(Σexp(x−m) + eps·e^−m)
+// — so rows whose exp overflows fp32 still come out right: the CPU's fp32
+// plan, which exponentiates as written, gives inf/inf there.
+TEST_CASE("softmax: rows whose exp overflows fp32 still normalise (the running max), and NaN propagates") {
+  constexpr auto expr = normalize(causal(exp(Q * transpose(K) * 8.0))) * V;
+  constexpr auto plan = compile(expr);
+  shape const s{1, 2, 150, 16, 12};
+  test::rng r{45};
+  auto [q, k, v] = random_inputs(s, cuda::dtype::f32, r, false);
+  for (std::size_t i = 0; i < q.size(); ++i) q.data()[i] *= 3.0f;  // scores up to ~8·3·16: exp(300)
+  auto cpu32 = cpu::evaluate(plan, Q = q, K = k, V = v);
+  bool overflowed = false;
+  for (std::size_t i = 0; i < cpu32.size(); ++i) overflowed = overflowed || !std::isfinite(cpu32.data()[i]);
+  REQUIRE(overflowed);  // the case this test is about
+  auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
+  for (bool exact_products : {true, false}) {
+    auto got = cuda::emulate(plan, {cuda::dtype::f32, cuda::dtype::f32, exact_products}, Q = q, K = k, V = v);
+    CHECK(relative_rms(got, exact) <= 1e-5);
+  }
+  auto bf = cuda::emulate(plan, {cuda::dtype::bf16, cuda::dtype::bf16}, Q = rounded(q, cuda::dtype::bf16),
+                          K = rounded(k, cuda::dtype::bf16), V = rounded(v, cuda::dtype::bf16));
+  auto exact_bf = cpu::evaluate(expr, Q = widened(rounded(q, cuda::dtype::bf16)), K = widened(rounded(k, cuda::dtype::bf16)),
+                                V = widened(rounded(v, cuda::dtype::bf16)));
+  CHECK(relative_rms(bf, exact_bf) <= tolerance(cuda::dtype::bf16) + std::ldexp(2.0, -9));
+  // A NaN key reaches the rows that read it and no others.
+  std::size_t const bad = 70;
+  k(0, 1, bad, 3) = std::nanf("");
+  auto nan = cuda::emulate(plan, {}, Q = q, K = k, V = v);
+  for (std::size_t i = 0; i < s.n; ++i) {
+    CAPTURE(i);
+    CHECK(std::isnan(nan(0, 1, i, 0)) == (i >= bad));
+    CHECK(std::isfinite(nan(0, 0, i, 0)));
+  }
+}
+
+TEST_CASE("softmax: the quadratic program, its source, and what it does not do") {
+  constexpr auto plan = compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V);
+  auto spec = cuda::spec_of(plan);
+  CHECK(spec.softmax);
+  CHECK(spec.causal);
+  CHECK(spec.scale == 0.125);
+  CHECK(cuda::plan_text(spec) == fmt::format("{}", plan));  // the kernel names the plan as compile() prints it
+  auto p = cuda::program_of(plan, {}, D = 64, M = 200);
+  CHECK(p.quadratic);
+  CHECK(p.m_tiles == 4);
+  cuda::forward_args a;
+  a.batch = 2, a.heads = 3, a.n = 130;
+  CHECK(cuda::blocks_of(p, a) == 2 * 3 * 4 * 3);  // (batch, head, M tile, chunk of query rows)
+  CHECK(cuda::listing(p).find("exp_rows") != std::string::npos);
+  spec.d = spec.m = 16;
+  spec.chained = true;  // no state: exp has no finite feature map
+  CHECK_THROWS_AS(cuda::program_of(spec), std::invalid_argument);
+  spec.chained = false;
+  CHECK_THROWS_WITH_AS(cuda::backward_program_of(spec), doctest::Contains("softmax"), std::invalid_argument);
+  CHECK_THROWS_AS(cuda::split_programs_of(spec), std::invalid_argument);
+  // options.split_rows (the linear plans' chunk-parallel form) does not apply
+  auto q = tensor<float>::random({1, 1, 200, 16}, 1), k = tensor<float>::random({1, 1, 200, 16}, 2),
+       v = tensor<float>::random({1, 1, 200, 16}, 3);
+  cuda::options split{};
+  split.split_rows = 64;
+  CHECK(max_abs_diff(cuda::emulate(plan, split, Q = q, K = k, V = v), cuda::emulate(plan, Q = q, K = k, V = v)) == 0.0);
+}
+
+// Cross-attention: K and V over another sequence (S rows) than Q (N rows) —
+// non-causal, so the passes over K and V walk S rows (forward_args::n_keys)
+// and the kernels are the self-attention ones (the same sources: nothing new
+// to compile). Forward and backward against the CPU backend and the
+// expression as written, S < N, S > N, S or N zero, fp32 and bf16 (exact
+// products: the per-dtype tolerance).
+namespace {
+constexpr auto S = dim<"S">;
+constexpr auto Kx = input<"K">(S, D);
+constexpr auto Vx = input<"V">(S, M);
+template <class Expr>
+void check_cross(Expr const& expr, std::uint64_t seed, std::size_t max_d = 40) {
+  auto const plan = plan_of(expr);
+  static_assert(cuda::lowerable<decltype(plan)>);
+  constexpr bool softmax = contains_op<Expr, op::exp>();
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    for (auto [n, s] : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}, {65, 64}, {1, 200}}) {
+      std::size_t const d = r.in(1, max_d), m = r.in(1, 80), b = 2, h = 2;
+      CAPTURE(cuda::spec_of(plan).description); CAPTURE(cuda::name_of(dt)); CAPTURE(n); CAPTURE(s); CAPTURE(d); CAPTURE(m);
+      auto q = rounded(tensor<float>::random({b, h, n, d}, r.next()), dt);
+      auto k = rounded(tensor<float>::random({b, h, s, d}, r.next()), dt);
+      auto v = rounded(tensor<float>::random({b, h, s, m}, r.next()), dt);
+      cuda::options const opt{dt, dt, true};
+      auto got = cuda::emulate(plan, opt, Q = q, Kx = k, Vx = v);
+      auto exact = cpu::evaluate(expr, Q = widened(q), Kx = widened(k), Vx = widened(v));
+      CHECK(relative_rms(got, cpu::evaluate(plan, Q = q, Kx = k, Vx = v)) <= tolerance(dt));
+      CHECK(relative_rms(got, exact) <= tolerance(dt));
+      if constexpr (!softmax) {
+        auto dout = rounded(tensor<float>::random({b, h, n, m}, r.next()), dt);
+        auto g = cuda::emulate_gradient(plan, opt, dout, Q = q, Kx = k, Vx = v);
+        auto want = cpu::gradient(expr, widened(dout), Q = widened(q), Kx = widened(k), Vx = widened(v));
+        CHECK(g[Kx].shape() == k.shape());
+        CHECK(g[Vx].shape() == v.shape());
+        if (n > 1) {  // (one query row of a normalised plan: ∂Q, ∂K are eps-sized, see check_backward)
+          CHECK(relative_rms(g[Q], as_float(want[Q])) <= tolerance(dt));
+          CHECK(relative_rms(g[Kx], as_float(want[Kx])) <= tolerance(dt));
+        }
+        CHECK(relative_rms(g[Vx], as_float(want[Vx])) <= tolerance(dt));
+      }
+    }
+}
+}  // namespace
+
+TEST_CASE("cross-attention (K, V over another sequence than Q): forward and backward = CPU backend = as written") {
+  check_cross(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Kx))) * Vx, 51);
+  check_cross(phi<relu>(Q) * transpose(phi<relu>(Kx)) * Vx, 52);
+  check_cross(normalize(phi<poly2>(Q) * transpose(phi<poly2>(Kx))) * Vx, 53, 8);  // C = D(D+1)/2
+  check_cross(normalize(exp(Q * transpose(Kx) * 0.25)) * Vx, 54);
+  // One kernel for self- and cross-attention: the sources are the same.
+  auto const self = compile<order::linear>(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V);
+  auto const cross = compile<order::linear>(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Kx))) * Vx);
+  CHECK(cuda::source(self, {}, D = 16, M = 8) == cuda::source(cross, {}, D = 16, M = 8));
+  // A causal kernel needs K, V with Q's rows: the argument block is refused otherwise.
+  auto p = cuda::program_of(compile<order::linear>(causal(Q * transpose(K)) * V), {}, D = 4, M = 4);
+  std::vector<float> x(64);
+  cuda::forward_args a;
+  a.batch = a.heads = 1, a.n = 4, a.n_keys = 3;
+  for (int i = 0; i < 3; ++i) a.in[i] = cuda::detail::dense_operand(x.data(), {1, 1, 4, 4});
+  a.out = cuda::detail::dense_operand(x.data(), {1, 1, 4, 4});
+  CHECK_THROWS_WITH_AS(cuda::emulate(p, a), doctest::Contains("as many rows as Q"), std::invalid_argument);
 }
 
 TEST_CASE("emulation reads and writes strided layouts in place: [B,N,H,D] = [B,H,N,D]") {
@@ -628,6 +805,9 @@ TEST_CASE("golden: the emitted sources of a few small plans") {
   auto spec = cuda::spec_of(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Qs) * transpose(phi<elu_plus_one>(Ks)))) * Vs),
                             {cuda::dtype::bf16, cuda::dtype::bf16});
   check_golden(cuda::backward_program_of(spec), "cuda_causal_backward_elu1_d16_m8_bf16.cu");
+  // Softmax: a block per chunk of query rows, the key chunks up to it, a running max.
+  check_golden(compile(normalize(causal(exp(Qs * transpose(Ks) * 0.25))) * Vs), {cuda::dtype::bf16, cuda::dtype::bf16},
+               "cuda_softmax_causal_d16_m8_bf16.cu");
 }
 
 // The kernels scripts/gpu-check's benchmark launches first compile here, so a
@@ -738,6 +918,7 @@ void launch_vs_emulation(Plan const& plan, cuda::dtype dt, shape s, std::uint64_
 }
 constexpr auto causal_expr = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
 constexpr auto full_expr = normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V;
+constexpr auto softmax_expr = normalize(causal(exp(Q * transpose(K) * 0.125))) * V;
 }  // namespace
 
 // Where a GPU exists, generated kernels launched on it agree with their
@@ -752,7 +933,20 @@ TEST_CASE("device: launched kernels agree with the emulation") {
     for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{1, 1, 70, 256, 48}}) {
       launch_vs_emulation(causal_plan, dt, s, 100);
       launch_vs_emulation(full_plan, dt, s, 200);
+      launch_vs_emulation(compile(softmax_expr), dt, s, 300);
     }
+  // Cross-attention: K and V over 130 rows, Q over 70 (n_keys).
+  for (auto const& cross : {compile<order::linear>(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Kx))) * Vx)}) {
+    auto q = tensor<float>::random({1, 2, 70, 16}, 7), k = tensor<float>::random({1, 2, 130, 16}, 8),
+         v = tensor<float>::random({1, 2, 130, 24}, 9);
+    auto want = cuda::emulate(cross, Q = q, Kx = k, Vx = v);
+    auto dq = cuda::to_device(q), dk = cuda::to_device(k), dv = cuda::to_device(v);
+    CHECK(relative_rms(cuda::to_host(cuda::evaluate(cross, nullptr, Q = dq, Kx = dk, Vx = dv)), want) <= 1e-6);
+    auto dout = tensor<float>::random({1, 2, 70, 24}, 10);
+    auto g = cuda::gradient(cross, cuda::to_device(dout), nullptr, Q = dq, Kx = dk, Vx = dv);
+    auto g_want = cuda::emulate_gradient(cross, {}, dout, Q = q, Kx = k, Vx = v);
+    CHECK(relative_rms(cuda::to_host(g[Kx]), g_want[Kx]) <= 1e-6);
+  }
   // Host memory where device memory is needed: refused before any launch.
   tensor<float> q({1, 1, 4, 8}), v({1, 1, 4, 8});
   cuda::device_buffer dout(q.size() * 4);
@@ -1219,12 +1413,6 @@ TEST_CASE("device: recurrent steps = their emulation, and allocate nothing after
 
 // ---- gradients: the backward kernels -----------------------------------------------------
 namespace {
-template <class G>
-tensor<float> as_float(G const& x) {
-  tensor<float> r(x.shape());
-  for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = static_cast<float>(x.data()[i]);
-  return r;
-}
 
 // The emulated backward kernel of compile<order::linear>(expr) against
 // cpu::gradient of the same plan (fp32, the same rounded inputs) and against

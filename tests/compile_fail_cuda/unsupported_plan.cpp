@@ -1,5 +1,6 @@
-// A plan the CUDA backend cannot lower yet (softmax attention) is a compile
-// error that lists the supported plan shapes, not a silent fallback.
+// A plan the CUDA backend cannot lower yet (a parametric feature map: FAVOR's
+// random features) is a compile error that lists the supported plan shapes,
+// not a silent fallback.
 // expect: this plan cannot be lowered to a CUDA kernel yet
 // errors: 1
 #include <lina/cuda.hpp>
@@ -9,12 +10,14 @@ using namespace lina;
 constexpr auto N = dim<"N">;
 constexpr auto D = dim<"D", 32>;
 constexpr auto M = dim<"M", 16>;
+constexpr auto F = dim<"F", 64>;
 constexpr auto Q = input<"Q">(N, D);
 constexpr auto K = input<"K">(N, D);
 constexpr auto V = input<"V">(N, M);
+constexpr auto W = input<"W">(D, F);
 int main() {
 #ifdef LINA_COMPILE_FAIL
-  auto s = cuda::spec_of(compile(normalize(exp(Q * transpose(K))) * V));
+  auto s = cuda::spec_of(compile(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V));
 #else
   auto s = cuda::spec_of(compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V));
 #endif

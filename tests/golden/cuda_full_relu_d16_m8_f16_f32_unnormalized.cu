@@ -25,6 +25,7 @@ extern "C" __global__ void __launch_bounds__(256) lina_full_relu_relu_d16_m8_t64
   float* const v = reinterpret_cast<float*>(shared + 10240);
   float* const state = reinterpret_cast<float*>(shared + 13312);
   float* const o = reinterpret_cast<float*>(shared + 14080);
+  const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V
   const long long slice = blockIdx.x / m_tiles;  // (batch, head)
   const long long m0 = static_cast<long long>(blockIdx.x % m_tiles) * tile_m;  // this block's first column of M
   const long long b = slice / args.heads, h = slice % args.heads;
@@ -33,8 +34,8 @@ extern "C" __global__ void __launch_bounds__(256) lina_full_relu_relu_d16_m8_t64
   const long long in2_base = b * args.in[2].stride[0] + h * args.in[2].stride[1];  // V
   const long long out_base = b * args.out.stride[0] + h * args.out.stride[1];
   tl::zero<state_rows, state_cols, state_pitch>(state);
-  for (long long r0 = 0; r0 < args.n; r0 += chunk) {
-    const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
+  for (long long r0 = 0; r0 < keys_n; r0 += chunk) {  // chunks of K and V
+    const int rows = static_cast<int>(keys_n - r0 < chunk ? keys_n - r0 : chunk);
     tl::load_map<in_type, tl::relu, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);  // load, map
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, m0, rows, tile_m);
     tl::product<tl::mma_tf32, state_rows, state_cols, k_rows, true, false, true, state_pitch, k_pitch, v_pitch>(state, k, v);  // state += kᵀ·v

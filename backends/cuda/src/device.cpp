@@ -13,7 +13,7 @@
 
 namespace lina::cuda {
 
-static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 11 * 48 + 32,
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 11 * 48 + 40,
               "forward_args must keep the layout of lina::tile::forward_args (tiles.cuh)");
 
 cuda_error::cuda_error(std::string call, std::string kernel, std::string status)
@@ -106,13 +106,17 @@ bool check_launch(program const& p, forward_args const& args, std::int64_t& bloc
   blocks = blocks_of(p, args);
   if (blocks > 0x7fffffff) throw std::invalid_argument(fmt::format("lina::cuda: {} blocks is too many for kernel {}", blocks, name));
   if (blocks == 0 || (args.n == 0 && !p.spec.chained)) return false;
-  if (args.n > 0) {
+  if (args.n > 0) {  // (K and V, ∂K and ∂V hold no rows when a cross-attention has no keys)
+    bool const keys = keys_of(args) > 0;
     for (std::size_t s = 0; s < p.inputs.size(); ++s)
-      check_device_pointer(args.in[s].data, ("input " + p.inputs[s].name).c_str(), name);
+      if (keys || (p.inputs[s].role != "k" && p.inputs[s].role != "v"))
+        check_device_pointer(args.in[s].data, ("input " + p.inputs[s].name).c_str(), name);
     check_device_pointer(args.out.data, "the output", name);
     for (std::size_t e = 0; e < p.extras.size(); ++e)
-      check_device_pointer(args.extra[e].data, ("buffer " + p.extras[e].name).c_str(), name);
+      if (keys || !p.extras[e].keys) check_device_pointer(args.extra[e].data, ("buffer " + p.extras[e].name).c_str(), name);
   }
+  if (p.spec.causal && keys_of(args) != args.n)
+    throw std::invalid_argument(fmt::format("lina::cuda: kernel {} is causal: K and V need as many rows as Q", name));
   if (p.spec.chained) {
     check_device_pointer(args.state_in.data, "the state in", name);
     check_device_pointer(args.state_out.data, "the state out", name);

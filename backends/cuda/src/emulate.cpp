@@ -83,6 +83,7 @@ struct block {
   forward_args const& a;
   std::int64_t b = 0, h = 0, m_tile = 0;
   std::int64_t group = 0, groups = 1, row_begin = 0, row_end = 0;  // split programs: this block's rows
+  std::int64_t q0 = 0;  // quadratic programs: the block's first query row (row_begin … row_end are its rows)
   std::vector<tile> reg{};
   tile op_a{}, op_b{};  // rounded copies of product operands
 
@@ -218,10 +219,29 @@ struct block {
         break;
       case opcode::row_divide:
         for (int r = 0; r < t.rows; ++r) {
-          float den = t.at(r, t.cols - 1) + i.eps;
+          float den = i.b >= 0 ? std::fma(i.eps, std::exp(-reg[static_cast<std::size_t>(i.b)].at(r, 0)), t.at(r, t.cols - 1))
+                               : t.at(r, t.cols - 1) + i.eps;
           for (int c = 0; c + 1 < t.cols; ++c) t.at(r, c) = t.at(r, c) / den;
         }
         break;
+      case opcode::exp_rows: {
+        tile& o = reg[static_cast<std::size_t>(i.a)];
+        for (int r = 0; r < t.rows; ++r) {
+          auto valid = [&](int c) { return c < rows && (!i.causal || r0 + c <= q0 + r); };
+          float shift = 0.0f;
+          if (i.b >= 0) {
+            float& m = reg[static_cast<std::size_t>(i.b)].at(r, 0);
+            float grown = m;
+            for (int c = 0; c < t.cols; ++c)
+              if (valid(c)) grown = std::fmax(grown, i.scale * t.at(r, c));  // fmax skips a NaN, as fmaxf does
+            float const f = std::exp(m - grown);
+            for (int c = 0; c < o.cols; ++c) o.at(r, c) = o.at(r, c) * f;
+            m = shift = grown;
+          }
+          for (int c = 0; c < t.cols; ++c) t.at(r, c) = valid(c) ? std::exp(std::fma(i.scale, t.at(r, c), -shift)) : 0.0f;
+        }
+        break;
+      }
       case opcode::load_state: {
         operand const& s = a.state_in;
         auto const* data = static_cast<float const*>(s.data);
@@ -283,18 +303,24 @@ struct block {
     for (auto const& r : p.registers)
       reg.push_back({r.rows, r.cols, std::vector<float>(static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols))});
     if (idle()) return;
-    for (auto const& i : p.prologue) step(i, 0, 0);
+    // A quadratic block's prologue and epilogue work on its query rows, its
+    // pass on the keys before them (causal) or all keys.
+    int const q_rows = static_cast<int>(row_end - row_begin);
+    for (auto const& i : p.prologue) p.quadratic ? step(i, q0, q_rows) : step(i, 0, 0);
     std::int64_t const t = p.tiles.chunk;
-    std::int64_t const chunks = (row_end - row_begin + t - 1) / t;
     for (auto const& pass : p.passes) {
+      // The rows it walks: the keys (K, V) or this block's rows of Q.
+      std::int64_t const first = p.quadratic || pass.keys ? 0 : row_begin;
+      std::int64_t const last = pass.keys && !p.spec.causal ? keys_of(a) : row_end;
+      std::int64_t const chunks = (last - first + t - 1) / t;
       for (auto const& i : pass.before) step(i, 0, 0);
       for (std::int64_t c = 0; c < chunks; ++c) {
-        std::int64_t const r0 = row_begin + (pass.reverse ? chunks - 1 - c : c) * t;
-        int rows = static_cast<int>(std::min(t, row_end - r0));
+        std::int64_t const r0 = first + (pass.reverse ? chunks - 1 - c : c) * t;
+        int rows = static_cast<int>(std::min(t, last - r0));
         for (auto const& i : pass) step(i, r0, rows);
       }
     }
-    for (auto const& i : p.epilogue) step(i, a.n, 0);
+    for (auto const& i : p.epilogue) p.quadratic ? step(i, q0, q_rows) : step(i, a.n, 0);
   }
 };
 
@@ -302,6 +328,8 @@ struct block {
 
 void emulate(program const& p, forward_args const& args) {
   if (args.batch < 0 || args.heads < 0 || args.n < 0) throw std::invalid_argument("lina::cuda::emulate: negative extent");
+  if (p.spec.causal && keys_of(args) != args.n)
+    throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " is causal: K and V need as many rows as Q");
   if (args.out.data == nullptr && args.batch * args.heads * args.n > 0)
     throw std::invalid_argument("lina::cuda::emulate: no output");
   if (p.spec.chained && args.batch * args.heads > 0) {
@@ -314,7 +342,7 @@ void emulate(program const& p, forward_args const& args) {
   }
   if (args.batch * args.heads * args.n > 0)
     for (std::size_t e = 0; e < p.extras.size(); ++e)
-      if (args.extra[e].data == nullptr)
+      if (args.extra[e].data == nullptr && (keys_of(args) > 0 || !p.extras[e].keys))
         throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " needs its buffer " + p.extras[e].name);
   if (p.split && args.group_rows % p.tiles.chunk != 0)
     throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " needs rows per group that are a "
@@ -328,8 +356,10 @@ void emulate(program const& p, forward_args const& args) {
     blk.m_tile = tile % p.m_tiles;
     blk.b = slice / args.heads;
     blk.h = slice % args.heads;
-    blk.row_begin = p.split ? blk.group * args.group_rows : 0;
-    blk.row_end = p.split ? std::min(args.n, blk.row_begin + args.group_rows) : args.n;
+    std::int64_t const rows_per = p.quadratic ? p.tiles.chunk : args.group_rows;  // per group
+    blk.row_begin = p.split || p.quadratic ? blk.group * rows_per : 0;
+    blk.row_end = p.split || p.quadratic ? std::min(args.n, blk.row_begin + rows_per) : args.n;
+    blk.q0 = blk.row_begin;
     blk.run_all();
   }
 }

@@ -48,6 +48,7 @@ std::string_view name_of(opcode o) {
     case opcode::rowdiv_grad: return "rowdiv_grad";
     case opcode::store_partial: return "store_partial";
     case opcode::add_partials: return "add_partials";
+    case opcode::exp_rows: return "exp_rows";
   }
   return "?";
 }
@@ -170,9 +171,72 @@ struct builder {
 }  // namespace
 
 namespace {
+// The quadratic program of a softmax spec (program.hpp: exp_rows): one block
+// per (batch, head, M tile, chunk of query rows), the rows kept in o across
+// the key chunks, rescaled as their running max grows (normalised plans).
+program lay_out_softmax(attention_spec const& s, tile_config tiles) {
+  builder b;
+  program& p = b.p;
+  p.spec = s;
+  p.tiles = tiles;
+  p.quadratic = true;
+  b.prec = precision_of(s);
+  int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
+  int const c = static_cast<int>(features(s.map_q, s.d));
+  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;  // rows through a D-column register (also at D = 1: C = D)
+  int const w = tm + (s.normalized ? 1 : 0);
+  p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
+  p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}", s.causal ? "causal" : "full",
+                              id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
+                              s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
+  p.description = fmt::format("{} softmax attention (quadratic), forward{}: {}", s.causal ? "causal" : "non-causal",
+                              s.normalized ? "" : " (unnormalized)", plan_text(s));
+  p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}};
+  std::string const v1 = s.normalized ? "[V|1]" : "V";
+  std::string const cdim = row_map ? "C" : "D";
+  dtype const cs = chunk_storage(s);
+  int const q = b.reg("q", t, c, "φ(Q) of this block's query rows (T, " + cdim + ")", cs);
+  int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")", cs);
+  int const x = row_map ? b.reg("x", t, d, "Q or K chunk before the row map (T, D)") : -1;
+  int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)", cs);
+  int const a = b.reg("a", t, t, "the scores, then exp(scale·score − shift) (T, T)");
+  int const o = b.reg("o", t, w, "Σ exp(·)·" + v1 + " over the key chunks so far (T, W)");
+  int const mx = s.normalized ? b.reg("mx", t, 1, "each row's shift: the largest scaled score so far, at least 0 (T, 1)") : -1;
+  auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map m) {
+    if (m == feature_map::poly2) {
+      body.push_back(builder::load(x, slot, d));
+      body.push_back(builder::map(dst, m, x));
+    } else {
+      body.push_back(builder::load(dst, slot, d));
+      if (m != feature_map::identity) body.push_back(builder::map(dst, m));
+    }
+  };
+  load_mapped(p.prologue, q, 0, s.map_q);  // the block's query rows
+  p.prologue.push_back(builder::zero(o));
+  if (mx >= 0) p.prologue.push_back(builder::zero(mx));
+  std::vector<instruction> keys;
+  load_mapped(keys, k, 1, s.map_k);
+  keys.push_back(builder::load(v, 2, tm, true));
+  if (s.normalized) keys.push_back(builder::ones(v));
+  keys.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
+  keys.push_back({.op = opcode::exp_rows, .dst = a, .a = o, .b = mx, .scale = static_cast<float>(s.scale),
+                  .causal = s.causal});                   // a = exp(scale·a − shift), o rescaled
+  keys.push_back(b.product(o, a, false, v, false, true));  // o += a·[V|1]
+  p.passes.push_back(std::move(keys));
+  p.passes.back().keys = true;
+  if (s.normalized) {
+    instruction div = builder::divide(o, static_cast<float>(s.eps));
+    div.b = mx;
+    p.epilogue.push_back(div);
+  }
+  p.epilogue.push_back(builder::store(o, tm));
+  return p;
+}
+
 // The program of a (valid) spec at these tile sizes; choose_tiles measures
 // candidates with it, so the sizes it checks are the ones a program gets.
 program lay_out(attention_spec const& s, tile_config tiles) {
+  if (s.softmax) return lay_out_softmax(s, tiles);
   builder b;
   program& p = b.p;
   p.spec = s;
@@ -180,7 +244,7 @@ program lay_out(attention_spec const& s, tile_config tiles) {
   b.prec = precision_of(s);
   int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
   int const c = static_cast<int>(features(s.map_q, s.d));
-  bool const row_map = c != d;  // poly2: loaded rows go through a register of D columns
+  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;  // rows through a D-column register (also at D = 1: C = D)
   int const w = tm + (s.normalized ? 1 : 0);
   p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
   p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}{}", s.causal ? "causal" : "full",
@@ -204,7 +268,7 @@ program lay_out(attention_spec const& s, tile_config tiles) {
   float const eps = static_cast<float>(s.eps);
 
   auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map m) {
-    if (row_map) {
+    if (m == feature_map::poly2) {
       body.push_back(builder::load(x, slot, d));
       body.push_back(builder::map(dst, m, x));
     } else {
@@ -248,6 +312,7 @@ program lay_out(attention_spec const& s, tile_config tiles) {
     rows.push_back(b.product(o, q, false, st, false, false));
     finish(rows);
     p.passes.push_back(std::move(sum));
+    p.passes.back().keys = true;  // K's and V's rows (cross-attention: not Q's)
     p.passes.push_back(std::move(rows));
   }
   return p;
@@ -267,7 +332,7 @@ program lay_out_backward(attention_spec const& s, int t) {
   b.prec = precision_of(s);
   int const d = static_cast<int>(s.d), m = static_cast<int>(s.m);
   int const c = static_cast<int>(features(s.map_q, s.d));
-  bool const row_map = c != d;
+  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;  // rows through a D-column register (also at D = 1: C = D)
   int const w = m + (s.normalized ? 1 : 0);
   p.kernel_name = fmt::format("lina_{}_backward_{}_{}_d{}_m{}_t{}_{}_{}{}{}", s.causal ? "causal" : "full", id_of(s.map_q),
                               id_of(s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
@@ -276,8 +341,8 @@ program lay_out_backward(attention_spec const& s, int t) {
                               s.normalized ? "" : " (unnormalized)", s.q_name, s.k_name, s.v_name, plan_text(s));
   p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}, {"∂out", "dout"}};
   p.out_name = "∂" + s.q_name;
-  p.extras = {{"∂" + s.k_name, s.out, "the gradient of " + s.k_name},
-              {"∂" + s.v_name, s.out, "the gradient of " + s.v_name}};
+  p.extras = {{"∂" + s.k_name, s.out, "the gradient of " + s.k_name, true},
+              {"∂" + s.v_name, s.out, "the gradient of " + s.v_name, true}};
   int const scratch = max_inputs + 2;  // the load slot of extra[2]
   if (s.normalized) p.extras.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the unnormalised rows [num | den], fp32"});
 
@@ -296,7 +361,7 @@ program lay_out_backward(attention_spec const& s, int t) {
   float const eps = static_cast<float>(s.eps);
 
   auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map mp) {
-    if (row_map) {
+    if (mp == feature_map::poly2) {
       body.push_back(builder::load(x, slot, d));
       body.push_back(builder::map(dst, mp, x));
     } else {
@@ -310,7 +375,7 @@ program lay_out_backward(attention_spec const& s, int t) {
   };
   // ∂φ rows in dx → ∂X rows stored to `to` (-1: out, else extra[to]).
   auto finish_grad = [&](std::vector<instruction>& body, int slot, feature_map mp, int to) {
-    if (row_map) {
+    if (mp == feature_map::poly2) {
       body.push_back(builder::map_grad(gx, mp, slot, dx));
       body.push_back(builder::store_to(gx, to, d));
     } else {
@@ -387,15 +452,19 @@ program lay_out_backward(attention_spec const& s, int t) {
     kv.push_back(builder::store_to(o, 1, m));
     finish_grad(kv, 1, s.map_k, 0);
     p.passes.emplace_back(std::move(sum));
+    p.passes.back().keys = true;
     p.passes.emplace_back(std::move(rows));
     p.passes.emplace_back(std::move(adj), false, std::vector<instruction>{builder::zero(st)});
     p.passes.emplace_back(std::move(kv));
+    p.passes.back().keys = true;
   }
   return p;
 }
 }  // namespace
 
 program backward_program_of(attention_spec const& s) {
+  if (s.softmax)
+    throw std::invalid_argument("lina::cuda: the backward of softmax attention is not generated yet (linear plans only)");
   if (s.chained || s.step)
     throw std::invalid_argument("lina::cuda: the backward kernels do not take a state yet (no gradient of an initial state)");
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
@@ -413,8 +482,8 @@ program backward_program_of(attention_spec const& s) {
 }
 
 split_programs split_programs_of(attention_spec const& s) {
-  if (!s.causal || s.chained)
-    throw std::invalid_argument("lina::cuda: the chunk-parallel form is for causal, unchained forwards");
+  if (!s.causal || s.chained || s.softmax)
+    throw std::invalid_argument("lina::cuda: the chunk-parallel form is for causal, unchained linear forwards");
   program scan = program_of(s);
   program partials = scan;
   auto reg = [&](char const* name) {
@@ -477,6 +546,10 @@ tile_config choose_tiles(attention_spec const& s) {
 }
 
 program program_of(attention_spec const& s) {
+  if (s.chained && s.softmax)
+    throw std::invalid_argument(
+        "lina::cuda: softmax attention carries no state from one evaluation to the next: exp has no finite feature "
+        "map, so every row reads all the keys before it");
   if (s.chained && !s.causal)
     throw std::invalid_argument(
         "lina::cuda: only a causal attention carries a state from one evaluation to the next: every row of a "
@@ -494,6 +567,15 @@ std::string plan_text(attention_spec const& s) {
   };
   std::string const q = mapped(s.map_q, s.q_name), k = mapped(s.map_k, s.k_name);
   std::string const v = s.normalized ? "[" + s.v_name + "|1]" : s.v_name;
+  if (s.softmax) {  // as compile() prints it: the scale, then causal, outside the scores
+    std::string sc = fmt::format("{}·{}ᵀ", q, k);
+    if (s.scale != 1) sc = fmt::format("{}·({})", s.scale, sc);
+    sc = fmt::format("exp({})", sc);
+    if (s.causal) sc = fmt::format("causal({})", sc);
+    std::string core = fmt::format("{}·{}", sc, v);
+    if (!s.normalized) return core;
+    return s.eps == 1e-6 ? fmt::format("rowdiv({})", core) : fmt::format("rowdiv({}; eps={})", core, s.eps);
+  }
   std::string core = s.causal ? fmt::format("contract({}, prefix({}⊗{}))", q, k, v) : fmt::format("{}·({}ᵀ·{})", q, k, v);
   if (!s.normalized) return core;
   return s.eps == 1e-6 ? fmt::format("rowdiv({})", core) : fmt::format("rowdiv({}; eps={})", core, s.eps);
@@ -524,7 +606,13 @@ std::string listing(program const& p) {
       case opcode::product:
         return fmt::format("{} {} {}{}·{}{} ({})", nm(i.dst), i.accumulate ? "+=" : "=", nm(i.a), i.transpose_a ? "ᵀ" : "",
                            nm(i.b), i.transpose_b ? "ᵀ" : "", name_of(i.prec));
-      case opcode::row_divide: return fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);
+      case opcode::row_divide:
+        return i.b >= 0 ? fmt::format("row_divide {} eps={}·exp(−{})", nm(i.dst), i.eps, nm(i.b))
+                        : fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);
+      case opcode::exp_rows:
+        return fmt::format("exp_rows {} = exp({}·{} − {}){}{}", nm(i.dst), i.scale, nm(i.dst),
+                           i.b >= 0 ? nm(i.b) : "0", i.causal ? ", keys after the row masked" : "",
+                           i.b >= 0 ? fmt::format("; {} grows to the row max, {} rescaled", nm(i.b), nm(i.a)) : "");
       case opcode::store:
         if (i.slot >= 0)
           return fmt::format("store {} → {}[:, {} cols]", nm(i.dst), p.extras.at(static_cast<std::size_t>(i.slot)).name, i.width);
@@ -551,7 +639,12 @@ std::string listing(program const& p) {
   for (auto const& i : p.prologue) r += "  " + one(i) + "\n";
   for (auto const& pass : p.passes) {
     for (auto const& i : pass.before) r += "  " + one(i) + "\n";
-    r += pass.reverse ? "  for each chunk, last first:\n" : p.split ? "  for each chunk of the group:\n" : "  for each chunk:\n";
+    r += pass.reverse  ? "  for each chunk, last first:\n"
+         : p.split    ? "  for each chunk of the group:\n"
+         : p.quadratic ? (p.spec.causal ? "  for each chunk of keys up to this block's query rows:\n"
+                                        : "  for each chunk of keys:\n")
+         : pass.keys   ? "  for each chunk of K and V:\n"
+                       : "  for each chunk:\n";
     for (auto const& i : pass) r += "    " + one(i) + "\n";
   }
   for (auto const& i : p.epilogue) r += "  " + one(i) + "\n";

@@ -19,6 +19,10 @@
 // with or without the normaliser rowdiv(…[V|1])):
 //   causal:      contract(φ(Q), prefix(φ(K)⊗V))  or  causal(φ(Q)·φ(K)ᵀ)·V
 //   non-causal:  φ(Q)·(φ(K)ᵀ·V)                  or  (φ(Q)·φ(K)ᵀ)·V
+//   softmax:     causal(exp(s·(φ(Q)·φ(K)ᵀ)))·V   or  exp(s·(φ(Q)·φ(K)ᵀ))·V (s optional):
+//                quadratic, a block per chunk of query rows (no backward yet)
+// Non-causal plans may be cross-attentions: K and V over another sequence
+// than Q (forward_args::n_keys; the same kernels).
 // and a select between two of these that compute the same thing (what
 // compile() leaves for a dynamic N): the chunked kernel is both orders at
 // once — quadratic inside a chunk, linear across chunks — so the CPU's
@@ -72,8 +76,16 @@ struct cuda_plan {
                 "lina::cuda: this plan cannot be lowered to a CUDA kernel yet. Supported: causal "
                 "contract(φ(Q), prefix(φ(K)⊗V)) or causal(φ(Q)·φ(K)ᵀ)·V, non-causal φ(Q)·(φ(K)ᵀ·V) or "
                 "(φ(Q)·φ(K)ᵀ)·V, each optionally normalised as rowdiv(…[V|1]); φ ∈ {elu+1, relu, identity, "
-                "poly2} or none (favor, random Fourier features: not yet); Q, K, V over one sequence "
-                "dimension (no cross-attention yet); a select only between two such forms of one attention");
+                "poly2} or none (favor, random Fourier features: not yet); softmax [causal(]exp(s·(Q·Kᵀ))[)]·V, "
+                "normalised or not; K and V over one sequence dimension (Q over another: non-causal only); a "
+                "select only between two such forms of one attention");
+  static constexpr bool ok = Supported;
+};
+template <bool Supported>
+struct cuda_backward {
+  static_assert(Supported,
+                "lina::cuda: the backward of softmax attention is not generated yet: differentiate it on the CPU "
+                "(cpu::gradient), or use a linear attention (phi<elu_plus_one>, or phi<favor> on the CPU)");
   static constexpr bool ok = Supported;
 };
 }  // namespace diagnose
@@ -138,19 +150,26 @@ struct value_input<node<op::append_ones, node<op::input<Name, R, C>>>> {
   using input = op::input<Name, R, C>;
 };
 
-// The attention core below an optional rowdiv: (φQ, φK, V) and causal or not.
-template <class A, class B, class C, bool Causal>
+// The attention core below an optional rowdiv: (φQ, φK, V), causal or not,
+// softmax (exp of the scores, scaled by scale(core)) or linear.
+template <class A, class B, class C, bool Causal, bool Softmax = false>
 struct core_parts {
   using q = mapped_input<A>;
   using k = mapped_input<B>;
   using v = value_input<C>;
   static constexpr bool causal = Causal;
+  static constexpr bool softmax = Softmax;
+  template <class N>
+  static constexpr double scale(N const&) {
+    return 1;
+  }
   static constexpr bool ok = [] {
     if constexpr (q::ok && k::ok && v::ok) {
       using QI = typename q::input;
       using KI = typename k::input;
       using VI = typename v::input;
-      return std::is_same_v<typename QI::rows, typename KI::rows> &&
+      // K and V over one sequence; Q over it too, or — non-causal: cross-attention — another
+      return (!Causal || std::is_same_v<typename QI::rows, typename KI::rows>) &&
              std::is_same_v<typename KI::rows, typename VI::rows> && std::is_same_v<typename QI::cols, typename KI::cols>;
     } else {
       return false;
@@ -161,6 +180,7 @@ struct core_parts {
 template <class N>
 struct core {
   static constexpr bool ok = false;
+  static constexpr bool softmax = false;
 };
 // contract(φQ, prefix(φK⊗V))
 template <class A, class B, class C>
@@ -176,10 +196,50 @@ struct core<node<op::product, A, node<op::product, node<op::transpose, B>, C>>> 
 template <class A, class B, class C>
 struct core<node<op::product, node<op::product, A, node<op::transpose, B>>, C>> : core_parts<A, B, C, false> {};
 
+// The softmax similarity's argument: φQ·φKᵀ, scaled or not (scales multiply).
+template <class N>
+struct scores {
+  static constexpr bool ok = false;
+  using q = void;
+  using k = void;
+};
+template <class A, class B>
+struct scores<node<op::product, A, node<op::transpose, B>>> {
+  static constexpr bool ok = true;
+  using q = A;
+  using k = B;
+  template <class N>
+  static constexpr double scale(N const&) {
+    return 1;
+  }
+};
+template <class X>
+struct scores<node<op::scale, X>> : scores<X> {
+  static constexpr double scale(node<op::scale, X> const& n) { return n.op.factor * scores<X>::scale(kid<0>(n)); }
+};
+template <class S, class C, bool Causal>
+struct softmax_parts : core_parts<typename scores<S>::q, typename scores<S>::k, C, Causal, true> {
+  static constexpr bool ok = scores<S>::ok && core_parts<typename scores<S>::q, typename scores<S>::k, C, Causal, true>::ok;
+};
+// exp(S)·V
+template <class S, class C>
+struct core<node<op::product, node<op::exp, S>, C>> : softmax_parts<S, C, false> {
+  static constexpr double scale(node<op::product, node<op::exp, S>, C> const& n) {
+    return scores<S>::scale(kid<0>(kid<0>(n)));
+  }
+};
+// causal(exp(S))·V
+template <class S, class C>
+struct core<node<op::product, node<op::causal, node<op::exp, S>>, C>> : softmax_parts<S, C, true> {
+  static constexpr double scale(node<op::product, node<op::causal, node<op::exp, S>>, C> const& n) {
+    return scores<S>::scale(kid<0>(kid<0>(kid<0>(n))));
+  }
+};
+
 template <class X, class Y>
 constexpr bool same_attention() {
   if constexpr (X::ok && Y::ok)
-    return X::causal == Y::causal && X::q::map == Y::q::map && X::k::map == Y::k::map && X::v::ones == Y::v::ones &&
+    return X::causal == Y::causal && X::softmax == Y::softmax && X::q::map == Y::q::map && X::k::map == Y::k::map && X::v::ones == Y::v::ones &&
            std::is_same_v<typename X::q::input, typename Y::q::input> &&
            std::is_same_v<typename X::k::input, typename Y::k::input> &&
            std::is_same_v<typename X::v::input, typename Y::v::input>;
@@ -202,6 +262,7 @@ struct forward_plan : core<N> {
       return false;
   }();
   static constexpr double eps(N const&) { return 0; }
+  static constexpr double scores_scale(N const& n) { return core<N>::scale(n); }
 };
 template <class X>
 struct forward_plan<node<op::row_divide, X>> : core<X> {
@@ -213,6 +274,7 @@ struct forward_plan<node<op::row_divide, X>> : core<X> {
       return false;
   }();
   static constexpr double eps(node<op::row_divide, X> const& n) { return n.op.eps; }
+  static constexpr double scores_scale(node<op::row_divide, X> const& n) { return core<X>::scale(kid<0>(n)); }
 };
 
 template <class Dim, class... E>
@@ -255,6 +317,8 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
     using VI = typename F::v::input;
     s.causal = F::causal;
     s.normalized = F::normalized;
+    s.softmax = F::softmax;
+    if constexpr (F::softmax) s.scale = F::scores_scale(plan);
     s.map_q = F::q::map;
     s.map_k = F::k::map;
     s.eps = F::eps(plan);
@@ -659,6 +723,7 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
     a.batch = static_cast<std::int64_t>(in.batch);
     a.heads = static_cast<std::int64_t>(in.heads);
     a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
+    a.n_keys = static_cast<std::int64_t>(F::k::input::rows::extent(in.table));
     std::vector<std::uint16_t> result;
     auto const dense = tensor_view<float>::contiguous_strides(want);
     if (opt.out == dtype::f32) {
@@ -674,7 +739,7 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
     }
-    if (opt.split_rows > 0 && s.causal && !st) {  // the chunk-parallel form: partials, then the scan
+    if (opt.split_rows > 0 && s.causal && !s.softmax && !st) {  // the chunk-parallel form: partials, then the scan
       split_programs const sp = split_programs_of(s);
       a.group_rows = opt.split_rows;
       std::int64_t const groups = (a.n + a.group_rows - 1) / a.group_rows;
@@ -797,6 +862,7 @@ forward_args device_args(device_view<O> out, Bound const& in) {
   a.batch = static_cast<std::int64_t>(in.batch);
   a.heads = static_cast<std::int64_t>(in.heads);
   a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
+  a.n_keys = static_cast<std::int64_t>(F::k::input::rows::extent(in.table));
   return a;
 }
 
@@ -814,7 +880,7 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* 
     if (st) {
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
-    } else if (s.causal) {  // too few (batch, head, M tile) blocks for the device: split N too
+    } else if (s.causal && !s.softmax) {  // too few (batch, head, M tile) blocks for the device: split N too
       std::int64_t const rows = split_rows(blocks_of(p, a), a.n, p.tiles.chunk, dev.sms);
       if (rows > 0) return launch_split(split_programs_of(s), a, rows, stream);
     }
@@ -926,9 +992,10 @@ template <class Plan, class Dout, class... B>
 auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&... bindings) {
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
+  static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<lina::tensor<float>, BP> g;
-  if constexpr (F::ok) {
+  if constexpr (F::ok && !F::softmax) {
     auto in = bind<Plan>(bindings...);
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                   "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
@@ -946,12 +1013,13 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&.
     a.batch = static_cast<std::int64_t>(in.batch);
     a.heads = static_cast<std::int64_t>(in.heads);
     a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
-    std::size_t const bh = in.batch * in.heads, n = static_cast<std::size_t>(a.n);
-    shape4 const sq{in.batch, in.heads, n, s.d}, sv{in.batch, in.heads, n, s.m};
+    a.n_keys = static_cast<std::int64_t>(F::k::input::rows::extent(in.table));
+    std::size_t const bh = in.batch * in.heads, n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
+    shape4 const sq{in.batch, in.heads, n, s.d}, sk{in.batch, in.heads, nk, s.d}, sv{in.batch, in.heads, nk, s.m};
     lina::tensor<float>& gq = detail::gradient_slot<typename F::q::input>(g);
     lina::tensor<float>& gk = detail::gradient_slot<typename F::k::input>(g);
     lina::tensor<float>& gv = detail::gradient_slot<typename F::v::input>(g);
-    gq = lina::tensor<float>(sq), gk = lina::tensor<float>(sq), gv = lina::tensor<float>(sv);
+    gq = lina::tensor<float>(sq), gk = lina::tensor<float>(sk), gv = lina::tensor<float>(sv);
     std::vector<std::uint16_t> bits[3];  // 16-bit gradients, widened below
     auto sink = [&](lina::tensor<float>& t, std::vector<std::uint16_t>& b) {
       if (opt.out == dtype::f32) return detail::dense_operand(t.data(), t.shape());
@@ -979,13 +1047,14 @@ template <class Plan, class Dout, class... B>
 auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bindings) {
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
+  static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
   auto in = bind<Plan>(bindings...);
   using Bound = decltype(in);
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using T = std::remove_const_t<typename Bound::value_type>;
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<tensor<T>, BP> g;
-  if constexpr (F::ok && is_device_view<typename Bound::view_type>) {
+  if constexpr (F::ok && !F::softmax && is_device_view<typename Bound::view_type>) {
     char const* call = "cuda::gradient";
     auto const dv = view_of(dout);
     static_assert(std::is_same_v<std::remove_const_t<typename decltype(dv)::element_type_>, T>,
@@ -996,13 +1065,13 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bind
     require_device(call);
     forward_args a = detail::device_args<F>(device_view<T>{}, in);
     a.in[3] = detail::device_operand(dv);
-    std::size_t const n = static_cast<std::size_t>(a.n);
+    std::size_t const n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
     tensor<T>& gq = detail::gradient_slot<typename F::q::input>(g);
     tensor<T>& gk = detail::gradient_slot<typename F::k::input>(g);
     tensor<T>& gv = detail::gradient_slot<typename F::v::input>(g);
     gq = tensor<T>({in.batch, in.heads, n, s.d}, call);
-    gk = tensor<T>({in.batch, in.heads, n, s.d}, call);
-    gv = tensor<T>({in.batch, in.heads, n, s.m}, call);
+    gk = tensor<T>({in.batch, in.heads, nk, s.d}, call);
+    gv = tensor<T>({in.batch, in.heads, nk, s.m}, call);
     a.out = detail::device_operand(gq.view());
     a.extra[0] = detail::device_operand(gk.view());
     a.extra[1] = detail::device_operand(gv.view());

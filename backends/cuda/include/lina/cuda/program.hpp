@@ -19,6 +19,17 @@
 //                                 last first — a suffix scan)
 //   epilogue                      once
 //
+// A pass marked `keys` walks the rows of K and V instead, n_keys of them
+// (forward_args::n_keys; cross-attention, where K and V run over another
+// sequence than Q — non-causal only; −1, the default, means n).
+//
+// A quadratic program (softmax: exp has no finite feature map, so there is no
+// running state to scan) has one block per (batch, head, M tile, chunk of
+// query rows): x = (slice · m_tiles + m_tile) · q_chunks + qc, q_chunks =
+// ⌈n / T⌉. Its prologue and epilogue run on the block's query rows [q0, q0 +
+// q_rows), q0 = qc · T, and its pass walks the key chunks [0, n) — causal:
+// [0, q0 + q_rows), up to and including the diagonal chunk.
+//
 // Registers are tiles (rows × cols) in shared memory, rows `pitch` elements
 // apart (pitch_of: padded so that a warp's column reads hit distinct banks),
 // of fp32 — or of bf16 for the chunk tiles of bf16 programs, which only
@@ -49,7 +60,20 @@
 //                          sums in fp32 in an order the tensor cores choose
 //                          (the emulation: increasing k)
 //   mask_causal t          t[i][j] = 0 for j > i
-//   row_divide t, eps      t[i][j] /= (t[i][cols-1] + eps) for j < cols-1
+//   row_divide t, eps      t[i][j] /= (t[i][cols-1] + eps) for j < cols-1. With a
+//                          register m (b ≥ 0: softmax rows shifted by their max),
+//                          the divisor is fma(eps, exp(−m[i][0]), t[i][cols-1]):
+//                          exp(x)/(Σexp(x) + eps) = exp(x−m)/(Σexp(x−m) + eps·e^−m)
+//   exp_rows t, o, m       (quadratic programs) the scores t (T × T: query rows ×
+//                          this chunk's keys) become exp(scale·t − shift), per
+//                          row i < T: key j is valid when j < rows and, causal,
+//                          r0 + j ≤ q0 + i. Shifted (b ≥ 0, normalised plans):
+//                          m' = max(m[i][0], scale·t[i][j] over valid j) (a NaN
+//                          score is skipped by the max and stays NaN), o[i][·]
+//                          ·= exp(m[i][0] − m'), m[i][0] = m'; m starts at 0, so
+//                          e^−m ≤ 1 and eps·e^−m never overflows. Unshifted: m' =
+//                          0 (the unnormalised rows are exp(x) as written). Then
+//                          t[i][j] = exp(scale·t[i][j] − m') for valid j, else 0.
 //   store t → out          out(r0 + i, c0 + j) = round(t[i][j]) for i < rows,
 //                          j < width, c0 + j < cols(out) (c0 as for load);
 //                          round: fp32 → output dtype, to nearest even. With a slot
@@ -128,6 +152,8 @@ struct attention_spec {
   bool chained = false;     // causal only: the scan starts from state_in and leaves its sums in state_out
   bool step = false;        // sized for a token or a few per launch (cuda::recurrent): the short chunk, T = 16
   bool exact_products = false;  // fp32 FMA products even for 16-bit inputs (else precision_for(in))
+  bool softmax = false;     // exp(scale·φQ·φKᵀ) (causal: masked after exp), then ·V: quadratic, no state
+  double scale = 1;         // softmax only: the factor of the scores inside exp
   std::string q_name = "Q", k_name = "K", v_name = "V";  // the plan's input symbols
   std::string description;  // the plan as the user's program printed it (messages)
 };
@@ -183,14 +209,15 @@ struct tile_register {
 
 enum class opcode : std::uint8_t {
   zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state,
-  mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials
+  mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows
 };
 std::string_view name_of(opcode o);
 
 struct instruction {
   opcode op;
   int dst = -1;                 // the register written (read too, by in-place ops)
-  int a = -1, b = -1;           // product operands; map, map_grad: the source of a row map (else -1); rowdiv_grad: o
+  int a = -1, b = -1;           // product operands; map, map_grad: the source of a row map (else -1); rowdiv_grad: o;
+                                // exp_rows: a = o, b = m (-1: unshifted); row_divide: b = m (-1: no shift)
   bool transpose_a = false, transpose_b = false, accumulate = false;  // product
   int slot = -1;                // load, map_grad: input slot (≥ max_inputs: an extra buffer); store: -1 out, else extra[slot]
   int width = 0;                // load/store/load_state/store_state: columns read or written (≤ the register's)
@@ -198,6 +225,8 @@ struct instruction {
   bool z_column = false;        // load_state/store_state: the register's last column ↔ the state's last (z)
   feature_map map = feature_map::identity;  // map
   float eps = 0;                // row_divide
+  float scale = 1;              // exp_rows
+  bool causal = false;          // exp_rows: mask keys after the query row
   precision prec = precision::fma_f32;  // product
 
   bool operator==(instruction const&) const = default;
@@ -216,6 +245,7 @@ struct pass : std::vector<instruction> {
   pass(std::vector<instruction> body, bool rev = false, std::vector<instruction> first = {})
       : std::vector<instruction>(std::move(body)), reverse(rev), before(std::move(first)) {}
   bool reverse = false;              // last chunk first
+  bool keys = false;                 // walks the rows of K and V (n_keys), not Q's
   std::vector<instruction> before;   // zero: run once before the chunks
 };
 
@@ -225,6 +255,7 @@ struct extra_buffer {
   std::string name;   // e.g. "∂K", "scratch"
   dtype type = dtype::f32;
   std::string comment;
+  bool keys = false;  // rows of K and V (∂K, ∂V), not Q's
 };
 
 struct program {
@@ -241,6 +272,7 @@ struct program {
   std::vector<extra_buffer> extras;                 // forward_args::extra[i], in order
   std::string out_name = "out";                     // what `out` holds (a backward kernel: ∂Q)
   bool split = false;                               // blocks per group of rows too (forward_args::group_rows)
+  bool quadratic = false;                           // blocks per chunk of query rows too (see the top)
 
   // Registers lie one after another in shared memory (rows × pitch elements),
   // each starting at a multiple of 16 bytes (ready for vector accesses).
@@ -256,6 +288,11 @@ struct program {
 // row of a non-causal attention reads the whole sequence, so there is no
 // running state to carry — as on the CPU, lina/state.hpp).
 program program_of(attention_spec const& s);
+
+// A softmax spec's program is quadratic: per block, the query rows are loaded
+// once (prologue) and each key chunk adds exp(scale·q·kᵀ − shift)·[V|1] to
+// the rows, rescaled as the running max grows (exp_rows); the epilogue
+// divides and stores them.
 
 // The tile program of the backward of a forward attention: ∂Q, ∂K, ∂V from
 // Q, K, V and ∂out (input slots 0–3, all of dtype `in`; the gradients are
@@ -312,7 +349,10 @@ struct forward_args {
   std::int64_t batch = 0, heads = 0, n = 0;
   operand extra[max_inputs];  // program::extras: further outputs and scratch (backward kernels)
   std::int64_t group_rows = 0;  // split programs: rows per group (a multiple of the chunk)
+  std::int64_t n_keys = -1;     // rows of K and V when they are not Q's (cross-attention); −1: n
 };
+// The rows of K and V.
+inline std::int64_t keys_of(forward_args const& a) { return a.n_keys < 0 ? a.n : a.n_keys; }
 
 // Do the elements of two fp32 [batch, heads, rows, cols] operands overlap?
 // (From their strides, which must be non-negative.)
@@ -320,6 +360,7 @@ bool overlap(operand const& x, operand const& y, std::int64_t batch, std::int64_
 
 // Blocks to launch for a program on these arguments.
 inline std::int64_t groups_of(program const& p, forward_args const& a) {
+  if (p.quadratic) return (a.n + p.tiles.chunk - 1) / p.tiles.chunk;  // chunks of query rows
   return !p.split ? 1 : a.group_rows <= 0 ? 0 : (a.n + a.group_rows - 1) / a.group_rows;
 }
 inline std::int64_t blocks_of(program const& p, forward_args const& a) {

@@ -34,6 +34,7 @@ struct forward_args {
   long long batch, heads, n;
   operand extra[4];   // backward kernels: ∂K, ∂V and scratch rows; split ones: the groups' sums (program::extras)
   long long group_rows;  // split kernels: rows per group
+  long long n_keys;      // rows of K and V when they are not Q's (cross-attention); -1: n
 };
 
 // ---- element types ----------------------------------------------------------------
@@ -467,6 +468,47 @@ __device__ void row_divide(float* t, float eps) {
     const int i = e / C, j = e % C;
     if (j < C - 1) t[i * P + j] = t[i * P + j] / (t[i * P + C - 1] + eps);
   }
+  __syncthreads();
+}
+
+// row_divide of softmax rows shifted by their max m (R × 1, pitch PM):
+// t[i][j] /= fmaf(eps, exp(−m[i]), t[i][C−1]) for j < C − 1.
+template <int R, int C, int P, int PM>
+__device__ void row_divide_shifted(float* t, const float* m, float eps) {
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    if (j < C - 1) t[i * P + j] = t[i * P + j] / fmaf(eps, expf(-m[i * PM]), t[i * P + C - 1]);
+  }
+  __syncthreads();
+}
+
+// exp_rows (program.hpp): the scores t (R × C) of query rows q0 + i against
+// keys r0 + j become exp(scale·t − shift), invalid keys (j ≥ rows; causal:
+// r0 + j > q0 + i) 0. Shift: each row's running max m (R × 1, pitch PM, from
+// 0) grows to its valid scaled scores and the row's W columns of o (pitch PO)
+// are rescaled by exp(m_old − m_new); else the shift is 0. G = Threads / R
+// adjacent lanes share a row and reduce its max with warp shuffles.
+template <int R, int C, int P, int W, int PO, int PM, bool Shift, bool Causal, int Threads>
+__device__ void exp_rows(float* t, float* o, float* m, float scale, long long r0, long long q0, int rows) {
+  constexpr int G = Threads / R;
+  static_assert(G * R == Threads && G <= 32 && (G & (G - 1)) == 0, "exp_rows: a power-of-two group of lanes per row");
+  const int i = threadIdx.x / G, lane = threadIdx.x % G;
+  const long long last = q0 + i - r0;  // causal: keys j <= last
+  float* row = t + i * P;
+  float shift = 0.0f;
+  if (Shift) {
+    const float old = m[i * PM];
+    float grown = old;
+    for (int j = lane; j < C; j += G)
+      if (j < rows && (!Causal || j <= last)) grown = fmaxf(grown, scale * row[j]);  // fmaxf skips a NaN
+    for (int off = G / 2; off > 0; off /= 2) grown = fmaxf(grown, __shfl_xor_sync(0xffffffffu, grown, off, G));
+    const float f = expf(old - grown);
+    for (int j = lane; j < W; j += G) o[i * PO + j] = o[i * PO + j] * f;
+    if (lane == 0) m[i * PM] = grown;
+    shift = grown;
+  }
+  for (int j = lane; j < C; j += G)
+    row[j] = j < rows && (!Causal || j <= last) ? expf(fmaf(scale, row[j], -shift)) : 0.0f;
   __syncthreads();
 }
 
