@@ -276,8 +276,11 @@ TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
   static_assert(!cuda::lowerable<decltype(compile(normalize(exp(causal(Q * transpose(K)))) * V))>);  // exp(0) = 1 above the diagonal
   static_assert(cuda::lowerable<decltype(compile<order::linear>(normalize(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V))>);
   constexpr auto W = input<"W">(D, dim<"F">);
-  static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // parametric maps: not yet
+  static_assert(cuda::lowerable<decltype(compile<order::linear>(  // parametric maps, one W
                     normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V))>);
+  constexpr auto W2 = input<"W2">(D, dim<"F">);
+  static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // a W for Q and another for K: not yet
+                    normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)))) * V))>);
 
   auto s = cuda::spec_of(causal_plan);
   CHECK(s.causal);
@@ -428,6 +431,89 @@ TEST_CASE("softmax: the quadratic program, its source, and what it does not do")
   CHECK(max_abs_diff(cuda::emulate(plan, split, Q = q, K = k, V = v), cuda::emulate(plan, Q = q, K = k, V = v)) == 0.0);
 }
 
+// The parametric maps (favor, random Fourier features): φ(X; W) reads x·W
+// (a product into z, W loaded once per block from input slot 3), then a row
+// map out of place. Against the CPU backend and the expression as written
+// (W = a Gaussian projection shared by batch and heads, as broadcast() binds
+// it), causal and not, normalised favor and signed, unnormalised rff;
+// chained blocks = one pass. The tensor-core products: within the output's
+// rounding plus 6u·Σ|terms|/|result| (rounding_bound's argument): favor's
+// features are positive, so Σ|terms| is the plan on |V|; rff's features of
+// a row have unit norm (Σ cos² + sin² = F/F), so by Cauchy–Schwarz a term
+// |φ(q)·φ(k)|·|v| is at most |v|, and Σ|terms| ≤ Σ_j |v_j| over the keys a
+// row reads.
+namespace {
+constexpr auto Fw = dim<"F">;
+constexpr auto W = input<"W">(D, Fw);
+template <class Expr>
+void check_parametric(Expr const& expr, std::uint64_t seed) {
+  auto const plan = compile(expr);
+  static_assert(cuda::lowerable<decltype(plan)>);
+  auto const spec = cuda::spec_of(plan);
+  CHECK(cuda::plan_text(spec) == cuda::plan_text(cuda::spec_of(compile<order::linear>(expr))));
+  test::rng r{seed};
+  std::vector<shape> cases = {{1, 2, 1, 7, 4}, {2, 1, 65, 16, 9}, {1, 1, 130, 32, 24}};
+  add_random_shapes(cases, r, 2, 0, 200);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
+    double worst = 0, worst_mma = 0;
+    for (shape const& s : cases) {
+      std::size_t const f = r.in(1, 48);
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
+      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto w = rounded(gaussian_projection<float>(s.d, f, r.next()), dt);
+      auto wb = broadcast(w, s.b, s.h);
+      auto const wd = widened(w);
+      auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v), W = broadcast(wd, s.b, s.h));
+      cuda::options const opt{dt, dt, true};
+      auto got = cuda::emulate(plan, opt, Q = q, K = k, V = v, W = wb);
+      double const e1 = relative_rms(got, cpu::evaluate(plan, Q = q, K = k, V = v, W = wb)), e2 = relative_rms(got, exact);
+      CHECK(e1 <= tolerance(dt));
+      CHECK(e2 <= tolerance(dt));
+      worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
+      if (&s == &cases.front() && dt == cuda::dtype::f32) check_compiles(cuda::program_of(plan, opt, D = s.d, M = s.m, Fw = f));
+      if (dt == cuda::dtype::f32) continue;
+      cuda::options const fast{dt, dt};
+      auto mma = cuda::emulate(plan, fast, Q = q, K = k, V = v, W = wb);
+      tensor<double> terms(exact.shape());
+      if (spec.map_q == cuda::feature_map::favor) {
+        tensor<double> av(v.shape());
+        for (std::size_t i = 0; i < v.size(); ++i) av.data()[i] = std::abs(static_cast<double>(v.data()[i]));
+        terms = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = av, W = broadcast(wd, s.b, s.h));
+      } else {  // Σ_j |v_j| over the keys row i reads
+        for (std::size_t b = 0; b < s.b; ++b)
+          for (std::size_t h = 0; h < s.h; ++h)
+            for (std::size_t c = 0; c < s.m; ++c) {
+              double total = 0, prefix = 0;
+              for (std::size_t j = 0; j < s.n; ++j) total += std::abs(static_cast<double>(v(b, h, j, c)));
+              for (std::size_t i = 0; i < s.n; ++i) {
+                prefix += std::abs(static_cast<double>(v(b, h, i, c)));
+                terms(b, h, i, c) = spec.causal ? prefix : total;
+              }
+            }
+      }
+      double num = 0, den = 0;
+      for (std::size_t i = 0; i < terms.size(); ++i) num += terms.data()[i] * terms.data()[i];
+      for (std::size_t i = 0; i < exact.size(); ++i) den += exact.data()[i] * exact.data()[i];
+      double const bound = tolerance(dt) + (den == 0 ? 0.0 : 6 * operand_roundoff(dt) * std::sqrt(num / den));
+      CAPTURE(bound);
+      double const e3 = relative_rms(mma, exact);
+      CHECK(e3 <= bound);
+      worst_mma = std::max(worst_mma, e3 / bound);
+      if (&s == &cases.front() && dt == cuda::dtype::bf16) check_compiles(cuda::program_of(plan, fast, D = s.d, M = s.m, Fw = f));
+    }
+    MESSAGE(cuda::name_of(dt) << " " << spec.description << ": largest error / tolerance: " << worst
+                              << "; tensor-core products, error / bound: " << worst_mma);
+  }
+}
+}  // namespace
+
+TEST_CASE("emulated favor and random Fourier features (φ(X; W)) = CPU backend = as written") {
+  check_parametric(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 61);
+  check_parametric(normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W))) * V, 62);
+  check_parametric(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W))) * V, 63);
+  check_parametric(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W)) * V, 64);
+}
+
 // Cross-attention: K and V over another sequence (S rows) than Q (N rows) —
 // non-causal, so the passes over K and V walk S rows (forward_args::n_keys)
 // and the kernels are the self-attention ones (the same sources: nothing new
@@ -537,10 +623,11 @@ tensor_view<float> rows_of(tensor<float>& t, std::size_t from, std::size_t to) {
 
 // The chained program of `plan` (what emulate_into with a state runs).
 template <class Plan>
-cuda::program chained_program(Plan const& plan, cuda::options opt, std::size_t d, std::size_t m) {
+cuda::program chained_program(Plan const& plan, cuda::options opt, std::size_t d, std::size_t m, std::size_t f = 0) {
   auto s = cuda::spec_of(plan, opt);
   s.d = d;
   s.m = m;
+  s.f = f;
   s.chained = true;
   return cuda::program_of(s);
 }
@@ -653,6 +740,41 @@ TEST_CASE("chained: two emulated blocks = one pass = the CPU's chained result, a
   check_chained(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 42, chain_shapes(42));
   check_chained(causal(Q * transpose(K)) * V, 43, chain_shapes(43));
   check_chained(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 44, poly2_shapes(), true);
+}
+
+// favor's state has C = F rows (the random features), and W comes with every
+// block: two chained blocks equal one pass, and the sums are the CPU's.
+TEST_CASE("chained: favor blocks = one pass, and the same state as the CPU's; split rows = one pass") {
+  constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+  std::size_t const b = 2, h = 2, n = 100, d = 16, m = 12, f = 32, cut = 37;
+  auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2),
+       v = tensor<float>::random({b, h, n, m}, 3);
+  auto w = gaussian_projection<float>(d, f, 4);
+  auto whole = cuda::emulate(plan, Q = q, K = k, V = v, W = broadcast(w, b, h));
+  cuda::state st(plan, b, h, cuda::memory::host);
+  cpu::state<float> cst;
+  tensor<float> out(whole.shape());
+  for (auto [from, to] : {std::pair<std::size_t, std::size_t>{0, cut}, {cut, n}}) {
+    cuda::emulate_into(plan, {}, rows_of(out, from, to), st, Q = test::tokens(q, from, to), K = test::tokens(k, from, to),
+                       V = test::tokens(v, from, to), W = broadcast(w, b, h));
+    cpu::evaluate(plan, cst, Q = test::tokens(q, from, to), K = test::tokens(k, from, to), V = test::tokens(v, from, to),
+                  W = broadcast(w, b, h));
+  }
+  CHECK(relative_rms(out, whole) <= tolerance(cuda::dtype::f32));
+  REQUIRE(st.shape() == shape4{b, h, f, m + 1});
+  REQUIRE(cst[0].shape() == st.shape());
+  tensor<float> ours(st.shape()), theirs(st.shape());
+  for (std::size_t i = 0; i < ours.size(); ++i) ours.data()[i] = st.data()[i];
+  for (std::size_t i = 0; i < b; ++i)
+    for (std::size_t j = 0; j < h; ++j)
+      for (std::size_t a = 0; a < f; ++a)
+        for (std::size_t c = 0; c <= m; ++c) theirs(i, j, a, c) = cst[0](i, j, a, c);
+  CHECK(relative_rms(ours, theirs) <= 1e-5);
+  check_compiles(chained_program(plan, {}, d, m, f));
+  // The chunk-parallel form (groups of rows) reads W in both launches.
+  cuda::options split{};
+  split.split_rows = 64;
+  CHECK(relative_rms(cuda::emulate(plan, split, Q = q, K = k, V = v, W = broadcast(w, b, h)), whole) <= tolerance(cuda::dtype::f32));
 }
 
 TEST_CASE("chained: the program loads and stores the state, and non-causal plans have none") {

@@ -1,6 +1,6 @@
-// A plan the CUDA backend cannot lower yet (a parametric feature map: FAVOR's
-// random features) is a compile error that lists the supported plan shapes,
-// not a silent fallback.
+// A plan the CUDA backend cannot lower yet (φ(Q) and φ(K) with random
+// projections of their own: the kernel reads one W) is a compile error that
+// lists the supported plan shapes, not a silent fallback.
 // expect: this plan cannot be lowered to a CUDA kernel yet
 // errors: 1
 #include <lina/cuda.hpp>
@@ -15,11 +15,12 @@ constexpr auto Q = input<"Q">(N, D);
 constexpr auto K = input<"K">(N, D);
 constexpr auto V = input<"V">(N, M);
 constexpr auto W = input<"W">(D, F);
+constexpr auto W2 = input<"W2">(D, F);
 int main() {
 #ifdef LINA_COMPILE_FAIL
-  auto s = cuda::spec_of(compile(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V));
+  auto s = cuda::spec_of(compile(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)))) * V));
 #else
-  auto s = cuda::spec_of(compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V));
+  auto s = cuda::spec_of(compile(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V));
 #endif
   (void)s;
 }

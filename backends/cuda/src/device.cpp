@@ -121,7 +121,7 @@ bool check_launch(program const& p, forward_args const& args, std::int64_t& bloc
     check_device_pointer(args.state_in.data, "the state in", name);
     check_device_pointer(args.state_out.data, "the state out", name);
     if (overlap(args.state_in, args.state_out, args.batch, args.heads,
-                static_cast<std::int64_t>(features(p.spec.map_q, p.spec.d))))
+                static_cast<std::int64_t>(features(p.spec.map_q, p.spec.d, p.spec.f))))
       throw std::invalid_argument(fmt::format("lina::cuda: the state in and the state out of kernel {} overlap", name));
   }
   return true;
@@ -182,7 +182,7 @@ void launch_split(split_programs const& sp, forward_args args, std::int64_t grou
                                             name, sp.scan.tiles.chunk));
   args.group_rows = group_rows;
   std::int64_t const groups = (args.n + group_rows - 1) / group_rows;
-  std::int64_t const c = static_cast<std::int64_t>(features(sp.scan.spec.map_q, sp.scan.spec.d));
+  std::int64_t const c = static_cast<std::int64_t>(features(sp.scan.spec.map_q, sp.scan.spec.d, sp.scan.spec.f));
   std::int64_t const w = static_cast<std::int64_t>(sp.scan.spec.m) + (sp.scan.spec.normalized ? 1 : 0);
   std::size_t const bytes = static_cast<std::size_t>(args.batch * args.heads * groups * c * w) * sizeof(float);
   if (bytes == 0) return;

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <stdexcept>
 #include <vector>
 
@@ -33,6 +34,8 @@ std::string_view map_tag(feature_map m) {
     case feature_map::elu_plus_one: return "elu_plus_one";
     case feature_map::relu: return "relu";
     case feature_map::poly2: return "poly2";
+    case feature_map::favor: return "favor";
+    case feature_map::random_fourier: return "random_fourier";
   }
   return "?";
 }
@@ -83,7 +86,10 @@ struct emitter {
   void load(int ind, cuda::instruction const& i, std::string_view map) {
     std::string const& t = name(i.dst);
     memory const m = source(i.slot);
-    if (map.empty())
+    if (i.whole)  // all rows of the operand (W), once
+      line(ind, "tl::load<{}, {}, {}, {}>({}, {}, {}, 0, 0, {}, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst), t,
+           m.operand, m.base, rows(i.dst), i.width);
+    else if (map.empty())
       line(ind, "tl::load<{}, {}, {}, {}>({}, {}, {}, r0, {}, rows, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst), t,
            m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
     else
@@ -97,7 +103,12 @@ struct emitter {
       case opcode::zero: line(ind, "tl::zero<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t); break;
       case opcode::load: load(ind, i, {}); break;
       case opcode::map:
-        if (i.a >= 0)
+        if (i.b >= 0)  // parametric: from x and z = x·W; s = D^−¼, 1/√F as fp32 constants
+          line(ind, "tl::map_param<tl::{}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, {:#.9g}f, rows);", map_tag(i.map),
+               rows(i.dst), cols(i.dst), pitch(i.dst), cols(i.a), pitch(i.a), cols(i.b), pitch(i.b), t, name(i.a), name(i.b),
+               static_cast<float>(std::pow(static_cast<double>(p.registers.at(static_cast<std::size_t>(i.a)).cols), -0.25)),
+               1.0f / std::sqrt(static_cast<float>(p.registers.at(static_cast<std::size_t>(i.b)).cols)));
+        else if (i.a >= 0)
           line(ind, "tl::map_rows<tl::{}, {}, {}, {}, {}, {}>({}, {}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst),
                pitch(i.dst), cols(i.a), pitch(i.a), t, name(i.a));
         else
@@ -300,8 +311,9 @@ struct emitter {
       line(2, "}}");
     } else {
       for (auto const& i : p.prologue) {
-        if (i.op != opcode::zero && i.op != opcode::load_state && i.op != opcode::add_partials)
-          throw std::logic_error("lina::cuda::emit: a prologue holds only zero, load_state and add_partials instructions");
+        if (i.op != opcode::zero && i.op != opcode::load_state && i.op != opcode::add_partials && !i.whole)
+          throw std::logic_error(
+              "lina::cuda::emit: a prologue holds only zero, load_state, add_partials and whole loads (W)");
         instruction(2, i);
       }
     }

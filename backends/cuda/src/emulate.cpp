@@ -36,7 +36,9 @@ float apply(feature_map m, float x) {
     case feature_map::identity: return x;
     case feature_map::elu_plus_one: return x > 0.0f ? x + 1.0f : std::exp(x);
     case feature_map::relu: return x < 0.0f ? 0.0f : x;  // NaN passes
-    case feature_map::poly2: break;  // a row map
+    case feature_map::poly2:
+    case feature_map::favor:
+    case feature_map::random_fourier: break;  // row maps
   }
   return x;
 }
@@ -71,6 +73,9 @@ void poly2_row(float const* x, int d, float* out) {
     for (int b = a + 1; b < d; ++b) out[f++] = r2 * x[a] * x[b];
   }
 }
+
+// D^−¼ rounded to fp32, as lina::favor and lina::random_fourier compute it.
+float parametric_scale(int d) { return static_cast<float>(std::pow(static_cast<double>(d), -0.25)); }
 
 struct tile {
   int rows = 0, cols = 0;
@@ -110,6 +115,7 @@ struct block {
     switch (i.op) {
       case opcode::zero: std::fill(t.v.begin(), t.v.end(), 0.0f); break;
       case opcode::load: {
+        if (i.whole) r0 = 0, rows = t.rows;  // all of W
         operand const& o = source(i.slot);
         dtype const type = source_type(i.slot);
         std::int64_t base = slice_offset(o), c0 = col0(i);
@@ -178,6 +184,27 @@ struct block {
           for (int c = 0; c < r && c < t.cols; ++c) t.at(r, c) = 0.0f;
         break;
       case opcode::map:
+        if (i.b >= 0) {  // a parametric map, out of place: from x (i.a) and z = x·W (i.b)
+          tile& x = reg[static_cast<std::size_t>(i.a)];
+          tile& z = reg[static_cast<std::size_t>(i.b)];
+          float const s = parametric_scale(x.cols), inv = 1.0f / std::sqrt(static_cast<float>(z.cols));
+          std::fill(t.v.begin(), t.v.end(), 0.0f);
+          for (int r = 0; r < rows; ++r) {
+            float n = 0.0f;
+            for (int c = 0; c < x.cols; ++c) n = std::fma(x.at(r, c), x.at(r, c), n);
+            float const h = n * (s * s / 2.0f);
+            for (int j = 0; j < z.cols; ++j) {
+              if (i.map == feature_map::favor) {
+                t.at(r, j) = std::exp(std::fma(s, z.at(r, j), -h)) * inv;
+              } else {
+                float const y = s * z.at(r, j);
+                t.at(r, j) = std::cos(y) * inv;
+                t.at(r, z.cols + j) = std::sin(y) * inv;
+              }
+            }
+          }
+          break;
+        }
         if (i.a >= 0) {  // a row map, out of place
           tile& x = reg[static_cast<std::size_t>(i.a)];
           std::fill(t.v.begin(), t.v.end(), 0.0f);
@@ -335,7 +362,7 @@ void emulate(program const& p, forward_args const& args) {
   if (p.spec.chained && args.batch * args.heads > 0) {
     if (args.state_in.data == nullptr || args.state_out.data == nullptr)
       throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " is chained and needs a state in and out");
-    auto const rows = static_cast<std::int64_t>(features(p.spec.map_q, p.spec.d));
+    auto const rows = static_cast<std::int64_t>(features(p.spec.map_q, p.spec.d, p.spec.f));
     if (overlap(args.state_in, args.state_out, args.batch, args.heads, rows))
       throw std::invalid_argument("lina::cuda::emulate: the state in and the state out of kernel " + p.kernel_name +
                                   " overlap (one block may store its z before another loads it)");

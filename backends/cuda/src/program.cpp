@@ -27,10 +27,19 @@ std::string_view name_of(feature_map m) {
     case feature_map::elu_plus_one: return "elu+1";
     case feature_map::relu: return "relu";
     case feature_map::poly2: return "poly2";
+    case feature_map::favor: return "favor";
+    case feature_map::random_fourier: return "rff";
   }
   return "?";
 }
-std::size_t features(feature_map m, std::size_t d) { return m == feature_map::poly2 ? d * (d + 1) / 2 : d; }
+std::size_t features(feature_map m, std::size_t d, std::size_t f) {
+  switch (m) {
+    case feature_map::poly2: return d * (d + 1) / 2;
+    case feature_map::favor: return f;
+    case feature_map::random_fourier: return 2 * f;
+    default: return d;
+  }
+}
 std::string_view name_of(opcode o) {
   switch (o) {
     case opcode::zero: return "zero";
@@ -126,6 +135,8 @@ std::string_view id_of(feature_map m) {
     case feature_map::elu_plus_one: return "elu1";
     case feature_map::relu: return "relu";
     case feature_map::poly2: return "poly2";
+    case feature_map::favor: return "favor";
+    case feature_map::random_fourier: return "rff";
   }
   return "x";
 }
@@ -135,6 +146,26 @@ struct builder {
   int reg(std::string name, int rows, int cols, std::string comment, dtype storage = dtype::f32) {
     p.registers.push_back({std::move(name), rows, cols, std::move(comment), storage});
     return static_cast<int>(p.registers.size()) - 1;
+  }
+
+  // What feature maps need beyond their destination: x, the rows before a row
+  // map (poly2, and the parametric maps' norms); z = x·W and W itself (input
+  // slot 3, loaded once: load_w) for favor and random_fourier.
+  int x = -1, z = -1, w = -1, d = 0;
+  void feature_registers(attention_spec const& s, int t, dtype w_storage) {
+    d = static_cast<int>(s.d);
+    bool const param = parametric(s.map_q) || parametric(s.map_k);
+    if (param || s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2)  // (also at D = 1: C = D)
+      x = reg("x", t, d, "Q or K chunk before the row map (T, D)");
+    if (!param) return;
+    z = reg("z", t, static_cast<int>(s.f), "x·W (T, F)");
+    w = reg("w", d, static_cast<int>(s.f), s.w_name + ": the random projections (D, F)", w_storage);
+    p.inputs.push_back({s.w_name, "w"});  // slot 3
+  }
+  void load_w(std::vector<instruction>& list) const {
+    if (w >= 0)
+      list.push_back({.op = opcode::load, .dst = w, .slot = 3, .width = p.registers[static_cast<std::size_t>(w)].cols,
+                      .whole = true});
   }
   static instruction zero(int t) { return {.op = opcode::zero, .dst = t}; }
   static instruction load(int t, int slot, int width, bool by_m = false) {
@@ -148,6 +179,20 @@ struct builder {
             .prec = prec};
   }
   static instruction mask(int t) { return {.op = opcode::mask_causal, .dst = t}; }
+  // φ(X) into dst, from input slot `slot`.
+  void load_mapped(std::vector<instruction>& body, int dst, int slot, feature_map m) const {
+    if (parametric(m)) {
+      body.push_back(load(x, slot, d));
+      body.push_back(product(z, x, false, w, false, false));  // z = x·W
+      body.push_back({.op = opcode::map, .dst = dst, .a = x, .b = z, .map = m});
+    } else if (m == feature_map::poly2) {
+      body.push_back(load(x, slot, d));
+      body.push_back(map(dst, m, x));
+    } else {
+      body.push_back(load(dst, slot, d));
+      if (m != feature_map::identity) body.push_back(map(dst, m));
+    }
+  }
   static instruction mask_upper(int t) { return {.op = opcode::mask_anticausal, .dst = t}; }
   static instruction map_grad(int t, feature_map m, int slot, int from = -1) {
     return {.op = opcode::map_grad, .dst = t, .a = from, .slot = slot, .map = m};
@@ -181,9 +226,9 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   p.tiles = tiles;
   p.quadratic = true;
   b.prec = precision_of(s);
-  int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
-  int const c = static_cast<int>(features(s.map_q, s.d));
-  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;  // rows through a D-column register (also at D = 1: C = D)
+  int const t = p.tiles.chunk, tm = p.tiles.tile_m;
+  int const c = static_cast<int>(features(s.map_q, s.d, s.f));
+  bool const row_map = s.map_q == feature_map::poly2 || parametric(s.map_q);  // C features, not D
   int const w = tm + (s.normalized ? 1 : 0);
   p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
   p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}", s.causal ? "causal" : "full",
@@ -197,25 +242,17 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   dtype const cs = chunk_storage(s);
   int const q = b.reg("q", t, c, "φ(Q) of this block's query rows (T, " + cdim + ")", cs);
   int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")", cs);
-  int const x = row_map ? b.reg("x", t, d, "Q or K chunk before the row map (T, D)") : -1;
+  b.feature_registers(s, t, cs);
   int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)", cs);
   int const a = b.reg("a", t, t, "the scores, then exp(scale·score − shift) (T, T)");
   int const o = b.reg("o", t, w, "Σ exp(·)·" + v1 + " over the key chunks so far (T, W)");
   int const mx = s.normalized ? b.reg("mx", t, 1, "each row's shift: the largest scaled score so far, at least 0 (T, 1)") : -1;
-  auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map m) {
-    if (m == feature_map::poly2) {
-      body.push_back(builder::load(x, slot, d));
-      body.push_back(builder::map(dst, m, x));
-    } else {
-      body.push_back(builder::load(dst, slot, d));
-      if (m != feature_map::identity) body.push_back(builder::map(dst, m));
-    }
-  };
-  load_mapped(p.prologue, q, 0, s.map_q);  // the block's query rows
+  b.load_w(p.prologue);
+  b.load_mapped(p.prologue, q, 0, s.map_q);  // the block's query rows
   p.prologue.push_back(builder::zero(o));
   if (mx >= 0) p.prologue.push_back(builder::zero(mx));
   std::vector<instruction> keys;
-  load_mapped(keys, k, 1, s.map_k);
+  b.load_mapped(keys, k, 1, s.map_k);
   keys.push_back(builder::load(v, 2, tm, true));
   if (s.normalized) keys.push_back(builder::ones(v));
   keys.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
@@ -242,9 +279,9 @@ program lay_out(attention_spec const& s, tile_config tiles) {
   p.spec = s;
   p.tiles = tiles;
   b.prec = precision_of(s);
-  int const t = p.tiles.chunk, tm = p.tiles.tile_m, d = static_cast<int>(s.d);
-  int const c = static_cast<int>(features(s.map_q, s.d));
-  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;  // rows through a D-column register (also at D = 1: C = D)
+  int const t = p.tiles.chunk, tm = p.tiles.tile_m;
+  int const c = static_cast<int>(features(s.map_q, s.d, s.f));
+  bool const row_map = s.map_q == feature_map::poly2 || parametric(s.map_q);  // C features, not D
   int const w = tm + (s.normalized ? 1 : 0);
   p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
   p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}{}", s.causal ? "causal" : "full",
@@ -261,24 +298,15 @@ program lay_out(attention_spec const& s, tile_config tiles) {
   dtype const cs = chunk_storage(s);  // read by products alone
   int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")", cs);
   int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")", cs);
-  int const x = row_map ? b.reg("x", t, d, "Q or K chunk before the row map (T, D)") : -1;
+  b.feature_registers(s, t, cs);
   int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)", cs);
   int const st = b.reg("state", c, w, "Σ φ(K)ᵀ" + v1 + " over the chunks so far, fp32 (" + cdim + ", W)");
   int const o = b.reg("o", t, w, "output rows (T, W)");
   float const eps = static_cast<float>(s.eps);
 
-  auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map m) {
-    if (m == feature_map::poly2) {
-      body.push_back(builder::load(x, slot, d));
-      body.push_back(builder::map(dst, m, x));
-    } else {
-      body.push_back(builder::load(dst, slot, d));
-      if (m != feature_map::identity) body.push_back(builder::map(dst, m));
-    }
-  };
-  auto load_q = [&](std::vector<instruction>& body) { load_mapped(body, q, 0, s.map_q); };
+  auto load_q = [&](std::vector<instruction>& body) { b.load_mapped(body, q, 0, s.map_q); };
   auto load_kv = [&](std::vector<instruction>& body) {
-    load_mapped(body, k, 1, s.map_k);
+    b.load_mapped(body, k, 1, s.map_k);
     body.push_back(builder::load(v, 2, tm, true));
     if (s.normalized) body.push_back(builder::ones(v));
   };
@@ -289,6 +317,7 @@ program lay_out(attention_spec const& s, tile_config tiles) {
 
   // A chained scan starts from the caller's sums and leaves them there; else from 0.
   p.prologue.push_back(s.chained ? builder::load_state(st, tm, s.normalized) : builder::zero(st));
+  b.load_w(p.prologue);
   if (s.chained) p.epilogue.push_back(builder::store_state(st, tm, s.normalized));
   if (s.causal) {
     // One pass: within a chunk the masked similarity, across chunks the state.
@@ -331,8 +360,8 @@ program lay_out_backward(attention_spec const& s, int t) {
   p.m_tiles = 1;
   b.prec = precision_of(s);
   int const d = static_cast<int>(s.d), m = static_cast<int>(s.m);
-  int const c = static_cast<int>(features(s.map_q, s.d));
-  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;  // rows through a D-column register (also at D = 1: C = D)
+  int const c = static_cast<int>(features(s.map_q, s.d, s.f));
+  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;  // ∂ through the row map (also at D = 1)
   int const w = m + (s.normalized ? 1 : 0);
   p.kernel_name = fmt::format("lina_{}_backward_{}_{}_d{}_m{}_t{}_{}_{}{}{}", s.causal ? "causal" : "full", id_of(s.map_q),
                               id_of(s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
@@ -350,7 +379,7 @@ program lay_out_backward(attention_spec const& s, int t) {
   std::string const cdim = row_map ? "C" : "D";
   int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")");
   int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")");
-  int const x = row_map ? b.reg("x", t, d, "Q or K chunk before the row map (T, D)") : -1;
+  b.feature_registers(s, t, dtype::f32);
   int const v = b.reg("v", t, w, v1 + " chunk (T, W)");
   int const g = b.reg("g", t, w, s.normalized ? "ĝ: ∂out, then the adjoint of the unnormalised rows (T, W)" : "∂out chunk (T, M)");
   int const o = b.reg("o", t, w, s.normalized ? "the unnormalised rows [num | den], then ∂" + v1 + " (T, W)" : "∂V rows (T, M)");
@@ -361,13 +390,7 @@ program lay_out_backward(attention_spec const& s, int t) {
   float const eps = static_cast<float>(s.eps);
 
   auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map mp) {
-    if (mp == feature_map::poly2) {
-      body.push_back(builder::load(x, slot, d));
-      body.push_back(builder::map(dst, mp, x));
-    } else {
-      body.push_back(builder::load(dst, slot, d));
-      if (mp != feature_map::identity) body.push_back(builder::map(dst, mp));
-    }
+    b.load_mapped(body, dst, slot, mp);
   };
   auto load_v = [&](std::vector<instruction>& body) {
     body.push_back(builder::load(v, 2, m));
@@ -463,12 +486,15 @@ program lay_out_backward(attention_spec const& s, int t) {
 }  // namespace
 
 program backward_program_of(attention_spec const& s) {
+  if (parametric(s.map_q) || parametric(s.map_k))
+    throw std::invalid_argument("lina::cuda: the backward of a parametric feature map (favor, random_fourier: ∂W) is "
+                                "not generated yet");
   if (s.softmax)
     throw std::invalid_argument("lina::cuda: the backward of softmax attention is not generated yet (linear plans only)");
   if (s.chained || s.step)
     throw std::invalid_argument("lina::cuda: the backward kernels do not take a state yet (no gradient of an initial state)");
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
-  if (features(s.map_q, s.d) != features(s.map_k, s.d))
+  if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   for (int t : {64, 32, 16}) {
     program p = lay_out_backward(s, t);
@@ -497,11 +523,16 @@ split_programs split_programs_of(attention_spec const& s) {
   instruction const add_op{.op = opcode::add_partials, .dst = st, .width = scan.tiles.tile_m, .by_m_tile = true,
                            .z_column = s.normalized};
   // partials: the group's Σ φ(K)ᵀ[V|1] — the scan's loads of K and V and its state update.
+  // K's block runs from its load to the instruction that writes φ(K) into k
+  // (a load, or a map — after x·W for a parametric map).
   std::vector<instruction> sum;
+  bool in_k = false;
   for (auto const& i : scan.passes.at(0)) {
-    bool const k_or_v = (i.op == opcode::load && i.slot != 0) || i.op == opcode::ones_column ||
-                        (i.op == opcode::map && i.dst == k) || (i.op == opcode::product && i.dst == st);
-    if (k_or_v) sum.push_back(i);
+    in_k = in_k || (i.op == opcode::load && i.slot == 1);
+    bool const v = (i.op == opcode::load && i.slot == 2) || i.op == opcode::ones_column;
+    bool const maps_k = i.op == opcode::map && i.dst == k;  // (an element-wise map after the load of k)
+    if (in_k || v || maps_k || (i.op == opcode::product && i.dst == st)) sum.push_back(i);
+    if (in_k && (i.op == opcode::load || i.op == opcode::map) && i.dst == k) in_k = false;
   }
   partials.passes = {pass(std::move(sum))};
   partials.epilogue = {partial_op};
@@ -556,13 +587,14 @@ program program_of(attention_spec const& s) {
         "non-causal one reads the whole sequence, so it has no running state");
   if (s.step && !s.chained)
     throw std::invalid_argument("lina::cuda: a step program continues a state: make its spec chained");
-  if (features(s.map_q, s.d) != features(s.map_k, s.d))
+  if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   return lay_out(s, choose_tiles(s));
 }
 
 std::string plan_text(attention_spec const& s) {
-  auto mapped = [](feature_map m, std::string const& x) {
+  auto mapped = [&](feature_map m, std::string const& x) {
+    if (parametric(m)) return fmt::format("φ[{}]({}; {})", name_of(m), x, s.w_name);
     return m == feature_map::identity ? x : fmt::format("φ[{}]({})", name_of(m), x);
   };
   std::string const q = mapped(s.map_q, s.q_name), k = mapped(s.map_k, s.k_name);
@@ -598,9 +630,11 @@ std::string listing(program const& p) {
     auto nm = [&](int x) { return p.registers[static_cast<std::size_t>(x)].name; };
     switch (i.op) {
       case opcode::load:
+        if (i.whole) return fmt::format("load {} ← {} (all {} rows, {} cols)", nm(i.dst), source(i.slot), p.registers[static_cast<std::size_t>(i.dst)].rows, i.width);
         return fmt::format("load {} ← {}[:, {}{} cols]", nm(i.dst), source(i.slot), i.by_m_tile ? "m_tile·tile_m + " : "",
                            i.width);
       case opcode::map:
+        if (i.b >= 0) return fmt::format("map {} ← φ[{}]({}; {} = {}·W)", nm(i.dst), name_of(i.map), nm(i.a), nm(i.b), nm(i.a));
         return i.a >= 0 ? fmt::format("map {} ← φ[{}]({})", nm(i.dst), name_of(i.map), nm(i.a))
                         : fmt::format("map {} φ[{}]", nm(i.dst), name_of(i.map));
       case opcode::product:

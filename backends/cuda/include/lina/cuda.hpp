@@ -76,7 +76,7 @@ struct cuda_plan {
                 "lina::cuda: this plan cannot be lowered to a CUDA kernel yet. Supported: causal "
                 "contract(φ(Q), prefix(φ(K)⊗V)) or causal(φ(Q)·φ(K)ᵀ)·V, non-causal φ(Q)·(φ(K)ᵀ·V) or "
                 "(φ(Q)·φ(K)ᵀ)·V, each optionally normalised as rowdiv(…[V|1]); φ ∈ {elu+1, relu, identity, "
-                "poly2} or none (favor, random Fourier features: not yet); softmax [causal(]exp(s·(Q·Kᵀ))[)]·V, "
+                "poly2} or none, or φ(X; W) ∈ {favor, random_fourier} with one W for Q and K; softmax [causal(]exp(s·(Q·Kᵀ))[)]·V, "
                 "normalised or not; K and V over one sequence dimension (Q over another: non-causal only); a "
                 "select only between two such forms of one attention");
   static constexpr bool ok = Supported;
@@ -86,6 +86,13 @@ struct cuda_backward {
   static_assert(Supported,
                 "lina::cuda: the backward of softmax attention is not generated yet: differentiate it on the CPU "
                 "(cpu::gradient), or use a linear attention (phi<elu_plus_one>, or phi<favor> on the CPU)");
+  static constexpr bool ok = Supported;
+};
+template <bool Supported>
+struct cuda_parametric_backward {
+  static_assert(Supported,
+                "lina::cuda: the backward of a parametric feature map (favor, random_fourier: the gradient of W) is "
+                "not generated yet: differentiate it on the CPU (cpu::gradient)");
   static constexpr bool ok = Supported;
 };
 }  // namespace diagnose
@@ -102,9 +109,17 @@ template <>
 inline constexpr bool known_map<lina::identity> = true;
 template <>
 inline constexpr bool known_map<lina::poly2> = true;
+// The parametric maps: φ(X; W), W an input of the plan (D × F).
+template <class Map>
+inline constexpr bool known_parametric_map =
+    std::is_same_v<Map, lina::favor> || std::is_same_v<Map, lina::random_fourier>;
 template <class Map>
 constexpr feature_map map_of() {
-  if constexpr (std::is_same_v<Map, lina::elu_plus_one>)
+  if constexpr (std::is_same_v<Map, lina::favor>)
+    return feature_map::favor;
+  else if constexpr (std::is_same_v<Map, lina::random_fourier>)
+    return feature_map::random_fourier;
+  else if constexpr (std::is_same_v<Map, lina::elu_plus_one>)
     return feature_map::elu_plus_one;
   else if constexpr (std::is_same_v<Map, lina::relu>)
     return feature_map::relu;
@@ -114,22 +129,32 @@ constexpr feature_map map_of() {
     return feature_map::identity;
 }
 
-// φ(X) or X, for an input X.
+// φ(X), φ(X; W) or X, for inputs X (and W: param, else void).
 template <class N>
 struct mapped_input {
   static constexpr bool ok = false;
+  using param = void;
 };
 template <fixed_string Name, class R, class C>
 struct mapped_input<node<op::input<Name, R, C>>> {
   static constexpr bool ok = true;
   static constexpr feature_map map = feature_map::identity;
   using input = op::input<Name, R, C>;
+  using param = void;
 };
 template <class Map, fixed_string Name, class R, class C>
 struct mapped_input<node<op::phi<Map>, node<op::input<Name, R, C>>>> {
   static constexpr bool ok = known_map<Map>;
   static constexpr feature_map map = map_of<Map>();
   using input = op::input<Name, R, C>;
+  using param = void;
+};
+template <class Map, fixed_string Name, class R, class C, fixed_string WName, class WR, class WC>
+struct mapped_input<node<op::phi<Map>, node<op::input<Name, R, C>>, node<op::input<WName, WR, WC>>>> {
+  static constexpr bool ok = known_parametric_map<Map>;
+  static constexpr feature_map map = map_of<Map>();
+  using input = op::input<Name, R, C>;
+  using param = op::input<WName, WR, WC>;
 };
 
 // V or [V|1], for an input V.
@@ -159,6 +184,7 @@ struct core_parts {
   using v = value_input<C>;
   static constexpr bool causal = Causal;
   static constexpr bool softmax = Softmax;
+  static constexpr bool parametric = !std::is_void_v<typename q::param>;  // favor, random_fourier: W
   template <class N>
   static constexpr double scale(N const&) {
     return 1;
@@ -168,8 +194,10 @@ struct core_parts {
       using QI = typename q::input;
       using KI = typename k::input;
       using VI = typename v::input;
-      // K and V over one sequence; Q over it too, or — non-causal: cross-attention — another
-      return (!Causal || std::is_same_v<typename QI::rows, typename KI::rows>) &&
+      // K and V over one sequence; Q over it too, or — non-causal: cross-attention — another;
+      // a parametric map's W shared by φ(Q) and φ(K) (the kernel reads one)
+      return std::is_same_v<typename q::param, typename k::param> &&
+             (!Causal || std::is_same_v<typename QI::rows, typename KI::rows>) &&
              std::is_same_v<typename KI::rows, typename VI::rows> && std::is_same_v<typename QI::cols, typename KI::cols>;
     } else {
       return false;
@@ -181,6 +209,7 @@ template <class N>
 struct core {
   static constexpr bool ok = false;
   static constexpr bool softmax = false;
+  static constexpr bool parametric = false;
 };
 // contract(φQ, prefix(φK⊗V))
 template <class A, class B, class C>
@@ -241,6 +270,7 @@ constexpr bool same_attention() {
   if constexpr (X::ok && Y::ok)
     return X::causal == Y::causal && X::softmax == Y::softmax && X::q::map == Y::q::map && X::k::map == Y::k::map && X::v::ones == Y::v::ones &&
            std::is_same_v<typename X::q::input, typename Y::q::input> &&
+           std::is_same_v<typename X::q::param, typename Y::q::param> &&
            std::is_same_v<typename X::k::input, typename Y::k::input> &&
            std::is_same_v<typename X::v::input, typename Y::v::input>;
   else
@@ -324,6 +354,11 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
     s.eps = F::eps(plan);
     s.d = QI::cols::is_static ? QI::cols::static_extent : 0;
     s.m = VI::cols::is_static ? VI::cols::static_extent : 0;
+    if constexpr (!std::is_void_v<typename F::q::param>) {
+      using WI = typename F::q::param;
+      s.f = WI::cols::is_static ? WI::cols::static_extent : 0;
+      s.w_name = std::string(WI::name.view());
+    }
     s.q_name = std::string(QI::name.view());
     s.k_name = std::string(KI::name.view());
     s.v_name = std::string(VI::name.view());
@@ -344,6 +379,9 @@ program program_of(Plan const& plan, options opt, E const&... extents) {
     using VI = typename detail::forward_plan<Plan>::v::input;
     s.d = detail::extent_from<typename QI::cols>("columns of Q and K", extents...);
     s.m = detail::extent_from<typename VI::cols>("columns of V", extents...);
+    if constexpr (!std::is_void_v<typename detail::forward_plan<Plan>::q::param>)
+      s.f = detail::extent_from<typename detail::forward_plan<Plan>::q::param::cols>("columns of W: random features",
+                                                                                    extents...);
   }
   return program_of(s);
 }
@@ -697,6 +735,8 @@ attention_spec bound_spec(Plan const& plan, options opt, Bound const& in) {
   if constexpr (F::ok) {
     s.d = static_cast<std::size_t>(F::q::input::cols::extent(in.table));
     s.m = static_cast<std::size_t>(F::v::input::cols::extent(in.table));
+    if constexpr (!std::is_void_v<typename F::q::param>)
+      s.f = static_cast<std::size_t>(F::q::param::cols::extent(in.table));
   }
   return s;
 }
@@ -715,11 +755,13 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
     s.chained = st != nullptr;
     s.step = step;
     program p = program_of(s);
-    std::vector<std::uint16_t> stores[3];
+    std::vector<std::uint16_t> stores[4];
     forward_args a;
     a.in[0] = operand_of(in.views[Bound::template input_index<typename F::q::input>()], opt.in, stores[0]);
     a.in[1] = operand_of(in.views[Bound::template input_index<typename F::k::input>()], opt.in, stores[1]);
     a.in[2] = operand_of(in.views[Bound::template input_index<typename F::v::input>()], opt.in, stores[2]);
+    if constexpr (!std::is_void_v<typename F::q::param>)  // W
+      a.in[3] = operand_of(in.views[Bound::template input_index<typename F::q::param>()], opt.in, stores[3]);
     a.batch = static_cast<std::int64_t>(in.batch);
     a.heads = static_cast<std::int64_t>(in.heads);
     a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
@@ -743,7 +785,7 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
       split_programs const sp = split_programs_of(s);
       a.group_rows = opt.split_rows;
       std::int64_t const groups = (a.n + a.group_rows - 1) / a.group_rows;
-      std::int64_t const c = static_cast<std::int64_t>(features(s.map_q, s.d)), w = static_cast<std::int64_t>(s.m) + s.normalized;
+      std::int64_t const c = static_cast<std::int64_t>(features(s.map_q, s.d, s.f)), w = static_cast<std::int64_t>(s.m) + s.normalized;
       std::vector<float> partials(static_cast<std::size_t>(a.batch * a.heads * groups * c * w));
       a.extra[0] = dense_operand(partials.data(), {in.batch, in.heads, static_cast<std::size_t>(groups * c),
                                                    static_cast<std::size_t>(w)});
@@ -858,6 +900,8 @@ forward_args device_args(device_view<O> out, Bound const& in) {
   a.in[0] = device_operand(in.views[Bound::template input_index<typename F::q::input>()]);
   a.in[1] = device_operand(in.views[Bound::template input_index<typename F::k::input>()]);
   a.in[2] = device_operand(in.views[Bound::template input_index<typename F::v::input>()]);
+  if constexpr (!std::is_void_v<typename F::q::param>)  // W
+    a.in[3] = device_operand(in.views[Bound::template input_index<typename F::q::param>()]);
   a.out = device_operand(out);
   a.batch = static_cast<std::int64_t>(in.batch);
   a.heads = static_cast<std::int64_t>(in.heads);
@@ -993,9 +1037,10 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&.
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
+  static_assert(diagnose::cuda_parametric_backward<!F::parametric>::ok || true);
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<lina::tensor<float>, BP> g;
-  if constexpr (F::ok && !F::softmax) {
+  if constexpr (F::ok && !F::softmax && !F::parametric) {
     auto in = bind<Plan>(bindings...);
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                   "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
@@ -1048,13 +1093,14 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bind
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
+  static_assert(diagnose::cuda_parametric_backward<!F::parametric>::ok || true);
   auto in = bind<Plan>(bindings...);
   using Bound = decltype(in);
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using T = std::remove_const_t<typename Bound::value_type>;
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<tensor<T>, BP> g;
-  if constexpr (F::ok && !F::softmax && is_device_view<typename Bound::view_type>) {
+  if constexpr (F::ok && !F::softmax && !F::parametric && is_device_view<typename Bound::view_type>) {
     char const* call = "cuda::gradient";
     auto const dv = view_of(dout);
     static_assert(std::is_same_v<std::remove_const_t<typename decltype(dv)::element_type_>, T>,

@@ -44,11 +44,18 @@
 //                          input dtype to fp32 (exact) for i < rows and
 //                          j < width with c0 + j < cols(in[s]); 0 elsewhere
 //                          (including j ≥ width). c0 = 0, or m_tile · tile_m
-//                          when the load is `by_m_tile`. 64-bit offsets.
+//                          when the load is `by_m_tile`. 64-bit offsets. A
+//                          `whole` load (W, in a prologue) has r0 = 0, rows = t.rows.
 //   map t, φ               t[i][j] = φ(t[i][j]) for i < rows (rows ≥ rows stay 0)
 //   map t ← x, poly2       t[i][·] = poly2(x[i][·]) for i < rows, 0 for i ≥ rows:
 //                          x_a² at a(2D−a+1)/2, (√2·x_a)·x_b after it for b > a,
 //                          √2 rounded to fp32 (a row map, out of place)
+//   map t ← x, z, favor    (parametric maps; z = x·W, F columns, b = z) for i < rows,
+//                          with s = D^−¼ and inv = 1/√F rounded to fp32 and n =
+//                          Σ_c x[i][c]² one fma chain in increasing c: favor:
+//                          t[i][j] = exp(fma(s, z[i][j], −n·(s·s/2)))·inv;
+//                          random_fourier: t[i][j] = cos(s·z[i][j])·inv, t[i][F+j]
+//                          = sin(s·z[i][j])·inv; 0 for i ≥ rows
 //   ones_column t          t[i][cols-1] = 1 for i < rows
 //   product t, a, b, p     t = (accumulate ? t : 0) + op(a)·op(b) with op =
 //                          identity or transpose per operand, at precision p:
@@ -132,9 +139,12 @@ enum class dtype : std::uint8_t { f32, f16, bf16 };
 // Feature maps a program can apply: element-wise (C = D features), or poly2,
 // the exact degree-2 polynomial kernel packed as [x_i² (i), √2 x_i x_j (i < j)]
 // (C = D(D+1)/2, lina::poly2's order).
-enum class feature_map : std::uint8_t { identity, elu_plus_one, relu, poly2 };
-// Features of a row of D columns: C.
-std::size_t features(feature_map m, std::size_t d);
+// favor and random_fourier are parametric: φ(x) reads x·W, W (D × F) an
+// input of the plan (lina::favor, lina::random_fourier): C = F or 2F.
+enum class feature_map : std::uint8_t { identity, elu_plus_one, relu, poly2, favor, random_fourier };
+// Features of a row of D columns (F: columns of W, for the parametric maps): C.
+std::size_t features(feature_map m, std::size_t d, std::size_t f = 0);
+inline bool parametric(feature_map m) { return m == feature_map::favor || m == feature_map::random_fourier; }
 
 std::string_view name_of(dtype t);
 std::string_view name_of(feature_map m);
@@ -148,13 +158,14 @@ struct attention_spec {
   feature_map map_q = feature_map::identity, map_k = feature_map::identity;
   double eps = 1e-6;        // of rowdiv
   std::size_t d = 0, m = 0; // columns of Q and K (D), of V and the output (M)
+  std::size_t f = 0;        // parametric maps: columns of W (random features), read from input slot 3
   dtype in = dtype::f32, out = dtype::f32;
   bool chained = false;     // causal only: the scan starts from state_in and leaves its sums in state_out
   bool step = false;        // sized for a token or a few per launch (cuda::recurrent): the short chunk, T = 16
   bool exact_products = false;  // fp32 FMA products even for 16-bit inputs (else precision_for(in))
   bool softmax = false;     // exp(scale·φQ·φKᵀ) (causal: masked after exp), then ·V: quadratic, no state
   double scale = 1;         // softmax only: the factor of the scores inside exp
-  std::string q_name = "Q", k_name = "K", v_name = "V";  // the plan's input symbols
+  std::string q_name = "Q", k_name = "K", v_name = "V", w_name = "W";  // the plan's input symbols
   std::string description;  // the plan as the user's program printed it (messages)
 };
 
@@ -223,6 +234,7 @@ struct instruction {
   int width = 0;                // load/store/load_state/store_state: columns read or written (≤ the register's)
   bool by_m_tile = false;       // load/store: columns start at m_tile · tile_m (load_state/store_state: always)
   bool z_column = false;        // load_state/store_state: the register's last column ↔ the state's last (z)
+  bool whole = false;           // load: rows 0 … t.rows of the operand (W), not the chunk's
   feature_map map = feature_map::identity;  // map
   float eps = 0;                // row_divide
   float scale = 1;              // exp_rows

@@ -114,6 +114,15 @@ struct poly2 {
   }
 };
 
+// Parametric maps (map_param): φ from the row x (D columns) and z = x·W (F
+// columns), with s = D^−¼, inv = 1/√F and h = |x|²·s²/2.
+struct favor {  // F features: exp(s·z_j − h) / √F
+  static constexpr int per_z = 1;
+};
+struct random_fourier {  // 2F features: [cos(s·z_j), sin(s·z_j)] / √F
+  static constexpr int per_z = 2;
+};
+
 // ---- register elements ---------------------------------------------------------------
 // A register is fp32 (float) or bf16 (its bit patterns): values written to a
 // bf16 register round to nearest even (lina::cuda::tile_register::storage).
@@ -467,6 +476,30 @@ __device__ void row_divide(float* t, float eps) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
     if (j < C - 1) t[i * P + j] = t[i * P + j] / (t[i * P + C - 1] + eps);
+  }
+  __syncthreads();
+}
+
+// t (R × C) ← φ(x; z) (program.hpp, map with a parametric map): rows i < rows
+// from x (D columns, pitch PX) and z = x·W (F columns, pitch PZ); 0 below.
+// Each thread takes one element and sums its row's |x|² itself (one fmaf
+// chain in increasing column, as the emulation).
+template <class Map, int R, int C, int P, int D, int PX, int F, int PZ, class S>
+__device__ void map_param(S* t, const float* x, const float* z, float s, float inv, int rows) {
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    float y = 0.0f;
+    if (i < rows) {
+      float n = 0.0f;
+      for (int c = 0; c < D; ++c) n = fmaf(x[i * PX + c], x[i * PX + c], n);
+      const float h = n * (s * s / 2.0f);
+      const float zj = z[i * PZ + (j < F ? j : j - F)];
+      if (Map::per_z == 1)
+        y = expf(fmaf(s, zj, -h)) * inv;
+      else
+        y = (j < F ? cosf(__fmul_rn(s, zj)) : sinf(__fmul_rn(s, zj))) * inv;
+    }
+    put(t, i * P + j, y);
   }
   __syncthreads();
 }
