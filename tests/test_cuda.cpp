@@ -577,6 +577,72 @@ TEST_CASE("cross-attention (K, V over another sequence than Q): forward and back
   CHECK_THROWS_WITH_AS(cuda::emulate(p, a), doctest::Contains("as many rows as Q"), std::invalid_argument);
 }
 
+// Stacked layers: a layer's operand is another layer's attention (Q's side,
+// K's, V's). The stack runs one kernel per layer, lower first; the
+// intermediate is stored in the output type and read as the input type.
+// fp32 against the CPU backend and the stack as written in double; bf16
+// against the CPU's layers with the intermediate rounded to bf16 as the
+// kernels store it.
+namespace {
+constexpr auto Q2 = input<"Q2">(N, D);
+constexpr auto K2 = input<"K2">(N, D);
+constexpr auto V2 = input<"V2">(N, M);
+constexpr auto Vd = input<"V">(N, D);  // layer 1's values: its output is N x D, an operand of layer 2
+constexpr auto L = input<"L">(N, D);   // layer 1's output, as the CPU reference binds it
+constexpr auto layer1 = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * Vd;
+// f(plan, the bindings among b... that plan reads).
+template <class Plan, class F, class... B>
+auto on_inputs_of(Plan const& plan, F&& f, B const&... b) {
+  return cuda::detail::with_inputs_of<Plan>([&](auto const&... kept) { return f(plan, kept...); }, b...);
+}
+template <class Stack, class Flat>
+void check_stack(Stack const& stack, Flat const& flat, std::uint64_t seed) {
+  auto const plan = compile(stack);
+  static_assert(cuda::lowerable<decltype(plan)>);
+  test::rng r{seed};
+  std::vector<shape> cases = {{1, 1, 0, 5, 3}, {1, 2, 1, 7, 4}, {2, 1, 65, 16, 9}};
+  add_random_shapes(cases, r, 2, 0, 150);
+  auto emulate = [](cuda::options o) { return [o](auto const& p, auto const&... b) { return cuda::emulate(p, o, b...); }; };
+  auto on_cpu = [](auto const& p, auto const&... b) { return cpu::evaluate(p, b...); };
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    for (shape const& s : cases) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      auto one = [&](std::size_t cols) { return rounded(tensor<float>::random({s.b, s.h, s.n, cols}, r.next()), dt); };
+      auto q = one(s.d), k = one(s.d), v = one(s.d), q2 = one(s.d), k2 = one(s.d), v2 = one(s.m);
+      auto got = on_inputs_of(plan, emulate({dt, dt, true}), Q = q, K = k, Vd = v, Q2 = q2, K2 = k2, V2 = v2);
+      if (dt == cuda::dtype::f32) {
+        CHECK(relative_rms(got, on_inputs_of(plan, on_cpu, Q = q, K = k, Vd = v, Q2 = q2, K2 = k2, V2 = v2)) <= tolerance(dt));
+        auto exact = on_inputs_of(stack, on_cpu, Q = widened(q), K = widened(k), Vd = widened(v), Q2 = widened(q2),
+                                  K2 = widened(k2), V2 = widened(v2));
+        CHECK(relative_rms(got, exact) <= tolerance(dt));
+      } else {
+        auto mid = rounded(cpu::evaluate(compile(layer1), Q = q, K = k, Vd = v), dt);
+        auto ref = on_inputs_of(compile(flat), on_cpu, L = mid, Q2 = q2, K2 = k2, V2 = v2);
+        CHECK(relative_rms(got, ref) <= tolerance(dt));
+      }
+    }
+}
+}  // namespace
+
+TEST_CASE("stacked layers: one kernel per layer = CPU backend = the stack as written") {
+  // layer 1 as layer 2's query (Q's side)
+  check_stack(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2,
+              normalize(causal(phi<elu_plus_one>(L) * transpose(phi<elu_plus_one>(K2)))) * V2, 71);
+  // as keys and values, non-causal, unnormalised poly2
+  check_stack(phi<poly2>(Q2) * transpose(phi<poly2>(layer1)) * layer1, phi<poly2>(Q2) * transpose(phi<poly2>(L)) * L, 72);
+  // three layers: the stack above as the query of a third
+  constexpr auto two = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * layer1;
+  constexpr auto three = normalize(causal(phi<relu>(two) * transpose(phi<relu>(K2)))) * V2;
+  auto const plan = compile(three);
+  static_assert(cuda::lowerable<decltype(plan)>);
+  std::size_t const b = 1, h = 2, n = 90, d = 8, m = 5;
+  auto x = [&](std::size_t cols, std::uint64_t seed) { return tensor<float>::random({b, h, n, cols}, seed); };
+  auto q = x(d, 1), k = x(d, 2), v = x(d, 3), k2 = x(d, 4), v2 = x(m, 5);
+  CHECK(relative_rms(cuda::emulate(plan, Q = q, K = k, Vd = v, K2 = k2, V2 = v2),
+                     cpu::evaluate(three, Q = widened(q), K = widened(k), Vd = widened(v), K2 = widened(k2),
+                                   V2 = widened(v2))) <= 1e-5);
+}
+
 TEST_CASE("emulation reads and writes strided layouts in place: [B,N,H,D] = [B,H,N,D]") {
   constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   std::size_t b = 2, h = 3, n = 77, d = 12, m = 10;
@@ -1057,6 +1123,16 @@ TEST_CASE("device: launched kernels agree with the emulation") {
       launch_vs_emulation(full_plan, dt, s, 200);
       launch_vs_emulation(compile(softmax_expr), dt, s, 300);
     }
+  // Stacked layers: one launch per layer, the intermediate in device memory.
+  {
+    constexpr auto stack = compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2);
+    auto t = [](std::size_t cols, std::uint64_t seed) { return tensor<float>::random({2, 2, 150, cols}, seed); };
+    auto q = t(16, 1), k = t(16, 2), v = t(16, 3), k2 = t(16, 4), v2 = t(24, 5);
+    auto want = cuda::emulate(stack, Q = q, K = k, Vd = v, K2 = k2, V2 = v2);
+    auto got = cuda::evaluate(stack, nullptr, Q = cuda::to_device(q), K = cuda::to_device(k), Vd = cuda::to_device(v),
+                              K2 = cuda::to_device(k2), V2 = cuda::to_device(v2));
+    CHECK(relative_rms(cuda::to_host(got), want) <= 1e-6);
+  }
   // Cross-attention: K and V over 130 rows, Q over 70 (n_keys).
   for (auto const& cross : {compile<order::linear>(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Kx))) * Vx)}) {
     auto q = tensor<float>::random({1, 2, 70, 16}, 7), k = tensor<float>::random({1, 2, 130, 16}, 8),

@@ -15,18 +15,20 @@
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
 // live in translation units of their own that never see it.
 //
-// Plans lowered so far (Map ∈ {elu+1, relu, identity, poly2}, or no φ at all; each
-// with or without the normaliser rowdiv(…[V|1])):
+// Plans lowered so far (Map ∈ {elu+1, relu, identity, poly2}, φ(·; W) ∈ {favor,
+// random_fourier} with one W, or no φ at all; each with or without the
+// normaliser rowdiv(…[V|1])):
 //   causal:      contract(φ(Q), prefix(φ(K)⊗V))  or  causal(φ(Q)·φ(K)ᵀ)·V
 //   non-causal:  φ(Q)·(φ(K)ᵀ·V)                  or  (φ(Q)·φ(K)ᵀ)·V
 //   softmax:     causal(exp(s·(φ(Q)·φ(K)ᵀ)))·V   or  exp(s·(φ(Q)·φ(K)ᵀ))·V (s optional):
 //                quadratic, a block per chunk of query rows (no backward yet)
-// Non-causal plans may be cross-attentions: K and V over another sequence
-// than Q (forward_args::n_keys; the same kernels).
 // and a select between two of these that compute the same thing (what
 // compile() leaves for a dynamic N): the chunked kernel is both orders at
 // once — quadratic inside a chunk, linear across chunks — so the CPU's
-// crossover does not apply to it. Anything else is a compile error that says so.
+// crossover does not apply to it. Non-causal plans may be cross-attentions
+// (K and V over another sequence than Q: forward_args::n_keys, the same
+// kernels). Q, K or V may be another such plan (stacked layers: one kernel
+// per layer, lower first). Anything else is a compile error that says so.
 #pragma once
 
 #include <algorithm>
@@ -89,6 +91,13 @@ struct cuda_backward {
   static constexpr bool ok = Supported;
 };
 template <bool Supported>
+struct cuda_stacked {
+  static_assert(Supported,
+                "lina::cuda: a stacked plan runs one kernel per layer, without a state (chaining, decoding) or a "
+                "backward yet: use the CPU backend (cpu::evaluate with a cpu::state, cpu::recurrent, cpu::gradient)");
+  static constexpr bool ok = Supported;
+};
+template <bool Supported>
 struct cuda_parametric_backward {
   static_assert(Supported,
                 "lina::cuda: the backward of a parametric feature map (favor, random_fourier: the gradient of W) is "
@@ -129,59 +138,113 @@ constexpr feature_map map_of() {
     return feature_map::identity;
 }
 
-// φ(X), φ(X; W) or X, for inputs X (and W: param, else void).
+// Stacked layers: an operand that is itself a lowerable attention (a layer
+// below) runs first, into an intermediate that the plan above reads as the
+// input "@q", "@k" or "@v" (its slot); `sub` is that layer's plan, else void.
 template <class N>
+struct forward_plan;
+template <class X>
+inline constexpr bool is_input_node = false;
+template <fixed_string Name, class R, class C>
+inline constexpr bool is_input_node<node<op::input<Name, R, C>>> = true;
+template <class X>
+constexpr bool is_layer() {
+  if constexpr (is_node<X> && !is_input_node<X>)
+    return forward_plan<X>::ok;
+  else
+    return false;
+}
+template <char Slot>
+inline constexpr fixed_string layer_name = "@q";
+template <>
+inline constexpr fixed_string layer_name<'k'> = "@k";
+template <>
+inline constexpr fixed_string layer_name<'v'> = "@v";
+template <char Slot, class X>
+using layer_input = op::input<layer_name<Slot>, op::rows_of<typename X::shape>, op::cols_of<typename X::shape>>;
+
+// φ(X), φ(X; W) or X, for inputs X (and W: param, else void) or a layer X.
+template <class N, char Slot = 'q'>
 struct mapped_input {
   static constexpr bool ok = false;
   using param = void;
+  using sub = void;
 };
-template <fixed_string Name, class R, class C>
-struct mapped_input<node<op::input<Name, R, C>>> {
+template <fixed_string Name, class R, class C, char Slot>
+struct mapped_input<node<op::input<Name, R, C>>, Slot> {
   static constexpr bool ok = true;
   static constexpr feature_map map = feature_map::identity;
   using input = op::input<Name, R, C>;
   using param = void;
+  using sub = void;
 };
-template <class Map, fixed_string Name, class R, class C>
-struct mapped_input<node<op::phi<Map>, node<op::input<Name, R, C>>>> {
+template <class Map, fixed_string Name, class R, class C, char Slot>
+struct mapped_input<node<op::phi<Map>, node<op::input<Name, R, C>>>, Slot> {
   static constexpr bool ok = known_map<Map>;
   static constexpr feature_map map = map_of<Map>();
   using input = op::input<Name, R, C>;
   using param = void;
+  using sub = void;
 };
-template <class Map, fixed_string Name, class R, class C, fixed_string WName, class WR, class WC>
-struct mapped_input<node<op::phi<Map>, node<op::input<Name, R, C>>, node<op::input<WName, WR, WC>>>> {
+template <class Map, fixed_string Name, class R, class C, fixed_string WName, class WR, class WC, char Slot>
+struct mapped_input<node<op::phi<Map>, node<op::input<Name, R, C>>, node<op::input<WName, WR, WC>>>, Slot> {
   static constexpr bool ok = known_parametric_map<Map>;
   static constexpr feature_map map = map_of<Map>();
   using input = op::input<Name, R, C>;
   using param = op::input<WName, WR, WC>;
+  using sub = void;
+};
+template <class Map, class X, char Slot>
+  requires(is_layer<X>())
+struct mapped_input<node<op::phi<Map>, X>, Slot> {
+  static constexpr bool ok = known_map<Map>;
+  static constexpr feature_map map = map_of<Map>();
+  using input = layer_input<Slot, X>;
+  using param = void;
+  using sub = X;
+};
+template <class Op, class... K, char Slot>
+  requires(is_layer<node<Op, K...>>())
+struct mapped_input<node<Op, K...>, Slot> {
+  static constexpr bool ok = true;
+  static constexpr feature_map map = feature_map::identity;
+  using input = layer_input<Slot, node<Op, K...>>;
+  using param = void;
+  using sub = node<Op, K...>;
 };
 
-// V or [V|1], for an input V.
+// V or [V|1], for an input V or a layer.
 template <class N>
 struct value_input {
   static constexpr bool ok = false;
+  using sub = void;
 };
-template <fixed_string Name, class R, class C>
-struct value_input<node<op::input<Name, R, C>>> {
-  static constexpr bool ok = true;
+template <class N>
+struct value_operand : mapped_input<N, 'v'> {
+  static constexpr bool ok = mapped_input<N, 'v'>::ok && mapped_input<N, 'v'>::map == feature_map::identity &&
+                             std::is_void_v<typename mapped_input<N, 'v'>::param>;
+};
+template <class Op, class... K>
+  requires(!std::is_same_v<Op, op::append_ones>)
+struct value_input<node<Op, K...>> : value_operand<node<Op, K...>> {
   static constexpr bool ones = false;
-  using input = op::input<Name, R, C>;
 };
-template <fixed_string Name, class R, class C>
-struct value_input<node<op::append_ones, node<op::input<Name, R, C>>>> {
-  static constexpr bool ok = true;
+template <class X>
+struct value_input<node<op::append_ones, X>> : value_operand<X> {
   static constexpr bool ones = true;
-  using input = op::input<Name, R, C>;
 };
 
 // The attention core below an optional rowdiv: (φQ, φK, V), causal or not,
 // softmax (exp of the scores, scaled by scale(core)) or linear.
 template <class A, class B, class C, bool Causal, bool Softmax = false>
 struct core_parts {
-  using q = mapped_input<A>;
-  using k = mapped_input<B>;
+  using q = mapped_input<A, 'q'>;
+  using k = mapped_input<B, 'k'>;
   using v = value_input<C>;
+  // the first layer below (Q's side, then K's, then V's), or void
+  using layer = std::conditional_t<!std::is_void_v<typename q::sub>, q,
+                                   std::conditional_t<!std::is_void_v<typename k::sub>, k, v>>;
+  static constexpr bool stacked = !std::is_void_v<typename layer::sub>;
   static constexpr bool causal = Causal;
   static constexpr bool softmax = Softmax;
   static constexpr bool parametric = !std::is_void_v<typename q::param>;  // favor, random_fourier: W
@@ -210,6 +273,7 @@ struct core {
   static constexpr bool ok = false;
   static constexpr bool softmax = false;
   static constexpr bool parametric = false;
+  static constexpr bool stacked = false;
 };
 // contract(φQ, prefix(φK⊗V))
 template <class A, class B, class C>
@@ -271,6 +335,8 @@ constexpr bool same_attention() {
     return X::causal == Y::causal && X::softmax == Y::softmax && X::q::map == Y::q::map && X::k::map == Y::k::map && X::v::ones == Y::v::ones &&
            std::is_same_v<typename X::q::input, typename Y::q::input> &&
            std::is_same_v<typename X::q::param, typename Y::q::param> &&
+           std::is_same_v<typename X::q::sub, typename Y::q::sub> && std::is_same_v<typename X::k::sub, typename Y::k::sub> &&
+           std::is_same_v<typename X::v::sub, typename Y::v::sub> &&
            std::is_same_v<typename X::k::input, typename Y::k::input> &&
            std::is_same_v<typename X::v::input, typename Y::v::input>;
   else
@@ -813,9 +879,74 @@ template <class L>
 constexpr bool chainable() {
   constexpr bool stateful = check_stateful<L>();
   if constexpr (stateful)
-    return diagnose::cuda_plan<forward_plan<L>::ok>::ok;
+    return diagnose::cuda_plan<forward_plan<L>::ok>::ok && diagnose::cuda_stacked<!forward_plan<L>::stacked>::ok;
   else
     return false;
+}
+
+// ---- stacked layers: one kernel per layer ----
+// Does N contain the subtree type S?
+template <class S, class N>
+constexpr bool contains_subtree() {
+  if constexpr (std::is_same_v<S, N>)
+    return true;
+  else
+    return []<std::size_t... K>(std::index_sequence<K...>) {
+      return (contains_subtree<S, std::remove_cvref_t<decltype(kid<K>(std::declval<N const&>()))>>() || ...);
+    }(std::make_index_sequence<N::arity>{});
+}
+// The first subtree of type S in n (its values: eps, scale factors).
+template <class S, class N>
+constexpr S const& subtree(N const& n) {
+  if constexpr (std::is_same_v<S, N>) {
+    return n;
+  } else {
+    constexpr std::size_t k = []<std::size_t... K>(std::index_sequence<K...>) {
+      std::size_t r = 0;
+      ((contains_subtree<S, std::remove_cvref_t<decltype(kid<K>(std::declval<N const&>()))>>() && r == 0 ? (r = K + 1) : 0), ...);
+      return r - 1;
+    }(std::make_index_sequence<N::arity>{});
+    return subtree<S>(kid<k>(n));
+  }
+}
+// n with every subtree of type S replaced by `by`.
+template <class S, class By, class N>
+constexpr auto replace_subtree(N const& n, By const& by) {
+  if constexpr (std::is_same_v<S, N>)
+    return by;
+  else if constexpr (N::arity == 0)
+    return n;
+  else
+    return [&]<std::size_t... K>(std::index_sequence<K...>) {
+      return make_node(n.op, replace_subtree<S>(kid<K>(n), by)...);
+    }(std::make_index_sequence<N::arity>{});
+}
+// f(the bindings of Plan's inputs among b...): a layer binds only its own.
+template <class Plan, class F, class... B>
+decltype(auto) with_inputs_of(F&& f, B const&... b) {
+  using inputs = inputs_of<Plan>;
+  auto kept = std::tuple_cat([&] {
+    if constexpr (lina::detail::names_an_input<B::name, inputs>::value)
+      return std::tuple<B const&>(b);
+    else
+      return std::tuple<>();
+  }()...);
+  return std::apply(std::forward<F>(f), kept);
+}
+// A stacked plan, one layer at a time: run(layer, its bindings...) evaluates
+// the first layer below `plan` into an intermediate, then next(the plan with
+// that layer replaced by its input symbol, its bindings: symbol = result and
+// those of bindings... it still reads).
+template <class Plan, class Run, class Next, class... B>
+void through_layers(Plan const& plan, Run&& run, Next&& next, B const&... bindings) {
+  using layer = typename forward_plan<Plan>::layer;
+  using Sub = typename layer::sub;
+  auto const& sub = subtree<Sub>(plan);
+  auto mid = with_inputs_of<Sub>([&](auto const&... b) { return run(sub, b...); }, bindings...);
+  constexpr auto symbol = node<typename layer::input>{};
+  auto const rest = replace_subtree<Sub>(plan, symbol);
+  auto const result = symbol = mid;
+  with_inputs_of<std::remove_cvref_t<decltype(rest)>>([&](auto const&... b) { next(rest, b...); }, bindings..., result);
 }
 }  // namespace detail
 
@@ -826,12 +957,20 @@ constexpr bool chainable() {
 // the result is rounded to opt.out. An fp32 output is written by the
 // emulated kernel through out's strides; a 16-bit one goes through a dense
 // buffer of bit patterns, as a caller without 16-bit host types would.
+// A stacked plan (a layer's operand is another layer's attention) runs one
+// kernel per layer, the lower layer first, its result rounded to opt.out and
+// read by the next as opt.in.
 template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 void emulate_into(Plan const& plan, options opt, tensor_view<float> out, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
   check_result_shape<Plan>(out.shape(), in);
-  detail::emulate_bound(plan, opt, out, in, nullptr);
+  if constexpr (detail::forward_plan<Plan>::stacked)
+    detail::through_layers(
+        plan, [&](auto const& layer, auto const&... b) { return emulate(layer, opt, b...); },
+        [&](auto const& rest, auto const&... b) { emulate_into(rest, opt, out, b...); }, bindings...);
+  else
+    detail::emulate_bound(plan, opt, out, in, nullptr);
 }
 
 // The same, chained: the kernel's scan starts from the sums in `st` (a host
@@ -944,7 +1083,15 @@ void evaluate_into(Plan const& plan, device_view<O> out, void* stream, B const&.
   static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
   auto in = bind<Plan>(bindings...);
   check_result_shape<Plan>(out.shape(), in);
-  detail::launch_bound(plan, out, in, nullptr, stream, "cuda::evaluate_into");
+  if constexpr (detail::forward_plan<Plan>::stacked) {  // one launch per layer; the intermediates die with the call
+    using T = std::remove_const_t<typename decltype(in)::value_type>;
+    detail::through_layers(
+        plan, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, b...); },
+        [&](auto const& rest, auto const&... b) { evaluate_into(rest, out, stream, b...); }, bindings...);
+    synchronize_stream(stream, "cuda::evaluate_into");
+  } else {
+    detail::launch_bound(plan, out, in, nullptr, stream, "cuda::evaluate_into");
+  }
 }
 
 // The same, chained through a device state (memory::device): the kernel loads
@@ -1038,9 +1185,10 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&.
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
   static_assert(diagnose::cuda_parametric_backward<!F::parametric>::ok || true);
+  static_assert(diagnose::cuda_stacked<!F::stacked>::ok || true);
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<lina::tensor<float>, BP> g;
-  if constexpr (F::ok && !F::softmax && !F::parametric) {
+  if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked) {
     auto in = bind<Plan>(bindings...);
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                   "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
@@ -1094,13 +1242,14 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bind
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
   static_assert(diagnose::cuda_parametric_backward<!F::parametric>::ok || true);
+  static_assert(diagnose::cuda_stacked<!F::stacked>::ok || true);
   auto in = bind<Plan>(bindings...);
   using Bound = decltype(in);
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using T = std::remove_const_t<typename Bound::value_type>;
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<tensor<T>, BP> g;
-  if constexpr (F::ok && !F::softmax && !F::parametric && is_device_view<typename Bound::view_type>) {
+  if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked && is_device_view<typename Bound::view_type>) {
     char const* call = "cuda::gradient";
     auto const dv = view_of(dout);
     static_assert(std::is_same_v<std::remove_const_t<typename decltype(dv)::element_type_>, T>,
