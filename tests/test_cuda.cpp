@@ -1743,6 +1743,76 @@ TEST_CASE("backward: emulated gradients = finite differences in double, small ca
   check_fd(causal(Q * transpose(K)) * V, {1, 1, 70, 3, 2}, 93);  // two chunks
 }
 
+// A sequence evaluated in two chained blocks is differentiated last block
+// first: the second block's backward starts its forward walk from the state
+// the first left and hands back the gradient of that state, which the first
+// block's backward starts its reverse walk from. Together they give the
+// one-pass gradients; for an unnormalised plan the gradient of the very first
+// state is Σ_i φ(q_i)·dout_iᵀ over the whole sequence (the output is linear
+// in it), checked in double.
+TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂state = one pass") {
+  auto check = [](auto const& expr, std::uint64_t seed) {
+    auto const plan = compile<order::linear>(expr);
+    auto const spec = cuda::spec_of(plan);
+    test::rng r{seed};
+    for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+      for (shape const& s : {shape{2, 2, 100, 12, 9}, shape{1, 1, 65, 7, 20}, shape{1, 2, 1, 5, 3}}) {
+        std::size_t const cut = s.n < 2 ? 0 : r.in(1, s.n - 1);
+        CAPTURE(spec.description); CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(cut);
+        auto [q, k, v] = random_inputs(s, dt, r, false);
+        auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+        cuda::options const opt{dt, dt, true};
+        auto whole = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+        auto first = [&](tensor<float> const& x) { return test::tokens(x, 0, cut); };
+        auto second = [&](tensor<float> const& x) { return test::tokens(x, cut, s.n); };
+        cuda::state s1(plan, s.b, s.h, cuda::memory::host), none(cuda::memory::host);
+        cuda::emulate(plan, opt, s1, Q = first(q), K = first(k), V = first(v));  // s1: the sums after block 1
+        auto [g2, d1] = cuda::emulate_gradient(plan, opt, second(dout), s1, none, Q = second(q), K = second(k), V = second(v));
+        auto [g1, d0] = cuda::emulate_gradient(plan, opt, first(dout), none, d1, Q = first(q), K = first(k), V = first(v));
+        for (auto const& [name, w, a, b] : {std::tuple{"∂Q", &whole[Q], &g1[Q], &g2[Q]}, std::tuple{"∂K", &whole[K], &g1[K], &g2[K]},
+                                            std::tuple{"∂V", &whole[V], &g1[V], &g2[V]}}) {
+          CAPTURE(name);
+          tensor<float> joined(w->shape());
+          for (std::size_t i = 0; i < s.b; ++i)
+            for (std::size_t j = 0; j < s.h; ++j)
+              for (std::size_t t = 0; t < s.n; ++t)
+                for (std::size_t c = 0; c < w->shape()[3]; ++c) joined(i, j, t, c) = t < cut ? (*a)(i, j, t, c) : (*b)(i, j, t - cut, c);
+          CHECK(relative_rms(joined, *w) <= tolerance(dt));
+        }
+        REQUIRE(d0.shape() == s1.shape());
+        if (!spec.normalized) {  // ∂S0 = Σ_i φ(q_i)·dout_iᵀ
+          tensor<float> got(d0.shape()), want(d0.shape());
+          for (std::size_t i = 0; i < got.size(); ++i) got.data()[i] = d0.data()[i];
+          for (std::size_t i = 0; i < s.b; ++i)
+            for (std::size_t j = 0; j < s.h; ++j)
+              for (std::size_t a = 0; a < s.d; ++a)
+                for (std::size_t c = 0; c < s.m; ++c) {
+                  double sum = 0;
+                  for (std::size_t t = 0; t < s.n; ++t) sum += double(q(i, j, t, a)) * double(dout(i, j, t, c));
+                  want(i, j, a, c) = static_cast<float>(sum);
+                }
+          CHECK(relative_rms(got, want) <= 1e-5);
+        }
+      }
+    auto chained = cuda::spec_of(plan);
+    chained.d = 12, chained.m = 9, chained.chained = true;
+    check_compiles(cuda::backward_program_of(chained));
+  };
+  check(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 81);
+  check(causal(Q * transpose(K)) * V, 82);
+  check(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 83);
+  // States elsewhere than the emulation's memory, or of another plan, are refused.
+  constexpr auto plan = compile<order::linear>(causal(Q * transpose(K)) * V);
+  auto x = tensor<float>::random({1, 1, 4, 4}, 1);
+  cuda::state on_device(cuda::memory::device), none(cuda::memory::host);
+  CHECK_THROWS_AS(cuda::emulate_gradient(plan, {}, x, on_device, none, Q = x, K = x, V = x), std::invalid_argument);
+  cuda::state other(compile<order::linear>(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V), 1, 1, cuda::memory::host);
+  CHECK_THROWS_AS(cuda::emulate_gradient(plan, {}, x, other, none, Q = x, K = x, V = x), state_error);
+  auto spec = cuda::spec_of(compile<order::linear>(Q * transpose(K) * V));
+  spec.d = spec.m = 4, spec.chained = true;
+  CHECK_THROWS_AS(cuda::backward_program_of(spec), std::invalid_argument);  // non-causal: no state
+}
+
 TEST_CASE("backward: bad input is refused before anything runs") {
   constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   auto q = tensor<float>::random({1, 2, 10, 4}, 1), v = tensor<float>::random({1, 2, 10, 3}, 2);

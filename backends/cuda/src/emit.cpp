@@ -162,8 +162,12 @@ struct emitter {
              name(i.a));
         break;
       case opcode::load_state:
-        line(ind, "tl::load_state<{}, {}, {}, {}>({}, args.state_in, state_in_base, m0, {});", rows(i.dst), cols(i.dst),
-             pitch(i.dst), yes(i.z_column), t, width(i));
+        if (i.slot >= 0)  // from an extra buffer (a chained backward: ∂ of the state the block leaves)
+          line(ind, "tl::load_state<{}, {}, {}, {}>({}, args.extra[{}], extra{}_base, m0, {});", rows(i.dst), cols(i.dst),
+               pitch(i.dst), yes(i.z_column), t, i.slot, i.slot, width(i));
+        else
+          line(ind, "tl::load_state<{}, {}, {}, {}>({}, args.state_in, state_in_base, m0, {});", rows(i.dst), cols(i.dst),
+               pitch(i.dst), yes(i.z_column), t, width(i));
         break;
       case opcode::store_state:
         line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.state_out, state_out_base, m0, {});", rows(i.dst),
@@ -283,6 +287,9 @@ struct emitter {
       if (reads && i->slot >= max_inputs) extra.at(static_cast<std::size_t>(i->slot - max_inputs)) = true;
       if (i->op == opcode::store && i->slot >= 0) extra.at(static_cast<std::size_t>(i->slot)) = true;
     }
+    for (auto const& pass : p.passes)
+      for (auto const& i : pass.before)
+        if (i.op == opcode::load_state && i.slot >= 0) extra.at(static_cast<std::size_t>(i.slot)) = true;
     for (auto const* list : {&p.prologue, &p.epilogue})
       for (auto const& i : *list)
         if (i.op == opcode::store_partial || i.op == opcode::add_partials) extra.at(0) = true;
@@ -319,7 +326,8 @@ struct emitter {
     }
     for (auto const& pass : p.passes) {
       for (auto const& i : pass.before) {
-        if (i.op != opcode::zero) throw std::logic_error("lina::cuda::emit: what runs before a pass is a zero instruction");
+        if (i.op != opcode::zero && i.op != opcode::load_state)
+          throw std::logic_error("lina::cuda::emit: what runs before a pass is a zero or a load_state instruction");
         instruction(2, i);
       }
       if (pass.reverse)  // the same chunks, last first

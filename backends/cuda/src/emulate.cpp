@@ -270,7 +270,7 @@ struct block {
         break;
       }
       case opcode::load_state: {
-        operand const& s = a.state_in;
+        operand const& s = i.slot >= 0 ? a.extra[i.slot] : a.state_in;
         auto const* data = static_cast<float const*>(s.data);
         std::int64_t base = slice_offset(s), c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
         for (int r = 0; r < t.rows; ++r)

@@ -363,17 +363,22 @@ program lay_out_backward(attention_spec const& s, int t) {
   int const c = static_cast<int>(features(s.map_q, s.d, s.f));
   bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;  // ∂ through the row map (also at D = 1)
   int const w = m + (s.normalized ? 1 : 0);
-  p.kernel_name = fmt::format("lina_{}_backward_{}_{}_d{}_m{}_t{}_{}_{}{}{}", s.causal ? "causal" : "full", id_of(s.map_q),
+  p.kernel_name = fmt::format("lina_{}_backward_{}_{}_d{}_m{}_t{}_{}_{}{}{}{}", s.causal ? "causal" : "full", id_of(s.map_q),
                               id_of(s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
-                              s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
-  p.description = fmt::format("{} linear attention, backward{}: ∂{}, ∂{}, ∂{} of {}", s.causal ? "causal" : "non-causal",
-                              s.normalized ? "" : " (unnormalized)", s.q_name, s.k_name, s.v_name, plan_text(s));
+                              s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "",
+                              b.prec != precision_for(s.in) ? "_exact" : "");
+  p.description = fmt::format("{} linear attention, backward{}{}: ∂{}, ∂{}, ∂{} of {}", s.causal ? "causal" : "non-causal",
+                              s.normalized ? "" : " (unnormalized)",
+                              s.chained ? ", chained (∂ of the state out comes in, ∂ of the state in goes out)" : "", s.q_name, s.k_name, s.v_name, plan_text(s));
   p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}, {"∂out", "dout"}};
   p.out_name = "∂" + s.q_name;
   p.extras = {{"∂" + s.k_name, s.out, "the gradient of " + s.k_name, true},
               {"∂" + s.v_name, s.out, "the gradient of " + s.v_name, true}};
   int const scratch = max_inputs + 2;  // the load slot of extra[2]
   if (s.normalized) p.extras.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the unnormalised rows [num | den], fp32"});
+  int const d_final = s.chained ? static_cast<int>(p.extras.size()) : -1;  // chained: ∂(the state it leaves), read
+  if (s.chained)
+    p.extras.push_back({"∂state out", dtype::f32, "the gradient of the state the block leaves, fp32 [B, H, C, W] (0: the end)"});
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
   std::string const cdim = row_map ? "C" : "D";
@@ -418,7 +423,13 @@ program lay_out_backward(attention_spec const& s, int t) {
     body.push_back(s.normalized ? builder::load(g, scratch, w) : builder::load(g, 3, m));
   };
 
-  p.prologue.push_back(builder::zero(st));
+  // Chained: the forward walk starts from the block's initial state S0, the
+  // reverse walk from the gradient of the state it leaves (later blocks'
+  // Σ φ(q)ĝᵀ), and what the reverse walk ends with is the gradient of S0.
+  p.prologue.push_back(s.chained ? builder::load_state(st, m, s.normalized) : builder::zero(st));
+  if (s.chained) p.epilogue.push_back(builder::store_state(st, m, s.normalized));
+  instruction reverse_start = builder::zero(st);
+  if (s.chained) reverse_start = builder::load_state(st, m, s.normalized), reverse_start.slot = d_final;
   if (s.causal) {
     std::vector<instruction> fwd, rev;
     load_mapped(fwd, q, 0, s.map_q);
@@ -454,7 +465,7 @@ program lay_out_backward(attention_spec const& s, int t) {
     rev.push_back(b.product(st, q, true, g, false, true));   // R += φQᵀ·ĝ
     finish_grad(rev, 1, s.map_k, 0);
     p.passes.emplace_back(std::move(fwd));
-    p.passes.emplace_back(std::move(rev), true, std::vector<instruction>{builder::zero(st)});
+    p.passes.emplace_back(std::move(rev), true, std::vector<instruction>{reverse_start});
   } else {
     std::vector<instruction> sum, rows, adj, kv;
     load_mapped(sum, k, 1, s.map_k);  // S = Σ φKᵀ·[V|1]
@@ -491,8 +502,9 @@ program backward_program_of(attention_spec const& s) {
                                 "not generated yet");
   if (s.softmax)
     throw std::invalid_argument("lina::cuda: the backward of softmax attention is not generated yet (linear plans only)");
-  if (s.chained || s.step)
-    throw std::invalid_argument("lina::cuda: the backward kernels do not take a state yet (no gradient of an initial state)");
+  if (s.step) throw std::invalid_argument("lina::cuda: a decoding step has no backward kernel");
+  if (s.chained && !s.causal)
+    throw std::invalid_argument("lina::cuda: only a causal attention carries a state, so only its backward takes one");
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
   if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
@@ -662,8 +674,9 @@ std::string listing(program const& p) {
         return fmt::format("add_partials {} += Σ partials[g < group, :, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
                            i.z_column ? " | z" : "");
       case opcode::load_state:
-        return fmt::format("load_state {} ← state_in[:, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
-                           i.z_column ? " | z" : "");
+        return fmt::format("load_state {} ← {}[:, m_tile·tile_m + {} cols{}]", nm(i.dst),
+                           i.slot >= 0 ? p.extras.at(static_cast<std::size_t>(i.slot)).name : std::string("state_in"),
+                           i.width, i.z_column ? " | z" : "");
       case opcode::store_state:
         return fmt::format("store_state {} → state_out[:, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
                            i.z_column ? " | z (m_tile 0)" : "");

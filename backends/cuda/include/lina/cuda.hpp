@@ -1160,8 +1160,9 @@ auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
 // as opts.in (the emulation) or have the device views' element type (one type
 // for all four); the gradients are rounded to opts.out (emulation: returned as
 // float) or have the inputs' element type (device: cuda::tensor<T>, dense
-// [B, H, N, ·]). Not yet: a state's gradient (chaining), M split over blocks
-// (D, M up to about 128 fit: a clear error beyond).
+// [B, H, N, ·]). A chained form takes the block's initial state and the
+// gradient of the state it left, and also returns the gradient of the first.
+// Not yet: M split over blocks (D, M up to about 128 fit: a clear error beyond).
 namespace detail {
 template <class Op, class Tensor, class... In>
 Tensor& gradient_slot(gradients<Tensor, In...>& g) {
@@ -1178,9 +1179,30 @@ void check_dout(shape4 const& got, Bound const& in) {
 
 }  // namespace detail
 
-template <class Plan, class Dout, class... B>
-  requires(is_node<Plan> && (is_binding<B> && ...))
-auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&... bindings) {
+namespace detail {
+// A chained backward's states (program.hpp, backward_program_of): the sums
+// the block started from, the gradient of those it left, and where the
+// gradient of the first goes.
+struct chain_states {
+  state const* initial = nullptr;
+  state const* d_final = nullptr;
+  state* d_initial = nullptr;
+};
+// A copy of a chain state, checked against the plan and sized (zeros) if unsized.
+template <class L, class Bound>
+state chain_operand(state const& x, L const& linear, Bound const& in, memory where, void* stream, char const* call) {
+  if (x.where() != where)
+    throw std::invalid_argument(std::string("lina::cuda: ") + call + ": the states of a chained gradient must be in " +
+                                (where == memory::host ? "host memory (cuda::memory::host)" : "device memory"));
+  state c = x.copy_to(where, stream, call);
+  c.prepare(linear, in, stream, call);
+  return c;
+}
+
+// (Chain: chain_states for the chained form, else void.)
+template <class Plan, class Dout, class Chain, class... B>
+auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chain const* chain, B const&... bindings) {
+  constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
@@ -1195,7 +1217,8 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&.
     tensor_view<float const> const dv = view_of(dout);
     detail::check_dout<Plan>(dv.shape(), in);
     using Bound = decltype(in);
-    attention_spec const s = detail::bound_spec(plan, opt, in);
+    attention_spec s = detail::bound_spec(plan, opt, in);
+    s.chained = chained;
     program const p = backward_program_of(s);
     std::vector<std::uint16_t> stores[4];
     forward_args a;
@@ -1224,7 +1247,20 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&.
     a.extra[1] = sink(gv, bits[2]);
     std::vector<float> scratch(s.normalized ? bh * n * (s.m + 1) : 0);
     if (s.normalized) a.extra[2] = detail::dense_operand(scratch.data(), {in.batch, in.heads, n, s.m + 1});
+    state s0, d_final;
+    if constexpr (chained) {  // S0 in, ∂(state out) in the last extra buffer, ∂S0 out
+      char const* call = "cuda::emulate_gradient";
+      s0 = chain_operand(*chain->initial, plan, in, memory::host, nullptr, call);
+      d_final = chain_operand(*chain->d_final, plan, in, memory::host, nullptr, call);
+      state& r = *chain->d_initial;
+      r = state(plan, in.batch, in.heads, memory::host);
+      r.prepare(plan, in, nullptr, call);
+      a.state_in = s0.kernel_in();
+      a.state_out = r.kernel_out();
+      a.extra[p.extras.size() - 1] = d_final.kernel_in();
+    }
     emulate(p, a);
+    if constexpr (chained) chain->d_initial->flip();
     if (opt.out != dtype::f32) {
       lina::tensor<float>* ts[] = {&gq, &gk, &gv};
       for (int x = 0; x < 3; ++x)
@@ -1234,10 +1270,37 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&.
   }
   return g;
 }
+}  // namespace detail
 
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
-auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bindings) {
+auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&... bindings) {
+  return detail::emulate_gradient_impl(plan, opt, dout, static_cast<void const*>(nullptr), bindings...);
+}
+
+// The chained form, for one block of a sequence evaluated through a state:
+// `initial` holds the sums the block started from (a host cuda::state of the
+// plan; copy it before the forward evaluation moves it on — unsized: zeros,
+// the first block), `d_final` the gradient of the sums it left (the next
+// block's ∂initial; unsized: zeros, the last block). Returns the inputs'
+// gradients and, as a new host state, the gradient of `initial`: blocks are
+// differentiated last first, each handing its ∂initial to the one before.
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, state const& initial, state const& d_final,
+                      B const&... bindings) {
+  auto linear = longest_branch(plan);
+  static_assert(detail::chainable<decltype(linear)>() || true);
+  state d_initial(memory::host);
+  detail::chain_states const chain{&initial, &d_final, &d_initial};
+  auto g = detail::emulate_gradient_impl(linear, opt, dout, &chain, bindings...);
+  return std::pair{std::move(g), std::move(d_initial)};
+}
+
+namespace detail {
+template <class Plan, class Dout, class Chain, class... B>
+auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const* chain, B const&... bindings) {
+  constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
@@ -1255,7 +1318,8 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bind
     static_assert(std::is_same_v<std::remove_const_t<typename decltype(dv)::element_type_>, T>,
                   "lina::cuda::gradient: dout must have the inputs' element type");
     detail::check_dout<Plan>(dv.shape(), in);
-    attention_spec const s = detail::bound_spec(plan, options{dtype_of<T>, dtype_of<T>}, in);
+    attention_spec s = detail::bound_spec(plan, options{dtype_of<T>, dtype_of<T>}, in);
+    s.chained = chained;
     program const p = backward_program_of(s);
     require_device(call);
     forward_args a = detail::device_args<F>(device_view<T>{}, in);
@@ -1275,10 +1339,41 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bind
       scratch = tensor<float>({in.batch, in.heads, n, s.m + 1}, call);
       a.extra[2] = detail::device_operand(scratch.view());
     }
+    state s0, d_final;
+    if constexpr (chained) {  // S0 in, ∂(state out) in the last extra buffer, ∂S0 out
+      s0 = chain_operand(*chain->initial, plan, in, memory::device, stream, call);
+      d_final = chain_operand(*chain->d_final, plan, in, memory::device, stream, call);
+      state& r = *chain->d_initial;
+      r = state(plan, in.batch, in.heads, memory::device);
+      r.prepare(plan, in, stream, call);
+      a.state_in = s0.kernel_in();
+      a.state_out = r.kernel_out();
+      a.extra[p.extras.size() - 1] = d_final.kernel_in();
+    }
     launch(p, a, stream);
-    if (s.normalized) synchronize_stream(stream, call);  // the scratch rows die with this call
+    if constexpr (chained) chain->d_initial->flip();
+    if (s.normalized || chained) synchronize_stream(stream, call);  // the scratch rows and state copies die with this call
   }
   return g;
+}
+}  // namespace detail
+
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bindings) {
+  return detail::gradient_impl(plan, dout, stream, static_cast<void const*>(nullptr), bindings...);
+}
+// The chained form on the device (device states; see emulate_gradient).
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
+              B const&... bindings) {
+  auto linear = longest_branch(plan);
+  static_assert(detail::chainable<decltype(linear)>() || true);
+  state d_initial(memory::device);
+  detail::chain_states const chain{&initial, &d_final, &d_initial};
+  auto g = detail::gradient_impl(linear, dout, stream, &chain, bindings...);
+  return std::pair{std::move(g), std::move(d_initial)};
 }
 
 // ---- recurrent mode: decoding one token at a time -----------------------------------------

@@ -86,7 +86,8 @@
 //                          round: fp32 → output dtype, to nearest even. With a slot
 //                          s ≥ 0 it writes extra[s] instead, in that buffer's dtype.
 //   load from slot s ≥ max_inputs reads extra[s − max_inputs] in its dtype.
-//   load_state t           t[i][j] = state_in(i, c0 + j) for i < t.rows, j < width,
+//   load_state t           (from extra[slot] instead of state_in when slot ≥ 0)
+//                          t[i][j] = state_in(i, c0 + j) for i < t.rows, j < width,
 //                          c0 + j < m_cols, with c0 = m_tile · tile_m and m_cols =
 //                          cols(state) − 1 when `z_column`, else cols(state);
 //                          z_column: t[i][t.cols − 1] = state_in(i, cols(state) − 1),
@@ -310,12 +311,17 @@ program program_of(attention_spec const& s);
 // Q, K, V and ∂out (input slots 0–3, all of dtype `in`; the gradients are
 // written in dtype `out`: ∂Q to out, ∂K to extra[0], ∂V to extra[1]; a
 // normalised plan also writes and reads fp32 scratch rows, extra[2], [B, H, N,
-// M+1]: the adjoint of its unnormalised rows). One block per (batch, head)
+// M+1]: the adjoint of its unnormalised rows). A chained causal spec starts
+// the forward walk from state_in (the block's initial state S0), the reverse
+// walk from the next extra buffer (the gradient of the state the block leaves,
+// fp32 [B, H, C, W]; zeros at the sequence's end), and stores the gradient of
+// S0 to state_out: blocks of a sequence differentiate last first, each handing
+// its ∂S0 to the block before. One block per (batch, head)
 // holds every column. Causal: a forward pass that recomputes the rows, takes
 // rowdiv's adjoint and gives ∂Q from the prefix sums S = Σ φ(k)[v|1]ᵀ, then a
 // reverse pass that gives ∂K and ∂V from the suffix sums R = Σ φ(q)ĝᵀ — no
 // state is stored per chunk. Non-causal: four streaming passes (S; the rows,
-// their adjoint and ∂Q; R; ∂K and ∂V). Not chained (std::invalid_argument).
+// their adjoint and ∂Q; R; ∂K and ∂V); not chained (std::invalid_argument).
 program backward_program_of(attention_spec const& s);
 
 // The chunk-parallel form of a causal, unchained forward (splitting N when
