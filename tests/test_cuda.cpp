@@ -630,6 +630,37 @@ TEST_CASE("stacked layers: one kernel per layer = CPU backend = the stack as wri
               normalize(causal(phi<elu_plus_one>(L) * transpose(phi<elu_plus_one>(K2)))) * V2, 71);
   // as keys and values, non-causal, unnormalised poly2
   check_stack(phi<poly2>(Q2) * transpose(phi<poly2>(layer1)) * layer1, phi<poly2>(Q2) * transpose(phi<poly2>(L)) * L, 72);
+  // Their gradients: the chain rule one layer at a time (each input belongs to one layer).
+  {
+    constexpr auto stack = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2;
+    auto const plan = compile(stack);
+    test::rng r{73};
+    double worst = 0;
+    for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+      for (shape const& s : {shape{2, 2, 70, 12, 9}, shape{1, 1, 1, 5, 3}}) {
+        CAPTURE(cuda::name_of(dt)); CAPTURE(s.n);
+        auto one = [&](std::size_t cols) { return rounded(tensor<float>::random({s.b, s.h, s.n, cols}, r.next()), dt); };
+        auto q = one(s.d), k = one(s.d), v = one(s.d), k2 = one(s.d), v2 = one(s.m), dout = one(s.m);
+        auto g = cuda::emulate_gradient(plan, {dt, dt, true}, dout, Q = q, K = k, Vd = v, K2 = k2, V2 = v2);
+        auto want = cpu::gradient(stack, widened(dout), Q = widened(q), K = widened(k), Vd = widened(v), K2 = widened(k2),
+                                  V2 = widened(v2));
+        // Layer 1's gradients come through layer 2's ∂Q, rounded to the output
+        // type before layer 1's backward reads it and rounded again after: two
+        // output roundings, twice the tolerance. (One token: a normalised
+        // layer's ∂Q, ∂K are eps-sized — see check_backward — and so is all
+        // that layer 1 receives.)
+        if (s.n > 1) {
+          for (auto const& [x, ref, tol] : {std::tuple{&g[Q], &want[Q], 2 * tolerance(dt)}, {&g[K], &want[K], 2 * tolerance(dt)},
+                                            {&g[Vd], &want[Vd], 2 * tolerance(dt)}, {&g[K2], &want[K2], tolerance(dt)}}) {
+            double const e = relative_rms(*x, as_float(*ref));
+            CHECK(e <= tol);
+            worst = std::max(worst, e / tol);
+          }
+        }
+        CHECK(relative_rms(g[V2], as_float(want[V2])) <= tolerance(dt));
+      }
+    MESSAGE("stacked gradients: largest error / tolerance " << worst);
+  }
   // three layers: the stack above as the query of a third
   constexpr auto two = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * layer1;
   constexpr auto three = normalize(causal(phi<relu>(two) * transpose(phi<relu>(K2)))) * V2;

@@ -93,8 +93,22 @@ struct cuda_backward {
 template <bool Supported>
 struct cuda_stacked {
   static_assert(Supported,
-                "lina::cuda: a stacked plan runs one kernel per layer, without a state (chaining, decoding) or a "
-                "backward yet: use the CPU backend (cpu::evaluate with a cpu::state, cpu::recurrent, cpu::gradient)");
+                "lina::cuda: a stacked plan runs one kernel per layer, without a state (chaining, decoding, a "
+                "chained gradient) yet: use the CPU backend (cpu::evaluate with a cpu::state, cpu::recurrent)");
+  static constexpr bool ok = Supported;
+};
+template <bool Supported>
+struct cuda_stacked_gradient {
+  static_assert(Supported,
+                "lina::cuda: the layers of this stacked plan share an input, whose gradients would add up: not yet on "
+                "the CUDA backend (use cpu::gradient)");
+  static constexpr bool ok = Supported;
+};
+template <bool Supported>
+struct cuda_distinct_inputs {
+  static_assert(Supported,
+                "lina::cuda: the backward kernel writes ∂Q, ∂K and ∂V to three inputs: a plan that reads one input "
+                "twice (say K as V) is not differentiated on the CUDA backend yet (use cpu::gradient)");
   static constexpr bool ok = Supported;
 };
 template <bool Supported>
@@ -1199,6 +1213,49 @@ state chain_operand(state const& x, L const& linear, Bound const& in, memory whe
   return c;
 }
 
+// A layer's gradients into g (stacked plans: each input of the stack is an
+// input of one layer, the one below or the rest above it).
+template <class I, class G>
+inline constexpr bool has_gradient = false;
+template <class I, class T, class... In>
+inline constexpr bool has_gradient<I, gradients<T, In...>> = (std::is_same_v<I, In> || ...);
+template <class T, class... In, class A, class B>
+void gather_gradients(gradients<T, In...>& g, A& a, B& b) {
+  (
+      [&] {
+        T& out = g.all()[lina::detail::index_of_v<In, lina::detail::type_list<In...>>];
+        if constexpr (has_gradient<In, A>)
+          out = std::move(gradient_slot<In>(a));
+        else if constexpr (has_gradient<In, B>)
+          out = std::move(gradient_slot<In>(b));
+      }(),
+      ...);
+}
+// Q, K and V are three inputs (the backward kernel writes one gradient each).
+template <class F>
+constexpr bool distinct_inputs() {
+  if constexpr (F::ok && !F::stacked)
+    return !std::is_same_v<typename F::q::input, typename F::k::input> &&
+           !std::is_same_v<typename F::q::input, typename F::v::input> &&
+           !std::is_same_v<typename F::k::input, typename F::v::input>;
+  else
+    return true;
+}
+// Does the layer below share no input with the rest of the stack?
+template <class Plan>
+constexpr bool layers_disjoint() {
+  using F = forward_plan<Plan>;
+  if constexpr (F::ok && F::stacked) {
+    using layer = typename F::layer;
+    using Rest = decltype(replace_subtree<typename layer::sub>(std::declval<Plan const&>(), node<typename layer::input>{}));
+    return []<class... I>(lina::detail::type_list<I...>*) {
+      return (!lina::detail::names_an_input<I::name, inputs_of<Rest>>::value && ...);
+    }(static_cast<inputs_of<typename layer::sub>*>(nullptr));
+  } else {
+    return true;
+  }
+}
+
 // (Chain: chain_states for the chained form, else void.)
 template <class Plan, class Dout, class Chain, class... B>
 auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chain const* chain, B const&... bindings) {
@@ -1207,10 +1264,32 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
   static_assert(diagnose::cuda_parametric_backward<!F::parametric>::ok || true);
-  static_assert(diagnose::cuda_stacked<!F::stacked>::ok || true);
+  static_assert(diagnose::cuda_stacked_gradient<layers_disjoint<Plan>()>::ok || true);
+  static_assert(diagnose::cuda_distinct_inputs<distinct_inputs<F>()>::ok || true);
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<lina::tensor<float>, BP> g;
-  if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked) {
+  if constexpr (F::ok && F::stacked && !chained && layers_disjoint<Plan>()) {
+    // The chain rule one layer at a time: the rest above on the layer's result,
+    // then the layer on the gradient of that result.
+    using layer = typename F::layer;
+    using Sub = typename layer::sub;
+    auto const& sub = subtree<Sub>(plan);
+    constexpr auto symbol = node<typename layer::input>{};
+    auto const rest = replace_subtree<Sub>(plan, symbol);
+    using Rest = std::remove_cvref_t<decltype(rest)>;
+    auto mid = with_inputs_of<Sub>([&](auto const&... b) { return emulate(sub, opt, b...); }, bindings...);
+    auto const result = symbol = mid;
+    auto g_rest = with_inputs_of<Rest>(
+        [&](auto const&... b) { return emulate_gradient_impl(rest, opt, dout, static_cast<void const*>(nullptr), b...); },
+        bindings..., result);
+    auto g_sub = with_inputs_of<Sub>(
+        [&](auto const&... b) {
+          return emulate_gradient_impl(sub, opt, gradient_slot<typename layer::input>(g_rest),
+                                       static_cast<void const*>(nullptr), b...);
+        },
+        bindings...);
+    gather_gradients(g, g_rest, g_sub);
+  } else if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked && distinct_inputs<F>()) {
     auto in = bind<Plan>(bindings...);
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                   "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
@@ -1305,14 +1384,36 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
   static_assert(diagnose::cuda_parametric_backward<!F::parametric>::ok || true);
-  static_assert(diagnose::cuda_stacked<!F::stacked>::ok || true);
+  static_assert(diagnose::cuda_stacked_gradient<layers_disjoint<Plan>()>::ok || true);
+  static_assert(diagnose::cuda_distinct_inputs<distinct_inputs<F>()>::ok || true);
   auto in = bind<Plan>(bindings...);
   using Bound = decltype(in);
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using T = std::remove_const_t<typename Bound::value_type>;
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<tensor<T>, BP> g;
-  if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked && is_device_view<typename Bound::view_type>) {
+  if constexpr (F::ok && F::stacked && !chained && layers_disjoint<Plan>() && is_device_view<typename Bound::view_type>) {
+    using layer = typename F::layer;  // as emulate_gradient_impl: the rest above, then the layer below
+    using Sub = typename layer::sub;
+    auto const& sub = subtree<Sub>(plan);
+    constexpr auto symbol = node<typename layer::input>{};
+    auto const rest = replace_subtree<Sub>(plan, symbol);
+    using Rest = std::remove_cvref_t<decltype(rest)>;
+    auto mid = with_inputs_of<Sub>([&](auto const&... b) { return evaluate<T>(sub, stream, b...); }, bindings...);
+    auto const result = symbol = mid;
+    auto g_rest = with_inputs_of<Rest>(
+        [&](auto const&... b) { return gradient_impl(rest, dout, stream, static_cast<void const*>(nullptr), b...); },
+        bindings..., result);
+    auto g_sub = with_inputs_of<Sub>(
+        [&](auto const&... b) {
+          return gradient_impl(sub, gradient_slot<typename layer::input>(g_rest), stream, static_cast<void const*>(nullptr),
+                               b...);
+        },
+        bindings...);
+    gather_gradients(g, g_rest, g_sub);
+    synchronize_stream(stream, "cuda::gradient");  // the intermediates die with this call
+  } else if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked && distinct_inputs<F>() &&
+                       is_device_view<typename Bound::view_type>) {
     char const* call = "cuda::gradient";
     auto const dv = view_of(dout);
     static_assert(std::is_same_v<std::remove_const_t<typename decltype(dv)::element_type_>, T>,
