@@ -143,6 +143,14 @@ std::string_view id_of(feature_map m) {
 
 struct builder {
   program p;
+  // What every forward layout starts with: the spec, its tiles, the
+  // products' precision and the blocks per (batch, head).
+  void start(attention_spec const& s, tile_config tiles) {
+    p.spec = s;
+    p.tiles = tiles;
+    prec = precision_of(s);
+    p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tiles.tile_m) - 1) / static_cast<std::size_t>(tiles.tile_m));
+  }
   int reg(std::string name, int rows, int cols, std::string comment, dtype storage = dtype::f32) {
     p.registers.push_back({std::move(name), rows, cols, std::move(comment), storage});
     return static_cast<int>(p.registers.size()) - 1;
@@ -222,15 +230,12 @@ namespace {
 program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   builder b;
   program& p = b.p;
-  p.spec = s;
-  p.tiles = tiles;
+  b.start(s, tiles);
   p.quadratic = true;
-  b.prec = precision_of(s);
   int const t = p.tiles.chunk, tm = p.tiles.tile_m;
   int const c = static_cast<int>(features(s.map_q, s.d, s.f));
   bool const row_map = s.map_q == feature_map::poly2 || parametric(s.map_q);  // C features, not D
   int const w = tm + (s.normalized ? 1 : 0);
-  p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
   p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}", s.causal ? "causal" : "full",
                               id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
                               s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
@@ -276,14 +281,11 @@ program lay_out(attention_spec const& s, tile_config tiles) {
   if (s.softmax) return lay_out_softmax(s, tiles);
   builder b;
   program& p = b.p;
-  p.spec = s;
-  p.tiles = tiles;
-  b.prec = precision_of(s);
+  b.start(s, tiles);
   int const t = p.tiles.chunk, tm = p.tiles.tile_m;
   int const c = static_cast<int>(features(s.map_q, s.d, s.f));
   bool const row_map = s.map_q == feature_map::poly2 || parametric(s.map_q);  // C features, not D
   int const w = tm + (s.normalized ? 1 : 0);
-  p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tm) - 1) / static_cast<std::size_t>(tm));
   p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}{}", s.causal ? "causal" : "full",
                               id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
                               s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "",

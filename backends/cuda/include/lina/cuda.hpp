@@ -1256,6 +1256,26 @@ constexpr bool layers_disjoint() {
   }
 }
 
+// The chain rule through a stacked plan, a layer at a time: run(layer, its
+// bindings) evaluates the layer below into an intermediate; grad(plan, dout,
+// bindings) differentiates the rest above on it, then the layer on the
+// gradient of its result; the two gradients' inputs fill g.
+template <class Plan, class G, class Dout, class Run, class Grad, class... B>
+void layers_backward(Plan const& plan, G& g, Dout const& dout, Run&& run, Grad&& grad, B const&... bindings) {
+  using layer = typename forward_plan<Plan>::layer;
+  using Sub = typename layer::sub;
+  auto const& sub = subtree<Sub>(plan);
+  constexpr auto symbol = node<typename layer::input>{};
+  auto const rest = replace_subtree<Sub>(plan, symbol);
+  auto mid = with_inputs_of<Sub>([&](auto const&... b) { return run(sub, b...); }, bindings...);
+  auto const result = symbol = mid;
+  auto g_rest = with_inputs_of<std::remove_cvref_t<decltype(rest)>>(
+      [&](auto const&... b) { return grad(rest, dout, b...); }, bindings..., result);
+  auto g_sub = with_inputs_of<Sub>(
+      [&](auto const&... b) { return grad(sub, gradient_slot<typename layer::input>(g_rest), b...); }, bindings...);
+  gather_gradients(g, g_rest, g_sub);
+}
+
 // (Chain: chain_states for the chained form, else void.)
 template <class Plan, class Dout, class Chain, class... B>
 auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chain const* chain, B const&... bindings) {
@@ -1269,26 +1289,12 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<lina::tensor<float>, BP> g;
   if constexpr (F::ok && F::stacked && !chained && layers_disjoint<Plan>()) {
-    // The chain rule one layer at a time: the rest above on the layer's result,
-    // then the layer on the gradient of that result.
-    using layer = typename F::layer;
-    using Sub = typename layer::sub;
-    auto const& sub = subtree<Sub>(plan);
-    constexpr auto symbol = node<typename layer::input>{};
-    auto const rest = replace_subtree<Sub>(plan, symbol);
-    using Rest = std::remove_cvref_t<decltype(rest)>;
-    auto mid = with_inputs_of<Sub>([&](auto const&... b) { return emulate(sub, opt, b...); }, bindings...);
-    auto const result = symbol = mid;
-    auto g_rest = with_inputs_of<Rest>(
-        [&](auto const&... b) { return emulate_gradient_impl(rest, opt, dout, static_cast<void const*>(nullptr), b...); },
-        bindings..., result);
-    auto g_sub = with_inputs_of<Sub>(
-        [&](auto const&... b) {
-          return emulate_gradient_impl(sub, opt, gradient_slot<typename layer::input>(g_rest),
-                                       static_cast<void const*>(nullptr), b...);
+    layers_backward(
+        plan, g, dout, [&](auto const& layer, auto const&... b) { return emulate(layer, opt, b...); },
+        [&](auto const& p, auto const& d, auto const&... b) {
+          return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), b...);
         },
         bindings...);
-    gather_gradients(g, g_rest, g_sub);
   } else if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked && distinct_inputs<F>()) {
     auto in = bind<Plan>(bindings...);
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
@@ -1393,24 +1399,12 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<tensor<T>, BP> g;
   if constexpr (F::ok && F::stacked && !chained && layers_disjoint<Plan>() && is_device_view<typename Bound::view_type>) {
-    using layer = typename F::layer;  // as emulate_gradient_impl: the rest above, then the layer below
-    using Sub = typename layer::sub;
-    auto const& sub = subtree<Sub>(plan);
-    constexpr auto symbol = node<typename layer::input>{};
-    auto const rest = replace_subtree<Sub>(plan, symbol);
-    using Rest = std::remove_cvref_t<decltype(rest)>;
-    auto mid = with_inputs_of<Sub>([&](auto const&... b) { return evaluate<T>(sub, stream, b...); }, bindings...);
-    auto const result = symbol = mid;
-    auto g_rest = with_inputs_of<Rest>(
-        [&](auto const&... b) { return gradient_impl(rest, dout, stream, static_cast<void const*>(nullptr), b...); },
-        bindings..., result);
-    auto g_sub = with_inputs_of<Sub>(
-        [&](auto const&... b) {
-          return gradient_impl(sub, gradient_slot<typename layer::input>(g_rest), stream, static_cast<void const*>(nullptr),
-                               b...);
+    layers_backward(
+        plan, g, dout, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, b...); },
+        [&](auto const& p, auto const& d, auto const&... b) {
+          return gradient_impl(p, d, stream, static_cast<void const*>(nullptr), b...);
         },
         bindings...);
-    gather_gradients(g, g_rest, g_sub);
     synchronize_stream(stream, "cuda::gradient");  // the intermediates die with this call
   } else if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked && distinct_inputs<F>() &&
                        is_device_view<typename Bound::view_type>) {
