@@ -66,6 +66,21 @@ tensor<double> widened(tensor<float> const& x) {
   for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = x.data()[i];
   return r;
 }
+// The sums of a host cuda::state, or of a cpu::state's scan, as a tensor [B, H, C, W].
+tensor<float> sums_of(cuda::state const& st) {
+  tensor<float> r(st.shape());
+  std::copy(st.data(), st.data() + st.size(), r.data());
+  return r;
+}
+tensor<float> sums_of(cpu::state<float> const& st) {
+  auto const x = st[0];
+  tensor<float> r(x.shape());
+  for (std::size_t i = 0; i < r.shape()[0]; ++i)
+    for (std::size_t j = 0; j < r.shape()[1]; ++j)
+      for (std::size_t a = 0; a < r.shape()[2]; ++a)
+        for (std::size_t c = 0; c < r.shape()[3]; ++c) r(i, j, a, c) = x(i, j, a, c);
+  return r;
+}
 template <class G>
 tensor<float> as_float(G const& x) {
   tensor<float> r(x.shape());
@@ -784,13 +799,7 @@ void check_chained(Expr const& expr, std::uint64_t seed, std::vector<shape> cons
         REQUIRE(st.shape() == shape4{s.b, s.h, cuda::features(cuda::spec_of(linear).map_q, s.d),
                                      s.m + (cuda::spec_of(linear).normalized ? 1 : 0)});
         REQUIRE(cst[0].shape() == st.shape());
-        tensor<float> ours(st.shape()), theirs(st.shape());
-        for (std::size_t i = 0; i < ours.size(); ++i) ours.data()[i] = st.data()[i];
-        for (std::size_t i = 0; i < s.b; ++i)
-          for (std::size_t j = 0; j < s.h; ++j)
-            for (std::size_t a = 0; a < st.shape()[2]; ++a)
-              for (std::size_t c = 0; c < st.shape()[3]; ++c) theirs(i, j, a, c) = cst[0](i, j, a, c);
-        double e_state = relative_rms(ours, theirs);
+        double e_state = relative_rms(sums_of(st), sums_of(cst));
         CHECK(e_state <= 1e-5);
         worst = std::max({worst, e_once / tolerance(dt), e_cpu / tolerance(dt), e_state / 1e-5});
 
@@ -851,7 +860,7 @@ TEST_CASE("chained: two emulated blocks = one pass = the CPU's chained result, a
 
 // favor's state has C = F rows (the random features), and W comes with every
 // block: two chained blocks equal one pass, and the sums are the CPU's.
-TEST_CASE("chained: favor blocks = one pass, and the same state as the CPU's; split rows = one pass") {
+TEST_CASE("chained: favor blocks = one pass, and the same state as the CPU's; decoding steps and split rows = one pass") {
   constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
   std::size_t const b = 2, h = 2, n = 100, d = 16, m = 12, f = 32, cut = 37;
   auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2),
@@ -870,14 +879,17 @@ TEST_CASE("chained: favor blocks = one pass, and the same state as the CPU's; sp
   CHECK(relative_rms(out, whole) <= tolerance(cuda::dtype::f32));
   REQUIRE(st.shape() == shape4{b, h, f, m + 1});
   REQUIRE(cst[0].shape() == st.shape());
-  tensor<float> ours(st.shape()), theirs(st.shape());
-  for (std::size_t i = 0; i < ours.size(); ++i) ours.data()[i] = st.data()[i];
-  for (std::size_t i = 0; i < b; ++i)
-    for (std::size_t j = 0; j < h; ++j)
-      for (std::size_t a = 0; a < f; ++a)
-        for (std::size_t c = 0; c <= m; ++c) theirs(i, j, a, c) = cst[0](i, j, a, c);
-  CHECK(relative_rms(ours, theirs) <= 1e-5);
+  CHECK(relative_rms(sums_of(st), sums_of(cst)) <= 1e-5);
   check_compiles(chained_program(plan, {}, d, m, f));
+  // Decoding: a prompt, then one token at a time, W with every call.
+  auto rnn = cuda::recurrent(plan, b, h, {}, cuda::memory::host);
+  tensor<float> steps(whole.shape());
+  rnn.prefill_into(rows_of(steps, 0, cut), Q = test::tokens(q, 0, cut), K = test::tokens(k, 0, cut),
+                   V = test::tokens(v, 0, cut), W = broadcast(w, b, h));
+  for (std::size_t t = cut; t < n; ++t)
+    rnn.step_into(rows_of(steps, t, t + 1), Q = test::tokens(q, t, t + 1), K = test::tokens(k, t, t + 1),
+                  V = test::tokens(v, t, t + 1), W = broadcast(w, b, h));
+  CHECK(relative_rms(steps, whole) <= tolerance(cuda::dtype::f32));
   // The chunk-parallel form (groups of rows) reads W in both launches.
   cuda::options split{};
   split.split_rows = 64;
@@ -1519,10 +1531,7 @@ void check_steps(Expr const& expr, std::uint64_t seed, std::vector<shape> const&
           cpu::state<float> cst;
           cpu::evaluate(plan, cst, Q = q, K = k, V = v);
           REQUIRE(rnn.state().shape() == cst[0].shape());
-          tensor<float> ours(rnn.state().shape()), theirs(cst[0].shape());
-          std::copy(rnn.state().data(), rnn.state().data() + rnn.state().size(), ours.data());
-          for (std::size_t i = 0; i < theirs.size(); ++i) theirs.data()[i] = cst[0].data()[i];
-          double e_state = relative_rms(ours, theirs);
+          double e_state = relative_rms(sums_of(rnn.state()), sums_of(cst));
           CHECK(e_state <= 1e-5);
           worst = std::max({worst, e_once / tolerance(dt), e_cpu / tolerance(dt), e_state / 1e-5});
         } else {  // tensor-core products: within their rounding of the exact result
@@ -1822,8 +1831,7 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
         }
         REQUIRE(d0.shape() == s1.shape());
         if (!spec.normalized) {  // ∂S0 = Σ_i φ(q_i)·dout_iᵀ
-          tensor<float> got(d0.shape()), want(d0.shape());
-          for (std::size_t i = 0; i < got.size(); ++i) got.data()[i] = d0.data()[i];
+          tensor<float> want(d0.shape());
           for (std::size_t i = 0; i < s.b; ++i)
             for (std::size_t j = 0; j < s.h; ++j)
               for (std::size_t a = 0; a < s.d; ++a)
@@ -1832,7 +1840,7 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
                   for (std::size_t t = 0; t < s.n; ++t) sum += double(q(i, j, t, a)) * double(dout(i, j, t, c));
                   want(i, j, a, c) = static_cast<float>(sum);
                 }
-          CHECK(relative_rms(got, want) <= 1e-5);
+          CHECK(relative_rms(sums_of(d0), want) <= 1e-5);
         }
       }
     auto chained = cuda::spec_of(plan);
