@@ -103,11 +103,10 @@ struct emitter {
       case opcode::zero: line(ind, "tl::zero<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t); break;
       case opcode::load: load(ind, i, {}); break;
       case opcode::map:
-        if (i.b >= 0)  // parametric: from x and z = x·W; s = D^−¼, 1/√F as fp32 constants
+        if (i.b >= 0)  // parametric: from x and z = x·W; s = D^−¼ (the instruction's), 1/√F as fp32 constants
           line(ind, "tl::map_param<tl::{}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, {:#.9g}f, rows);", map_tag(i.map),
                rows(i.dst), cols(i.dst), pitch(i.dst), cols(i.a), pitch(i.a), cols(i.b), pitch(i.b), t, name(i.a), name(i.b),
-               static_cast<float>(std::pow(static_cast<double>(p.registers.at(static_cast<std::size_t>(i.a)).cols), -0.25)),
-               1.0f / std::sqrt(static_cast<float>(p.registers.at(static_cast<std::size_t>(i.b)).cols)));
+               i.scale, 1.0f / std::sqrt(static_cast<float>(p.registers.at(static_cast<std::size_t>(i.b)).cols)));
         else if (i.a >= 0)
           line(ind, "tl::map_rows<tl::{}, {}, {}, {}, {}, {}>({}, {}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst),
                pitch(i.dst), cols(i.a), pitch(i.a), t, name(i.a));

@@ -74,9 +74,6 @@ void poly2_row(float const* x, int d, float* out) {
   }
 }
 
-// D^−¼ rounded to fp32, as lina::favor and lina::random_fourier compute it.
-float parametric_scale(int d) { return static_cast<float>(std::pow(static_cast<double>(d), -0.25)); }
-
 struct tile {
   int rows = 0, cols = 0;
   std::vector<float> v;
@@ -88,7 +85,6 @@ struct block {
   forward_args const& a;
   std::int64_t b = 0, h = 0, m_tile = 0;
   std::int64_t group = 0, groups = 1, row_begin = 0, row_end = 0;  // split programs: this block's rows
-  std::int64_t q0 = 0;  // quadratic programs: the block's first query row (row_begin … row_end are its rows)
   std::vector<tile> reg{};
   tile op_a{}, op_b{};  // rounded copies of product operands
 
@@ -187,7 +183,7 @@ struct block {
         if (i.b >= 0) {  // a parametric map, out of place: from x (i.a) and z = x·W (i.b)
           tile& x = reg[static_cast<std::size_t>(i.a)];
           tile& z = reg[static_cast<std::size_t>(i.b)];
-          float const s = parametric_scale(x.cols), inv = 1.0f / std::sqrt(static_cast<float>(z.cols));
+          float const s = i.scale, inv = 1.0f / std::sqrt(static_cast<float>(z.cols));
           std::fill(t.v.begin(), t.v.end(), 0.0f);
           for (int r = 0; r < rows; ++r) {
             float n = 0.0f;
@@ -254,7 +250,7 @@ struct block {
       case opcode::exp_rows: {
         tile& o = reg[static_cast<std::size_t>(i.a)];
         for (int r = 0; r < t.rows; ++r) {
-          auto valid = [&](int c) { return c < rows && (!i.causal || r0 + c <= q0 + r); };
+          auto valid = [&](int c) { return c < rows && (!i.causal || r0 + c <= row_begin + r); };
           float shift = 0.0f;
           if (i.b >= 0) {
             float& m = reg[static_cast<std::size_t>(i.b)].at(r, 0);
@@ -333,7 +329,7 @@ struct block {
     // A quadratic block's prologue and epilogue work on its query rows, its
     // pass on the keys before them (causal) or all keys.
     int const q_rows = static_cast<int>(row_end - row_begin);
-    for (auto const& i : p.prologue) p.quadratic ? step(i, q0, q_rows) : step(i, 0, 0);
+    for (auto const& i : p.prologue) p.quadratic ? step(i, row_begin, q_rows) : step(i, 0, 0);
     std::int64_t const t = p.tiles.chunk;
     for (auto const& pass : p.passes) {
       // The rows it walks: the keys (K, V) or this block's rows of Q.
@@ -347,7 +343,7 @@ struct block {
         for (auto const& i : pass) step(i, r0, rows);
       }
     }
-    for (auto const& i : p.epilogue) p.quadratic ? step(i, q0, q_rows) : step(i, a.n, 0);
+    for (auto const& i : p.epilogue) p.quadratic ? step(i, row_begin, q_rows) : step(i, a.n, 0);
   }
 };
 
@@ -386,7 +382,6 @@ void emulate(program const& p, forward_args const& args) {
     std::int64_t const rows_per = p.quadratic ? p.tiles.chunk : args.group_rows;  // per group
     blk.row_begin = p.split || p.quadratic ? blk.group * rows_per : 0;
     blk.row_end = p.split || p.quadratic ? std::min(args.n, blk.row_begin + rows_per) : args.n;
-    blk.q0 = blk.row_begin;
     blk.run_all();
   }
 }

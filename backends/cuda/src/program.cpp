@@ -192,7 +192,9 @@ struct builder {
     if (parametric(m)) {
       body.push_back(load(x, slot, d));
       body.push_back(product(z, x, false, w, false, false));  // z = x·W
-      body.push_back({.op = opcode::map, .dst = dst, .a = x, .b = z, .map = m});
+      // s = D^−¼ in fp32, as lina::favor and lina::random_fourier compute it
+      body.push_back({.op = opcode::map, .dst = dst, .a = x, .b = z, .map = m,
+                      .scale = static_cast<float>(std::pow(static_cast<double>(d), -0.25))});
     } else if (m == feature_map::poly2) {
       body.push_back(load(x, slot, d));
       body.push_back(map(dst, m, x));

@@ -51,7 +51,8 @@
 //                          x_a² at a(2D−a+1)/2, (√2·x_a)·x_b after it for b > a,
 //                          √2 rounded to fp32 (a row map, out of place)
 //   map t ← x, z, favor    (parametric maps; z = x·W, F columns, b = z) for i < rows,
-//                          with s = D^−¼ and inv = 1/√F rounded to fp32 and n =
+//                          with s = D^−¼ (the instruction's scale) and inv = 1/√F
+//                          rounded to fp32 and n =
 //                          Σ_c x[i][c]² one fma chain in increasing c: favor:
 //                          t[i][j] = exp(fma(s, z[i][j], −n·(s·s/2)))·inv;
 //                          random_fourier: t[i][j] = cos(s·z[i][j])·inv, t[i][F+j]
@@ -238,7 +239,7 @@ struct instruction {
   bool whole = false;           // load: rows 0 … t.rows of the operand (W), not the chunk's
   feature_map map = feature_map::identity;  // map
   float eps = 0;                // row_divide
-  float scale = 1;              // exp_rows
+  float scale = 1;              // exp_rows; map with a parametric map: s = D^−¼
   bool causal = false;          // exp_rows: mask keys after the query row
   precision prec = precision::fma_f32;  // product
 
