@@ -81,6 +81,12 @@ tensor<float> sums_of(cpu::state<float> const& st) {
         for (std::size_t c = 0; c < r.shape()[3]; ++c) r(i, j, a, c) = x(i, j, a, c);
   return r;
 }
+// Rows [from, to) of a [B, H, N, M] tensor, writable (a block of the output).
+tensor_view<float> rows_of(tensor<float>& t, std::size_t from, std::size_t to) {
+  auto s = t.shape();
+  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
+}
+
 template <class G>
 tensor<float> as_float(G const& x) {
   tensor<float> r(x.shape());
@@ -298,14 +304,16 @@ TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
   static_assert(cuda::lowerable<decltype(automatic)>);  // a select between the two orders of one attention
   static_assert(cuda::lowerable<decltype(compile<order::linear>(Q * transpose(K) * V))>);
   static_assert(cuda::lowerable<decltype(compile(normalize(exp(Q * transpose(K))) * V))>);  // softmax: quadratic
-  static_assert(!cuda::lowerable<decltype(compile(normalize(exp(causal(Q * transpose(K)))) * V))>);  // exp(0) = 1 above the diagonal
+  static_assert(cuda::lowerable<decltype(compile(normalize(exp(causal(Q * transpose(K)))) * V))>);  // exp(0) = 1 above the diagonal
   static_assert(cuda::lowerable<decltype(compile<order::linear>(normalize(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V))>);
   constexpr auto W = input<"W">(D, dim<"F">);
   static_assert(cuda::lowerable<decltype(compile<order::linear>(  // parametric maps, one W
                     normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V))>);
   constexpr auto W2 = input<"W2">(D, dim<"F">);
-  static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // a W for Q and another for K: not yet
+  static_assert(cuda::lowerable<decltype(compile<order::linear>(  // a W for Q and another for K
                     normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)))) * V))>);
+  static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // a user-defined map: no CUDA formula
+                    normalize(causal(phi<test::softplus>(Q) * transpose(phi<test::softplus>(K)))) * V))>);
 
   auto s = cuda::spec_of(causal_plan);
   CHECK(s.causal);
@@ -390,6 +398,9 @@ TEST_CASE("emulated softmax forward (quadratic) = CPU backend = as written") {
   check_forward(causal(exp(0.5 * (Q * transpose(K)))) * V, 43, cases, false, 1);
   check_forward(normalize(causal(exp(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)) * 0.03))) * V, 44, cases,
                 false, 0);
+  // The mask before exp: a score past the diagonal is 0, so its key weighs exp(0) = 1 (as written).
+  check_forward(normalize(exp(causal(Q * transpose(K)) * 0.25)) * V, 46, cases, false, 1);
+  check_forward(exp(0.5 * causal(Q * transpose(K))) * V, 47, cases, false, 0);
 }
 
 // The kernel shifts each row by its running max (at least 0), an identity of
@@ -537,6 +548,56 @@ TEST_CASE("emulated favor and random Fourier features (φ(X; W)) = CPU backend =
   check_parametric(normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W))) * V, 62);
   check_parametric(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W))) * V, 63);
   check_parametric(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W)) * V, 64);
+}
+
+// φ(Q) and φ(K) with random projections of their own: φ(K)'s W is input slot 4
+// (a second whole load into a second register). Against the CPU backend and
+// the expression as written — linear causal and not, softmax, chained blocks;
+// the same W given twice reproduces the one-W kernel bit for bit.
+TEST_CASE("favor and random Fourier features with a W for φ(Q) and another for φ(K)") {
+  constexpr auto W2 = input<"W2">(D, Fw);
+  constexpr auto favor2 = normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)))) * V;
+  constexpr auto rff2 = phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2)) * V;
+  constexpr auto soft2 = normalize(exp(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)) * 0.01)) * V;  // (finite in fp32)
+  constexpr auto plan = compile<order::linear>(favor2);
+  auto const spec = cuda::spec_of(plan);
+  CHECK(spec.w_name == "W");
+  CHECK(spec.w_k_name == "W2");
+  CHECK(cuda::plan_text(spec) == fmt::format("{}", plan));
+  test::rng r{65};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    for (shape const s : {shape{1, 2, 1, 7, 4}, shape{2, 1, 70, 16, 9}, shape{1, 2, 130, 24, 33}}) {
+      std::size_t const f = r.in(1, 40);
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
+      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto const p1 = rounded(gaussian_projection<float>(s.d, f, r.next()), dt), p2 = rounded(gaussian_projection<float>(s.d, f, r.next()), dt);
+      auto const w1 = broadcast(p1, s.b, s.h), w2 = broadcast(p2, s.b, s.h);
+      auto const wd1 = widened(p1), wd2 = widened(p2);
+      cuda::options const opt{dt, dt, true};
+      auto check = [&](auto const& expr, auto const& p) {
+        CAPTURE(cuda::spec_of(p).description);
+        auto got = cuda::emulate(p, opt, Q = q, K = k, V = v, W = w1, W2 = w2);
+        CHECK(relative_rms(got, cpu::evaluate(p, Q = q, K = k, V = v, W = w1, W2 = w2)) <= tolerance(dt));
+        CHECK(relative_rms(got, cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v), W = broadcast(wd1, s.b, s.h),
+                                              W2 = broadcast(wd2, s.b, s.h))) <= tolerance(dt));
+        if (s.n == 70) check_compiles(cuda::program_of(p, opt, D = s.d, M = s.m, Fw = f));
+      };
+      check(favor2, plan);
+      check(rff2, compile<order::linear>(rff2));
+      check(soft2, compile(soft2));
+      auto const one_w = cuda::emulate(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V),
+                                       opt, Q = q, K = k, V = v, W = w1);
+      auto const whole = cuda::emulate(plan, opt, Q = q, K = k, V = v, W = w1, W2 = w2);
+      CHECK(max_abs_diff(cuda::emulate(plan, opt, Q = q, K = k, V = v, W = w1, W2 = w1), one_w) == 0.0);
+      // Two chained blocks (each reading both W) = one pass.
+      cuda::state st(plan, s.b, s.h, cuda::memory::host);
+      tensor<float> out(whole.shape());
+      std::size_t const cut = s.n / 3;
+      for (auto [from, to] : {std::pair<std::size_t, std::size_t>{0, cut}, {cut, s.n}})
+        cuda::emulate_into(plan, opt, rows_of(out, from, to), st, Q = test::tokens(q, from, to),
+                           K = test::tokens(k, from, to), V = test::tokens(v, from, to), W = w1, W2 = w2);
+      CHECK(relative_rms(out, whole) <= tolerance(dt));
+    }
 }
 
 // Cross-attention: K and V over another sequence (S rows) than Q (N rows) —
@@ -737,12 +798,6 @@ TEST_CASE("emulation reads and writes strided layouts in place: [B,N,H,D] = [B,H
 }
 
 namespace {
-// Rows [from, to) of a [B, H, N, M] tensor, writable (a block of the output).
-tensor_view<float> rows_of(tensor<float>& t, std::size_t from, std::size_t to) {
-  auto s = t.shape();
-  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
-}
-
 // The chained program of `plan` (what emulate_into with a state runs).
 template <class Plan>
 cuda::program chained_program(Plan const& plan, cuda::options opt, std::size_t d, std::size_t m, std::size_t f = 0) {

@@ -13,7 +13,7 @@
 
 namespace lina::cuda {
 
-static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 11 * 48 + 40,
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 12 * 48 + 40,
               "forward_args must keep the layout of lina::tile::forward_args (tiles.cuh)");
 
 cuda_error::cuda_error(std::string call, std::string kernel, std::string status)
@@ -115,7 +115,7 @@ bool check_launch(program const& p, forward_args const& args, std::int64_t& bloc
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (keys || !p.extras[e].keys) check_device_pointer(args.extra[e].data, ("buffer " + p.extras[e].name).c_str(), name);
   }
-  if (p.spec.causal && keys_of(args) != args.n)
+  if ((p.spec.causal || p.spec.mask_scores) && keys_of(args) != args.n)
     throw std::invalid_argument(fmt::format("lina::cuda: kernel {} is causal: K and V need as many rows as Q", name));
   if (p.spec.chained) {
     check_device_pointer(args.state_in.data, "the state in", name);

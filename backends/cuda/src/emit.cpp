@@ -133,9 +133,9 @@ struct emitter {
           line(ind, "tl::row_divide<{}, {}, {}>({}, eps);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
         break;
       case opcode::exp_rows:
-        line(ind, "tl::exp_rows<{}, {}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, r0, query0, rows);", rows(i.dst),
-             cols(i.dst), pitch(i.dst), cols(i.a), pitch(i.a), i.b >= 0 ? pitch(i.b) : "1", yes(i.b >= 0), yes(i.causal),
-             p.tiles.threads, t, name(i.a), i.b >= 0 ? name(i.b) : "static_cast<float*>(nullptr)", i.scale);
+        line(ind, "tl::exp_rows<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, r0, query0, rows);",
+             rows(i.dst), cols(i.dst), pitch(i.dst), cols(i.a), pitch(i.a), i.b >= 0 ? pitch(i.b) : "1", yes(i.b >= 0),
+             yes(i.causal), yes(i.mask_scores), p.tiles.threads, t, name(i.a), i.b >= 0 ? name(i.b) : "static_cast<float*>(nullptr)", i.scale);
         break;
       case opcode::store: {
         memory const m = sink(i.slot);

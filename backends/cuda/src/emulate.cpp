@@ -251,6 +251,9 @@ struct block {
         tile& o = reg[static_cast<std::size_t>(i.a)];
         for (int r = 0; r < t.rows; ++r) {
           auto valid = [&](int c) { return c < rows && (!i.causal || r0 + c <= row_begin + r); };
+          if (i.mask_scores)  // exp(causal(S)): a masked key's score is 0 (its weight exp(0 − shift))
+            for (int c = 0; c < t.cols; ++c)
+              if (r0 + c > row_begin + r) t.at(r, c) = 0.0f;
           float shift = 0.0f;
           if (i.b >= 0) {
             float& m = reg[static_cast<std::size_t>(i.b)].at(r, 0);
@@ -351,7 +354,7 @@ struct block {
 
 void emulate(program const& p, forward_args const& args) {
   if (args.batch < 0 || args.heads < 0 || args.n < 0) throw std::invalid_argument("lina::cuda::emulate: negative extent");
-  if (p.spec.causal && keys_of(args) != args.n)
+  if ((p.spec.causal || p.spec.mask_scores) && keys_of(args) != args.n)
     throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " is causal: K and V need as many rows as Q");
   if (args.out.data == nullptr && args.batch * args.heads * args.n > 0)
     throw std::invalid_argument("lina::cuda::emulate: no output");

@@ -140,6 +140,10 @@ std::string_view id_of(feature_map m) {
   }
   return "x";
 }
+// φ(K)'s part of a kernel name: its map, and "w2" when it reads a W of its own.
+std::string k_id_of(attention_spec const& s) {
+  return fmt::format("{}{}", id_of(s.map_k), s.w_k_name.empty() ? "" : "w2");
+}
 
 struct builder {
   program p;
@@ -158,22 +162,30 @@ struct builder {
 
   // What feature maps need beyond their destination: x, the rows before a row
   // map (poly2, and the parametric maps' norms); z = x·W and W itself (input
-  // slot 3, loaded once: load_w) for favor and random_fourier.
-  int x = -1, z = -1, w = -1, d = 0;
+  // slot 3, loaded once: load_w) for favor and random_fourier — and φ(K)'s
+  // own W (slot 4) when it has one.
+  int x = -1, z = -1, w = -1, wk = -1, d = 0;
   void feature_registers(attention_spec const& s, int t, dtype w_storage) {
     d = static_cast<int>(s.d);
     bool const param = parametric(s.map_q) || parametric(s.map_k);
     if (param || s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2)  // (also at D = 1: C = D)
       x = reg("x", t, d, "Q or K chunk before the row map (T, D)");
     if (!param) return;
-    z = reg("z", t, static_cast<int>(s.f), "x·W (T, F)");
-    w = reg("w", d, static_cast<int>(s.f), s.w_name + ": the random projections (D, F)", w_storage);
+    int const f = static_cast<int>(s.f);
+    z = reg("z", t, f, "x·W (T, F)");
+    bool const own_k = !s.w_k_name.empty();
+    w = reg("w", d, f, s.w_name + (own_k ? ": φ(Q)'s random projections (D, F)" : ": the random projections (D, F)"),
+            w_storage);
     p.inputs.push_back({s.w_name, "w"});  // slot 3
+    if (!own_k) return;
+    wk = reg("wk", d, f, s.w_k_name + ": φ(K)'s random projections (D, F)", w_storage);
+    p.inputs.push_back({s.w_k_name, "w"});  // slot 4
   }
   void load_w(std::vector<instruction>& list) const {
-    if (w >= 0)
-      list.push_back({.op = opcode::load, .dst = w, .slot = 3, .width = p.registers[static_cast<std::size_t>(w)].cols,
-                      .whole = true});
+    for (auto [r, slot] : {std::pair{w, 3}, std::pair{wk, 4}})
+      if (r >= 0)
+        list.push_back({.op = opcode::load, .dst = r, .slot = slot, .width = p.registers[static_cast<std::size_t>(r)].cols,
+                        .whole = true});
   }
   static instruction zero(int t) { return {.op = opcode::zero, .dst = t}; }
   static instruction load(int t, int slot, int width, bool by_m = false) {
@@ -187,11 +199,11 @@ struct builder {
             .prec = prec};
   }
   static instruction mask(int t) { return {.op = opcode::mask_causal, .dst = t}; }
-  // φ(X) into dst, from input slot `slot`.
+  // φ(X) into dst, from input slot `slot` (1: K, which reads its own W if it has one).
   void load_mapped(std::vector<instruction>& body, int dst, int slot, feature_map m) const {
     if (parametric(m)) {
       body.push_back(load(x, slot, d));
-      body.push_back(product(z, x, false, w, false, false));  // z = x·W
+      body.push_back(product(z, x, false, slot == 1 && wk >= 0 ? wk : w, false, false));  // z = x·W
       // s = D^−¼ in fp32, as lina::favor and lina::random_fourier compute it
       body.push_back({.op = opcode::map, .dst = dst, .a = x, .b = z, .map = m,
                       .scale = static_cast<float>(std::pow(static_cast<double>(d), -0.25))});
@@ -238,10 +250,13 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   int const c = static_cast<int>(features(s.map_q, s.d, s.f));
   bool const row_map = s.map_q == feature_map::poly2 || parametric(s.map_q);  // C features, not D
   int const w = tm + (s.normalized ? 1 : 0);
-  p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}", s.causal ? "causal" : "full",
-                              id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
+  bool const mask_scores = s.mask_scores && !s.causal;  // (after exp, causal masks those keys anyway)
+  p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}",
+                              s.causal ? "causal" : mask_scores ? "masked_scores" : "full",
+                              id_of(s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
                               s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
-  p.description = fmt::format("{} softmax attention (quadratic), forward{}: {}", s.causal ? "causal" : "non-causal",
+  p.description = fmt::format("{} softmax attention (quadratic), forward{}: {}",
+                              s.causal ? "causal" : mask_scores ? "non-causal, scores masked before exp," : "non-causal",
                               s.normalized ? "" : " (unnormalized)", plan_text(s));
   p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}};
   std::string const v1 = s.normalized ? "[V|1]" : "V";
@@ -264,7 +279,7 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   if (s.normalized) keys.push_back(builder::ones(v));
   keys.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
   keys.push_back({.op = opcode::exp_rows, .dst = a, .a = o, .b = mx, .scale = static_cast<float>(s.scale),
-                  .causal = s.causal});                   // a = exp(scale·a − shift), o rescaled
+                  .causal = s.causal, .mask_scores = mask_scores});  // a = exp(scale·a − shift), o rescaled
   keys.push_back(b.product(o, a, false, v, false, true));  // o += a·[V|1]
   p.passes.push_back(std::move(keys));
   p.passes.back().keys = true;
@@ -289,7 +304,7 @@ program lay_out(attention_spec const& s, tile_config tiles) {
   bool const row_map = s.map_q == feature_map::poly2 || parametric(s.map_q);  // C features, not D
   int const w = tm + (s.normalized ? 1 : 0);
   p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}{}", s.causal ? "causal" : "full",
-                              id_of(s.map_q), id_of(s.map_k), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
+                              id_of(s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
                               s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "",
                               b.prec != precision_for(s.in) ? "_exact" : "");
   p.description = fmt::format("{} linear attention, forward{}{}: {}", s.causal ? "causal" : "non-causal",
@@ -512,6 +527,8 @@ program backward_program_of(attention_spec const& s) {
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
   if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
+  if (!s.w_k_name.empty() && !(parametric(s.map_q) && s.map_k == s.map_q))
+    throw std::invalid_argument("lina::cuda: a W of φ(K)'s own needs φ(Q) and φ(K) to be one parametric map");
   for (int t : {64, 32, 16}) {
     program p = lay_out_backward(s, t);
     if (p.shared_bytes() <= shared_memory_budget) return p;
@@ -605,19 +622,24 @@ program program_of(attention_spec const& s) {
     throw std::invalid_argument("lina::cuda: a step program continues a state: make its spec chained");
   if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
+  if (!s.w_k_name.empty() && !(parametric(s.map_q) && s.map_k == s.map_q))
+    throw std::invalid_argument("lina::cuda: a W of φ(K)'s own needs φ(Q) and φ(K) to be one parametric map");
   return lay_out(s, choose_tiles(s));
 }
 
 std::string plan_text(attention_spec const& s) {
-  auto mapped = [&](feature_map m, std::string const& x) {
-    if (parametric(m)) return fmt::format("φ[{}]({}; {})", name_of(m), x, s.w_name);
+  auto mapped = [&](feature_map m, std::string const& x, std::string const& w) {
+    if (parametric(m)) return fmt::format("φ[{}]({}; {})", name_of(m), x, w);
     return m == feature_map::identity ? x : fmt::format("φ[{}]({})", name_of(m), x);
   };
-  std::string const q = mapped(s.map_q, s.q_name), k = mapped(s.map_k, s.k_name);
+  std::string const q = mapped(s.map_q, s.q_name, s.w_name),
+                    k = mapped(s.map_k, s.k_name, s.w_k_name.empty() ? s.w_name : s.w_k_name);
   std::string const v = s.normalized ? "[" + s.v_name + "|1]" : s.v_name;
   if (s.softmax) {  // as compile() prints it: the scale, then causal, outside the scores
     std::string sc = fmt::format("{}·{}ᵀ", q, k);
     if (s.scale != 1) sc = fmt::format("{}·({})", s.scale, sc);
+    if (s.mask_scores && !s.causal) sc = s.scale != 1 ? fmt::format("{}·causal({}·{}ᵀ)", s.scale, q, k)
+                                                       : fmt::format("causal({})", sc);
     sc = fmt::format("exp({})", sc);
     if (s.causal) sc = fmt::format("causal({})", sc);
     std::string core = fmt::format("{}·{}", sc, v);
@@ -661,7 +683,8 @@ std::string listing(program const& p) {
                         : fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);
       case opcode::exp_rows:
         return fmt::format("exp_rows {} = exp({}·{} − {}){}{}", nm(i.dst), i.scale, nm(i.dst),
-                           i.b >= 0 ? nm(i.b) : "0", i.causal ? ", keys after the row masked" : "",
+                           i.b >= 0 ? nm(i.b) : "0",
+                           i.causal ? ", keys after the row masked" : i.mask_scores ? ", scores after the row 0" : "",
                            i.b >= 0 ? fmt::format("; {} grows to the row max, {} rescaled", nm(i.b), nm(i.a)) : "");
       case opcode::store:
         if (i.slot >= 0)

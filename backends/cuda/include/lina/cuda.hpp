@@ -16,11 +16,12 @@
 // live in translation units of their own that never see it.
 //
 // Plans lowered so far (Map ∈ {elu+1, relu, identity, poly2}, φ(·; W) ∈ {favor,
-// random_fourier} with one W, or no φ at all; each with or without the
-// normaliser rowdiv(…[V|1])):
+// random_fourier} with one W for both or one each, or no φ at all; each with
+// or without the normaliser rowdiv(…[V|1])):
 //   causal:      contract(φ(Q), prefix(φ(K)⊗V))  or  causal(φ(Q)·φ(K)ᵀ)·V
 //   non-causal:  φ(Q)·(φ(K)ᵀ·V)                  or  (φ(Q)·φ(K)ᵀ)·V
-//   softmax:     causal(exp(s·(φ(Q)·φ(K)ᵀ)))·V   or  exp(s·(φ(Q)·φ(K)ᵀ))·V (s optional):
+//   softmax:     causal(exp(s·(φ(Q)·φ(K)ᵀ)))·V   or  exp(s·(φ(Q)·φ(K)ᵀ))·V (s optional),
+//                or exp(s·causal(φ(Q)·φ(K)ᵀ))·V (the mask before exp: masked keys weigh 1):
 //                quadratic, a block per chunk of query rows (no backward yet)
 // and a select between two of these that compute the same thing (what
 // compile() leaves for a dynamic N): the chunked kernel is both orders at
@@ -78,8 +79,8 @@ struct cuda_plan {
                 "lina::cuda: this plan cannot be lowered to a CUDA kernel yet. Supported: causal "
                 "contract(φ(Q), prefix(φ(K)⊗V)) or causal(φ(Q)·φ(K)ᵀ)·V, non-causal φ(Q)·(φ(K)ᵀ·V) or "
                 "(φ(Q)·φ(K)ᵀ)·V, each optionally normalised as rowdiv(…[V|1]); φ ∈ {elu+1, relu, identity, "
-                "poly2} or none, or φ(X; W) ∈ {favor, random_fourier} with one W for Q and K; softmax [causal(]exp(s·(Q·Kᵀ))[)]·V, "
-                "normalised or not; K and V over one sequence dimension (Q over another: non-causal only); a "
+                "poly2} or none, or φ(X; W) ∈ {favor, random_fourier} with one W for Q and K or one each; "
+                "softmax [causal(]exp(s·[causal(]Q·Kᵀ[)])[)]·V, normalised or not; K and V over one sequence dimension (Q over another: non-causal only); a "
                 "select only between two such forms of one attention");
   static constexpr bool ok = Supported;
 };
@@ -261,7 +262,10 @@ struct core_parts {
   static constexpr bool stacked = !std::is_void_v<typename layer::sub>;
   static constexpr bool causal = Causal;
   static constexpr bool softmax = Softmax;
+  static constexpr bool mask_scores = false;  // softmax_parts: exp(causal(S))
   static constexpr bool parametric = !std::is_void_v<typename q::param>;  // favor, random_fourier: W
+  // φ(K) reads a W of its own (input slot 4), not φ(Q)'s
+  static constexpr bool own_k_w = !std::is_void_v<typename k::param> && !std::is_same_v<typename q::param, typename k::param>;
   template <class N>
   static constexpr double scale(N const&) {
     return 1;
@@ -272,8 +276,8 @@ struct core_parts {
       using KI = typename k::input;
       using VI = typename v::input;
       // K and V over one sequence; Q over it too, or — non-causal: cross-attention — another;
-      // a parametric map's W shared by φ(Q) and φ(K) (the kernel reads one)
-      return std::is_same_v<typename q::param, typename k::param> &&
+      // a parametric map's W shared by φ(Q) and φ(K), or one each for the same map
+      return (std::is_same_v<typename q::param, typename k::param> || (parametric && own_k_w && q::map == k::map)) &&
              (!Causal || std::is_same_v<typename QI::rows, typename KI::rows>) &&
              std::is_same_v<typename KI::rows, typename VI::rows> && std::is_same_v<typename QI::cols, typename KI::cols>;
     } else {
@@ -287,6 +291,7 @@ struct core {
   static constexpr bool ok = false;
   static constexpr bool softmax = false;
   static constexpr bool parametric = false;
+  static constexpr bool own_k_w = false;
   static constexpr bool stacked = false;
 };
 // contract(φQ, prefix(φK⊗V))
@@ -313,6 +318,7 @@ struct scores {
 template <class A, class B>
 struct scores<node<op::product, A, node<op::transpose, B>>> {
   static constexpr bool ok = true;
+  static constexpr bool masked = false;
   using q = A;
   using k = B;
   template <class N>
@@ -324,9 +330,16 @@ template <class X>
 struct scores<node<op::scale, X>> : scores<X> {
   static constexpr double scale(node<op::scale, X> const& n) { return n.op.factor * scores<X>::scale(kid<0>(n)); }
 };
+// causal(S) inside exp: the mask before exp (a masked score is 0, its key weighs exp(0) = 1)
+template <class X>
+struct scores<node<op::causal, X>> : scores<X> {
+  static constexpr bool masked = true;
+  static constexpr double scale(node<op::causal, X> const& n) { return scores<X>::scale(kid<0>(n)); }
+};
 template <class S, class C, bool Causal>
 struct softmax_parts : core_parts<typename scores<S>::q, typename scores<S>::k, C, Causal, true> {
   static constexpr bool ok = scores<S>::ok && core_parts<typename scores<S>::q, typename scores<S>::k, C, Causal, true>::ok;
+  static constexpr bool mask_scores = scores<S>::masked;
 };
 // exp(S)·V
 template <class S, class C>
@@ -346,9 +359,11 @@ struct core<node<op::product, node<op::causal, node<op::exp, S>>, C>> : softmax_
 template <class X, class Y>
 constexpr bool same_attention() {
   if constexpr (X::ok && Y::ok)
-    return X::causal == Y::causal && X::softmax == Y::softmax && X::q::map == Y::q::map && X::k::map == Y::k::map && X::v::ones == Y::v::ones &&
+    return X::causal == Y::causal && X::softmax == Y::softmax && X::mask_scores == Y::mask_scores &&
+           X::q::map == Y::q::map && X::k::map == Y::k::map && X::v::ones == Y::v::ones &&
            std::is_same_v<typename X::q::input, typename Y::q::input> &&
            std::is_same_v<typename X::q::param, typename Y::q::param> &&
+           std::is_same_v<typename X::k::param, typename Y::k::param> &&
            std::is_same_v<typename X::q::sub, typename Y::q::sub> && std::is_same_v<typename X::k::sub, typename Y::k::sub> &&
            std::is_same_v<typename X::v::sub, typename Y::v::sub> &&
            std::is_same_v<typename X::k::input, typename Y::k::input> &&
@@ -429,6 +444,7 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
     s.normalized = F::normalized;
     s.softmax = F::softmax;
     if constexpr (F::softmax) s.scale = F::scores_scale(plan);
+    s.mask_scores = F::mask_scores && !F::causal;
     s.map_q = F::q::map;
     s.map_k = F::k::map;
     s.eps = F::eps(plan);
@@ -439,6 +455,7 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
       s.f = WI::cols::is_static ? WI::cols::static_extent : 0;
       s.w_name = std::string(WI::name.view());
     }
+    if constexpr (F::own_k_w) s.w_k_name = std::string(F::k::param::name.view());
     s.q_name = std::string(QI::name.view());
     s.k_name = std::string(KI::name.view());
     s.v_name = std::string(VI::name.view());
@@ -835,13 +852,15 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
     s.chained = st != nullptr;
     s.step = step;
     program p = program_of(s);
-    std::vector<std::uint16_t> stores[4];
+    std::vector<std::uint16_t> stores[max_inputs];
     forward_args a;
     a.in[0] = operand_of(in.views[Bound::template input_index<typename F::q::input>()], opt.in, stores[0]);
     a.in[1] = operand_of(in.views[Bound::template input_index<typename F::k::input>()], opt.in, stores[1]);
     a.in[2] = operand_of(in.views[Bound::template input_index<typename F::v::input>()], opt.in, stores[2]);
     if constexpr (!std::is_void_v<typename F::q::param>)  // W
       a.in[3] = operand_of(in.views[Bound::template input_index<typename F::q::param>()], opt.in, stores[3]);
+    if constexpr (F::own_k_w)  // φ(K)'s W
+      a.in[4] = operand_of(in.views[Bound::template input_index<typename F::k::param>()], opt.in, stores[4]);
     a.batch = static_cast<std::int64_t>(in.batch);
     a.heads = static_cast<std::int64_t>(in.heads);
     a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
@@ -1055,6 +1074,8 @@ forward_args device_args(device_view<O> out, Bound const& in) {
   a.in[2] = device_operand(in.views[Bound::template input_index<typename F::v::input>()]);
   if constexpr (!std::is_void_v<typename F::q::param>)  // W
     a.in[3] = device_operand(in.views[Bound::template input_index<typename F::q::param>()]);
+  if constexpr (F::own_k_w)  // φ(K)'s W
+    a.in[4] = device_operand(in.views[Bound::template input_index<typename F::k::param>()]);
   a.out = device_operand(out);
   a.batch = static_cast<std::int64_t>(in.batch);
   a.heads = static_cast<std::int64_t>(in.heads);
@@ -1305,7 +1326,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     attention_spec s = detail::bound_spec(plan, opt, in);
     s.chained = chained;
     program const p = backward_program_of(s);
-    std::vector<std::uint16_t> stores[4];
+    std::vector<std::uint16_t> stores[max_inputs];
     forward_args a;
     a.in[0] = detail::operand_of(in.views[Bound::template input_index<typename F::q::input>()], opt.in, stores[0]);
     a.in[1] = detail::operand_of(in.views[Bound::template input_index<typename F::k::input>()], opt.in, stores[1]);

@@ -75,7 +75,8 @@
 //   exp_rows t, o, m       (quadratic programs) the scores t (T × T: query rows ×
 //                          this chunk's keys) become exp(scale·t − shift), per
 //                          row i < T: key j is valid when j < rows and, causal,
-//                          r0 + j ≤ q0 + i. Shifted (b ≥ 0, normalised plans):
+//                          r0 + j ≤ q0 + i; mask_scores: a key after the row is
+//                          valid, its score 0. Shifted (b ≥ 0, normalised plans):
 //                          m' = max(m[i][0], scale·t[i][j] over valid j) (a NaN
 //                          score is skipped by the max and stays NaN), o[i][·]
 //                          ·= exp(m[i][0] − m'), m[i][0] = m'; m starts at 0, so
@@ -167,7 +168,10 @@ struct attention_spec {
   bool exact_products = false;  // fp32 FMA products even for 16-bit inputs (else precision_for(in))
   bool softmax = false;     // exp(scale·φQ·φKᵀ) (causal: masked after exp), then ·V: quadratic, no state
   double scale = 1;         // softmax only: the factor of the scores inside exp
+  bool mask_scores = false; // non-causal softmax only: exp(causal(S)), the mask before exp — a score past
+                            // the diagonal is 0, so its key weighs exp(0) = 1 (the plan as written)
   std::string q_name = "Q", k_name = "K", v_name = "V", w_name = "W";  // the plan's input symbols
+  std::string w_k_name;     // φ(K)'s own W (input slot 4; same map, same F), or empty: φ(K) reads φ(Q)'s
   std::string description;  // the plan as the user's program printed it (messages)
 };
 
@@ -241,6 +245,7 @@ struct instruction {
   float eps = 0;                // row_divide
   float scale = 1;              // exp_rows; map with a parametric map: s = D^−¼
   bool causal = false;          // exp_rows: mask keys after the query row
+  bool mask_scores = false;     // exp_rows: the scores of keys after the query row are 0 (exp(causal(S)))
   precision prec = precision::fma_f32;  // product
 
   bool operator==(instruction const&) const = default;
@@ -359,14 +364,17 @@ struct operand {
   std::int64_t stride[4] = {0, 0, 0, 0};  // in elements: batch, head, row, col
   std::int64_t cols = 0;
 };
-inline constexpr int max_inputs = 4;
+// Input slots: Q, K, V, then W (φ(Q)'s, or the one W of both) and φ(K)'s own W
+// — or, in a backward kernel, ∂out at 3. Extra buffers: a backward's further
+// gradients and scratch, a split's partial sums.
+inline constexpr int max_inputs = 5, max_extras = 4;
 struct forward_args {
   operand in[max_inputs];
   operand out;        // data points to writable memory
   operand state_in;   // chained programs: fp32 [B, H, C, W], read by load_state
   operand state_out;  // chained programs: fp32 [B, H, C, W], written by store_state; must not overlap state_in
   std::int64_t batch = 0, heads = 0, n = 0;
-  operand extra[max_inputs];  // program::extras: further outputs and scratch (backward kernels)
+  operand extra[max_extras];  // program::extras: further outputs and scratch (backward kernels)
   std::int64_t group_rows = 0;  // split programs: rows per group (a multiple of the chunk)
   std::int64_t n_keys = -1;     // rows of K and V when they are not Q's (cross-attention); −1: n
 };

@@ -27,7 +27,7 @@ struct operand {
   long long cols;
 };
 struct forward_args {
-  operand in[4];
+  operand in[5];      // Q, K, V, W (φ(Q)'s or both's; a backward's ∂out), φ(K)'s own W
   operand out;
   operand state_in;   // chained kernels: the running sums they start from (fp32)
   operand state_out;  // chained kernels: where they leave them (fp32; never overlaps state_in)
@@ -517,17 +517,21 @@ __device__ void row_divide_shifted(float* t, const float* m, float eps) {
 
 // exp_rows (program.hpp): the scores t (R × C) of query rows q0 + i against
 // keys r0 + j become exp(scale·t − shift), invalid keys (j ≥ rows; causal:
-// r0 + j > q0 + i) 0. Shift: each row's running max m (R × 1, pitch PM, from
+// r0 + j > q0 + i) 0; MaskScores: those after the row count with score 0
+// (exp(causal(S))). Shift: each row's running max m (R × 1, pitch PM, from
 // 0) grows to its valid scaled scores and the row's W columns of o (pitch PO)
 // are rescaled by exp(m_old − m_new); else the shift is 0. G = Threads / R
 // adjacent lanes share a row and reduce its max with warp shuffles.
-template <int R, int C, int P, int W, int PO, int PM, bool Shift, bool Causal, int Threads>
+template <int R, int C, int P, int W, int PO, int PM, bool Shift, bool Causal, bool MaskScores, int Threads>
 __device__ void exp_rows(float* t, float* o, float* m, float scale, long long r0, long long q0, int rows) {
   constexpr int G = Threads / R;
   static_assert(G * R == Threads && G <= 32 && (G & (G - 1)) == 0, "exp_rows: a power-of-two group of lanes per row");
   const int i = threadIdx.x / G, lane = threadIdx.x % G;
   const long long last = q0 + i - r0;  // causal: keys j <= last
   float* row = t + i * P;
+  if (MaskScores)
+    for (int j = lane; j < C; j += G)
+      if (j > last) row[j] = 0.0f;
   float shift = 0.0f;
   if (Shift) {
     const float old = m[i * PM];
