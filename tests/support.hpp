@@ -17,6 +17,9 @@ struct softplus {
   static constexpr std::string_view name = "softplus";
   template <class T> static T value(T x) { return std::log1p(std::exp(x)); }
   template <class T> static T derivative(T x) { return 1 / (1 + std::exp(-x)); }
+  // for the CUDA backend's kernels (expressions in the float x)
+  static constexpr std::string_view cuda_apply = "log1pf(expf(x))";
+  static constexpr std::string_view cuda_derivative = "1.0f / (1.0f + expf(-x))";
 };
 
 // Small deterministic generator for shapes and seeds.

@@ -21,6 +21,8 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <unistd.h>
 
 #include "support.hpp"
@@ -87,6 +89,16 @@ tensor_view<float> rows_of(tensor<float>& t, std::size_t from, std::size_t to) {
   return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
 }
 
+// x with contiguous strides (a gradient the CPU laid out like a broadcast input).
+template <class T>
+tensor<T> dense(tensor<T> const& x) {
+  tensor<T> r(x.shape());
+  for (std::size_t i = 0; i < r.shape()[0]; ++i)
+    for (std::size_t j = 0; j < r.shape()[1]; ++j)
+      for (std::size_t a = 0; a < r.shape()[2]; ++a)
+        for (std::size_t c = 0; c < r.shape()[3]; ++c) r(i, j, a, c) = x(i, j, a, c);
+  return r;
+}
 template <class G>
 tensor<float> as_float(G const& x) {
   tensor<float> r(x.shape());
@@ -296,6 +308,13 @@ TEST_CASE("numeric: fp16 and bf16 conversions round to nearest even") {
   CHECK(std::isnan(from_f16_bits(f16_bits(NAN))));
 }
 
+// A user-defined map with no CUDA formulas: the CPU runs it, the kernels cannot.
+struct host_only {
+  static constexpr std::string_view name = "host_only";
+  template <class T> static T value(T x) { return x * x; }
+  template <class T> static T derivative(T x) { return 2 * x; }
+};
+
 TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
   constexpr auto causal_plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   constexpr auto full_plan = compile<order::linear>(normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V);
@@ -312,8 +331,10 @@ TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
   constexpr auto W2 = input<"W2">(D, dim<"F">);
   static_assert(cuda::lowerable<decltype(compile<order::linear>(  // a W for Q and another for K
                     normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)))) * V))>);
-  static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // a user-defined map: no CUDA formula
+  static_assert(cuda::lowerable<decltype(compile<order::linear>(  // a user-defined map with its CUDA formulas
                     normalize(causal(phi<test::softplus>(Q) * transpose(phi<test::softplus>(K)))) * V))>);
+  static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // … without them
+                    normalize(causal(phi<host_only>(Q) * transpose(phi<host_only>(K)))) * V))>);
 
   auto s = cuda::spec_of(causal_plan);
   CHECK(s.causal);
@@ -1810,6 +1831,127 @@ TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, non-
 
 // A few small cases against central finite differences of the expression in
 // double (the references above are cpu::gradient, itself checked so in the CPU suite).
+// A user-defined element-wise map lowers with its CUDA formulas (cuda_apply,
+// cuda_derivative: a struct at the top of the kernel source; the emulation
+// calls its value<float> and derivative<float>): forward causal and not, φ(Q)
+// and φ(K) with two different maps (user0, user1), softmax, the backward.
+struct square_plus_one {
+  static constexpr std::string_view name = "x²+1";
+  template <class T> static T value(T x) { return x * x + 1; }
+  template <class T> static T derivative(T x) { return 2 * x; }
+  static constexpr std::string_view cuda_apply = "fmaf(x, x, 1.0f)";
+  static constexpr std::string_view cuda_derivative = "2.0f * x";
+};
+TEST_CASE("user-defined feature maps lower with their CUDA formulas: forward and backward") {
+  using test::softplus;
+  std::vector<shape> cases = {{1, 2, 1, 7, 4}, {2, 1, 65, 16, 9}, {1, 1, 130, 48, 24}};
+  test::rng r{91};
+  add_random_shapes(cases, r, 1, 0, 200);
+  check_forward(normalize(causal(phi<softplus>(Q) * transpose(phi<softplus>(K)))) * V, 91, cases, false, 1);
+  check_forward(normalize(phi<softplus>(Q) * transpose(phi<square_plus_one>(K))) * V, 92, cases, false, 1);
+  check_forward(normalize(causal(exp(phi<softplus>(Q) * transpose(phi<softplus>(K)) * 0.05))) * V, 93, cases, false, 0);
+  check_backward(normalize(causal(phi<softplus>(Q) * transpose(phi<softplus>(K)))) * V, 94, {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}});
+  check_backward(phi<softplus>(Q) * transpose(phi<square_plus_one>(K)) * V, 95, {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}});
+  // The source defines each map once, named in the kernel and the plan's text.
+  constexpr auto two = compile<order::linear>(normalize(causal(phi<softplus>(Q) * transpose(phi<square_plus_one>(K)))) * V);
+  auto const spec = cuda::spec_of(two);
+  CHECK(spec.map_q == cuda::feature_map::user0);
+  CHECK(spec.map_k == cuda::feature_map::user1);
+  CHECK(cuda::plan_text(spec) == fmt::format("{}", two));
+  auto const p = cuda::program_of(two, {}, D = 16, M = 8);
+  CHECK(p.kernel_name.find("usoftplus_ux1") != std::string::npos);
+  std::string const src = cuda::emit(p);
+  CHECK(src.find("return log1pf(expf(x));") != std::string::npos);
+  CHECK(src.find("return fmaf(x, x, 1.0f);") != std::string::npos);
+  check_compiles(p);
+  auto sized = spec;
+  sized.d = 16, sized.m = 8;
+  check_compiles(cuda::backward_program_of(sized));
+  // A spec whose user map lacks its formulas is refused before anything is generated.
+  auto bad = sized;
+  bad.user[1].cuda_apply.clear();
+  CHECK_THROWS_WITH_AS(cuda::program_of(bad), doctest::Contains("x²+1"), std::invalid_argument);
+}
+
+// favor and random Fourier features: the backward reloads x, z = x·W, turns z
+// into ∂z (map_grad), ∂X = ∂z·Wᵀ (− s·x·Σ∂z for favor's norm: param_grad), and
+// sums xᵀ·∂z over Q's and K's rows into ∂W per (batch, head), stored once at
+// the end. Against cpu::gradient of the plan and of the expression in double
+// (exact products: the per-dtype tolerance), one W and a W for each side.
+template <class Expr, class... W>
+void check_parametric_backward(Expr const& expr, std::uint64_t seed, W const&... ws) {
+  auto const plan = compile<order::linear>(expr);
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    double worst = 0;
+    for (shape const s : {shape{1, 2, 9, 6, 5}, shape{2, 1, 70, 12, 20}, shape{1, 1, 130, 20, 7}}) {
+      std::size_t const f = r.in(2, 24);  // (F = 1 leaves a normalised favor row φ(q)-free but for eps: ∂Q is noise)
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
+      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      std::vector<tensor<float>> proj;  // one projection per W symbol, shared by batch and heads
+      for (std::size_t i = 0; i < sizeof...(W); ++i) proj.push_back(rounded(gaussian_projection<float>(s.d, f, r.next()), dt));
+      std::vector<tensor<double>> projd;
+      for (auto const& x : proj) projd.push_back(widened(x));
+      auto const [wb, wd] = [&]<std::size_t... I>(std::index_sequence<I...>) {
+        return std::pair{std::tuple{(ws = broadcast(proj[I], s.b, s.h))...}, std::tuple{(ws = broadcast(projd[I], s.b, s.h))...}};
+      }(std::index_sequence_for<W...>{});
+      cuda::options const opt{dt, dt, true};
+      auto g = std::apply([&](auto const&... w) { return cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v, w...); }, wb);
+      auto cpu = std::apply([&](auto const&... w) { return cpu::gradient(plan, dout, Q = q, K = k, V = v, w...); }, wb);
+      auto exact = std::apply(
+          [&](auto const&... w) { return cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v), w...); }, wd);
+      auto one = [&](auto const& x, std::string const& name) {
+        CAPTURE(name);
+        REQUIRE(g[x].shape() == cpu[x].shape());
+        // (the CPU lays out the gradient of a broadcast W by its strides: compare elements, not memory)
+        double const e1 = relative_rms(g[x], dense(cpu[x])), e2 = relative_rms(g[x], as_float(dense(exact[x])));
+        CHECK(e1 <= tolerance(dt));
+        CHECK(e2 <= tolerance(dt));
+        worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
+      };
+      one(Q, "∂Q");
+      one(K, "∂K");
+      one(V, "∂V");
+      (one(ws, "∂W"), ...);
+      auto spec = cuda::spec_of(plan, opt);
+      spec.d = s.d, spec.m = s.m, spec.f = f;
+      if (s.n == 70 && dt == cuda::dtype::f32) check_compiles(cuda::backward_program_of(spec));
+    }
+    MESSAGE(cuda::name_of(dt) << " " << cuda::spec_of(plan).description << " backward: largest error / tolerance: " << worst);
+  }
+}
+
+TEST_CASE("backward: favor and random Fourier features (∂W per batch and head) = cpu::gradient = the expression's") {
+  constexpr auto W2 = input<"W2">(D, Fw);
+  check_parametric_backward(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 101, W);
+  check_parametric_backward(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W)) * V, 102, W);
+  check_parametric_backward(normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W2))) * V, 103, W, W2);
+  check_parametric_backward(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2))) * V, 104, W, W2);
+  // Chained: two blocks differentiated last first; their ∂W add up to the one pass's.
+  constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+  std::size_t const b = 2, h = 2, n = 100, d = 12, m = 9, f = 16, cut = 37;
+  auto q = tensor<float>::random({b, h, n, d}, 105), k = tensor<float>::random({b, h, n, d}, 106),
+       v = tensor<float>::random({b, h, n, m}, 107), dout = tensor<float>::random({b, h, n, m}, 108);
+  auto const w = gaussian_projection<float>(d, f, 109);
+  auto const wb = broadcast(w, b, h);
+  auto whole = cuda::emulate_gradient(plan, {}, dout, Q = q, K = k, V = v, W = wb);
+  auto first = [&](tensor<float> const& x) { return test::tokens(x, 0, cut); };
+  auto second = [&](tensor<float> const& x) { return test::tokens(x, cut, n); };
+  cuda::state s1(plan, b, h, cuda::memory::host), none(cuda::memory::host);
+  cuda::emulate(plan, {}, s1, Q = first(q), K = first(k), V = first(v), W = wb);
+  auto [g2, d1] = cuda::emulate_gradient(plan, {}, second(dout), s1, none, Q = second(q), K = second(k), V = second(v), W = wb);
+  auto [g1, d0] = cuda::emulate_gradient(plan, {}, first(dout), none, d1, Q = first(q), K = first(k), V = first(v), W = wb);
+  tensor<float> dw(whole[W].shape()), dq(whole[Q].shape());
+  for (std::size_t i = 0; i < dw.size(); ++i) dw.data()[i] = g1[W].data()[i] + g2[W].data()[i];
+  for (std::size_t i = 0; i < b; ++i)
+    for (std::size_t j = 0; j < h; ++j)
+      for (std::size_t t = 0; t < n; ++t)
+        for (std::size_t c = 0; c < d; ++c) dq(i, j, t, c) = t < cut ? g1[Q](i, j, t, c) : g2[Q](i, j, t - cut, c);
+  CHECK(relative_rms(dw, whole[W]) <= tolerance(cuda::dtype::f32));
+  CHECK(relative_rms(dq, whole[Q]) <= tolerance(cuda::dtype::f32));
+}
+
 TEST_CASE("backward: emulated gradients = finite differences in double, small cases") {
   auto check_fd = [](auto const& expr, shape s, std::uint64_t seed) {
     CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
@@ -1973,6 +2115,21 @@ TEST_CASE("device: gradients = their emulation") {
     run.template operator()<float>(causal_plan, s, 900);
     run.template operator()<cuda::bf16>(causal_plan, s, 910);
     run.template operator()<cuda::bf16>(full_plan, s, 920);
+  }
+  {  // favor: ∂W per (batch, head) too, W one device matrix shown to every (batch, head) (zero strides)
+    constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+    std::size_t const b = 2, h = 2, n = 100, d = 32, m = 16, f = 24;
+    auto q = tensor<float>::random({b, h, n, d}, 930), k = tensor<float>::random({b, h, n, d}, 931),
+         v = tensor<float>::random({b, h, n, m}, 932), dout = tensor<float>::random({b, h, n, m}, 933);
+    auto w = gaussian_projection<float>(d, f, 934);
+    auto want = cuda::emulate_gradient(plan, {}, dout, Q = q, K = k, V = v, W = broadcast(w, b, h));
+    auto dw = cuda::to_device(w);
+    cuda::device_view<float const> const wv(dw.data(), {b, h, d, f}, {0, 0, static_cast<std::ptrdiff_t>(f), 1});
+    auto got = cuda::gradient(plan, cuda::to_device(dout), nullptr, Q = cuda::to_device(q), K = cuda::to_device(k),
+                              V = cuda::to_device(v), W = wv);
+    for (auto [x, y] : {std::pair{cuda::to_host(got[Q]), want[Q]}, {cuda::to_host(got[K]), want[K]},
+                        {cuda::to_host(got[V]), want[V]}, {cuda::to_host(got[W]), want[W]}})
+      CHECK(relative_rms(x, y) <= 1e-5);
   }
 }
 

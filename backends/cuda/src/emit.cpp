@@ -28,14 +28,18 @@ std::string_view element_tag(dtype t) {
   }
   return "?";
 }
+// The type a kernel names a map by: lina::tile's, or the kernel's own struct
+// for a user-defined map (defined at the top of its source: user_maps).
 std::string_view map_tag(feature_map m) {
   switch (m) {
-    case feature_map::identity: return "identity";
-    case feature_map::elu_plus_one: return "elu_plus_one";
-    case feature_map::relu: return "relu";
-    case feature_map::poly2: return "poly2";
-    case feature_map::favor: return "favor";
-    case feature_map::random_fourier: return "random_fourier";
+    case feature_map::identity: return "tl::identity";
+    case feature_map::elu_plus_one: return "tl::elu_plus_one";
+    case feature_map::relu: return "tl::relu";
+    case feature_map::poly2: return "tl::poly2";
+    case feature_map::favor: return "tl::favor";
+    case feature_map::random_fourier: return "tl::random_fourier";
+    case feature_map::user0: return "user0";
+    case feature_map::user1: return "user1";
   }
   return "?";
 }
@@ -93,7 +97,7 @@ struct emitter {
       line(ind, "tl::load<{}, {}, {}, {}>({}, {}, {}, r0, {}, rows, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst), t,
            m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
     else
-      line(ind, "tl::load_map<{}, tl::{}, {}, {}, {}>({}, {}, {}, r0, {}, rows, {});  // load, map", m.type, map,
+      line(ind, "tl::load_map<{}, {}, {}, {}, {}>({}, {}, {}, r0, {}, rows, {});  // load, map", m.type, map,
            rows(i.dst), cols(i.dst), pitch(i.dst), t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
   }
 
@@ -104,14 +108,14 @@ struct emitter {
       case opcode::load: load(ind, i, {}); break;
       case opcode::map:
         if (i.b >= 0)  // parametric: from x and z = x·W; s = D^−¼ (the instruction's), 1/√F as fp32 constants
-          line(ind, "tl::map_param<tl::{}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, {:#.9g}f, rows);", map_tag(i.map),
+          line(ind, "tl::map_param<{}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, {:#.9g}f, rows);", map_tag(i.map),
                rows(i.dst), cols(i.dst), pitch(i.dst), cols(i.a), pitch(i.a), cols(i.b), pitch(i.b), t, name(i.a), name(i.b),
                i.scale, 1.0f / std::sqrt(static_cast<float>(p.registers.at(static_cast<std::size_t>(i.b)).cols)));
         else if (i.a >= 0)
-          line(ind, "tl::map_rows<tl::{}, {}, {}, {}, {}, {}>({}, {}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst),
+          line(ind, "tl::map_rows<{}, {}, {}, {}, {}, {}>({}, {}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst),
                pitch(i.dst), cols(i.a), pitch(i.a), t, name(i.a));
         else
-          line(ind, "tl::map<tl::{}, {}, {}, {}>({}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst), pitch(i.dst), t);
+          line(ind, "tl::map<{}, {}, {}, {}>({}, rows);", map_tag(i.map), rows(i.dst), cols(i.dst), pitch(i.dst), t);
         break;
       case opcode::ones_column:
         line(ind, "tl::ones_column<{}, {}, {}>({}, rows);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
@@ -139,20 +143,37 @@ struct emitter {
         break;
       case opcode::store: {
         memory const m = sink(i.slot);
-        line(ind, "tl::store<{}, {}, {}, {}>({}, {}, {}, r0, {}, rows, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst),
-             t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
+        if (i.whole)  // all rows of the register (∂W), once
+          line(ind, "tl::store<{}, {}, {}, {}>({}, {}, {}, 0, 0, {}, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst),
+               t, m.operand, m.base, rows(i.dst), width(i));
+        else
+          line(ind, "tl::store<{}, {}, {}, {}>({}, {}, {}, r0, {}, rows, {});", m.type, rows(i.dst), cols(i.dst),
+               pitch(i.dst), t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
         break;
       }
       case opcode::mask_anticausal:
         line(ind, "tl::mask_anticausal<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t);
         break;
+      case opcode::param_grad: {
+        memory const m = source(i.slot);
+        line(ind, "tl::param_grad<{}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {}, {}, {:#.9g}f, r0, rows);", m.type,
+             map_tag(i.map), rows(i.dst), cols(i.dst), pitch(i.dst), cols(i.a), pitch(i.a), pitch(i.b), t, name(i.a),
+             name(i.b), m.operand, m.base, i.scale);
+        break;
+      }
       case opcode::map_grad: {
+        if (parametric(i.map)) {  // in place on z, from ∂φ (a) and x (b)
+          line(ind, "tl::map_grad_param<{}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, {:#.9g}f, rows);", map_tag(i.map),
+               rows(i.dst), cols(i.dst), pitch(i.dst), pitch(i.a), cols(i.b), pitch(i.b), t, name(i.a), name(i.b), i.scale,
+               1.0f / std::sqrt(static_cast<float>(p.registers.at(static_cast<std::size_t>(i.dst)).cols)));
+          break;
+        }
         memory const m = source(i.slot);
         if (i.a >= 0)
-          line(ind, "tl::map_grad_rows<{}, tl::{}, {}, {}, {}, {}>({}, {}, {}, {}, r0, rows);", m.type, map_tag(i.map),
+          line(ind, "tl::map_grad_rows<{}, {}, {}, {}, {}, {}>({}, {}, {}, {}, r0, rows);", m.type, map_tag(i.map),
                rows(i.dst), cols(i.dst), pitch(i.dst), pitch(i.a), t, name(i.a), m.operand, m.base);
         else
-          line(ind, "tl::map_grad<{}, tl::{}, {}, {}, {}>({}, {}, {}, r0, rows);", m.type, map_tag(i.map), rows(i.dst),
+          line(ind, "tl::map_grad<{}, {}, {}, {}, {}>({}, {}, {}, r0, rows);", m.type, map_tag(i.map), rows(i.dst),
                cols(i.dst), pitch(i.dst), t, m.operand, m.base);
         break;
       }
@@ -231,6 +252,19 @@ struct emitter {
     line(0, "namespace tl = lina::tile;");
     line(0, "using in_type = tl::{};", element_tag(p.spec.in));
     line(0, "using out_type = tl::{};", element_tag(p.spec.out));
+    for (feature_map m : {feature_map::user0, feature_map::user1}) {  // user-defined maps: the formulas read
+      bool apply = false, derivative = false;
+      for (auto const* i : all) {
+        apply = apply || (i->op == opcode::map && i->map == m);
+        derivative = derivative || (i->op == opcode::map_grad && i->map == m);
+      }
+      if (!apply && !derivative) continue;
+      user_map const& u = p.spec.user[m == feature_map::user0 ? 0 : 1];
+      line(0, "struct {} {{  // φ = {} (user-defined)", map_tag(m), u.name);
+      if (apply) line(2, "__device__ static float apply(float x) {{ return {}; }}", u.cuda_apply);
+      if (derivative) line(2, "__device__ static float derivative(float x) {{ return {}; }}", u.cuda_derivative);
+      line(0, "}};");
+    }
     line(0, "constexpr int chunk = {};", p.tiles.chunk);
     bool by_m = p.spec.chained;  // load_state and store_state always start at m0
     for (auto const* i : all) by_m = by_m || i->by_m_tile;
@@ -281,7 +315,8 @@ struct emitter {
     line(2, "const long long b = slice / args.heads, h = slice % args.heads;");
     std::vector<bool> loaded(p.inputs.size()), extra(p.extras.size());  // likewise memory no instruction touches
     for (auto const* i : all) {
-      bool const reads = i->op == opcode::load || i->op == opcode::map_grad;
+      bool const reads =
+          (i->op == opcode::load || i->op == opcode::map_grad || i->op == opcode::param_grad) && i->slot >= 0;
       if (reads && i->slot < max_inputs) loaded.at(static_cast<std::size_t>(i->slot)) = true;
       if (reads && i->slot >= max_inputs) extra.at(static_cast<std::size_t>(i->slot - max_inputs)) = true;
       if (i->op == opcode::store && i->slot >= 0) extra.at(static_cast<std::size_t>(i->slot)) = true;
@@ -360,8 +395,8 @@ struct emitter {
       return std::move(out);
     }
     for (auto const& i : p.epilogue) {
-      if (i.op != opcode::store_state && i.op != opcode::store_partial)
-        throw std::logic_error("lina::cuda::emit: an epilogue holds only store_state and store_partial instructions");
+      if (i.op != opcode::store_state && i.op != opcode::store_partial && !(i.op == opcode::store && i.whole))
+        throw std::logic_error("lina::cuda::emit: an epilogue holds only store_state, store_partial and whole stores (∂W)");
       instruction(2, i);
     }
     line(0, "}}");

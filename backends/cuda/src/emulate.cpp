@@ -30,8 +30,8 @@ void write(void* base, std::int64_t offset, dtype t, float x) {
   }
 }
 
-// The device's formulas (tiles.cuh), in fp32.
-float apply(feature_map m, float x) {
+// The device's formulas (tiles.cuh), in fp32; a user-defined map's host functions.
+float apply(attention_spec const& s, feature_map m, float x) {
   switch (m) {
     case feature_map::identity: return x;
     case feature_map::elu_plus_one: return x > 0.0f ? x + 1.0f : std::exp(x);
@@ -39,14 +39,18 @@ float apply(feature_map m, float x) {
     case feature_map::poly2:
     case feature_map::favor:
     case feature_map::random_fourier: break;  // row maps
+    case feature_map::user0: return s.user[0].apply(x);
+    case feature_map::user1: return s.user[1].apply(x);
   }
   return x;
 }
 // φ′(x) of an element-wise map (program.hpp, map_grad).
-float derivative(feature_map m, float x) {
+float derivative(attention_spec const& s, feature_map m, float x) {
   switch (m) {
     case feature_map::elu_plus_one: return x > 0.0f ? 1.0f : std::exp(x);
     case feature_map::relu: return x > 0.0f ? 1.0f : 0.0f;
+    case feature_map::user0: return s.user[0].derivative(x);
+    case feature_map::user1: return s.user[1].derivative(x);
     default: return 1.0f;
   }
 }
@@ -123,6 +127,33 @@ struct block {
         break;
       }
       case opcode::map_grad: {
+        if (parametric(i.map)) {  // in place: t = z = x·W becomes ∂z, from ∂φ (i.a) and x (i.b)
+          tile& g = reg[static_cast<std::size_t>(i.a)];
+          tile& x = reg[static_cast<std::size_t>(i.b)];
+          int const f = t.cols;
+          float const s = i.scale, inv = 1.0f / std::sqrt(static_cast<float>(f));
+          for (int r = 0; r < t.rows; ++r) {
+            float n = 0.0f;
+            for (int c = 0; c < x.cols; ++c) n = std::fma(x.at(r, c), x.at(r, c), n);
+            float const h = n * (s * s / 2.0f);
+            for (int j = 0; j < f; ++j) {
+              float y = 0.0f;
+              if (r < rows && i.map == feature_map::favor) {
+                float const phi = std::exp(std::fma(s, t.at(r, j), -h)) * inv;
+                float const gp = g.at(r, j) * phi;
+                y = s * gp;
+              } else if (r < rows) {
+                float const u = s * t.at(r, j);
+                float const c = std::cos(u) * inv, sn = std::sin(u) * inv;
+                float const p1 = g.at(r, f + j) * c, p0 = g.at(r, j) * sn;
+                float const diff = p1 - p0;
+                y = s * diff;
+              }
+              t.at(r, j) = y;
+            }
+          }
+          break;
+        }
         operand const& o = source(i.slot);
         dtype const type = source_type(i.slot);
         std::int64_t const base = slice_offset(o);
@@ -133,7 +164,30 @@ struct block {
           if (i.a >= 0)  // a row map, out of place: t (T × D) from the features' adjoints in a (T × C)
             poly2_adjoint(x.data(), t.cols, &reg[static_cast<std::size_t>(i.a)].at(r, 0), &t.at(r, 0));
           else
-            for (int c = 0; c < t.cols; ++c) t.at(r, c) = t.at(r, c) * derivative(i.map, x[static_cast<std::size_t>(c)]);
+            for (int c = 0; c < t.cols; ++c) t.at(r, c) = t.at(r, c) * derivative(p.spec, i.map, x[static_cast<std::size_t>(c)]);
+        }
+        break;
+      }
+      case opcode::param_grad: {  // ∂X = ∂z·Wᵀ (− s·x·Σ∂z for favor), x read from input slot i.slot
+        tile& dz = reg[static_cast<std::size_t>(i.a)];
+        tile& w = reg[static_cast<std::size_t>(i.b)];
+        operand const& o = source(i.slot);
+        dtype const type = source_type(i.slot);
+        std::int64_t const base = slice_offset(o);
+        std::fill(t.v.begin(), t.v.end(), 0.0f);
+        for (int r = 0; r < rows; ++r) {
+          float sum = 0.0f;
+          for (int f = 0; f < dz.cols; ++f) sum += dz.at(r, f);
+          for (int c = 0; c < t.cols; ++c) {
+            float y = 0.0f;
+            for (int f = 0; f < dz.cols; ++f) y = std::fma(dz.at(r, f), w.at(c, f), y);
+            if (i.map == feature_map::favor) {
+              float const x = read(o.data, base + (r0 + r) * o.stride[2] + c * o.stride[3], type);
+              float const sx = i.scale * x;
+              y = std::fma(-sx, sum, y);
+            }
+            t.at(r, c) = y;
+          }
         }
         break;
       }
@@ -208,7 +262,7 @@ struct block {
           break;
         }
         for (int r = 0; r < rows; ++r)
-          for (int c = 0; c < t.cols; ++c) t.at(r, c) = apply(i.map, t.at(r, c));
+          for (int c = 0; c < t.cols; ++c) t.at(r, c) = apply(p.spec, i.map, t.at(r, c));
         break;
       case opcode::ones_column:
         for (int r = 0; r < rows; ++r) t.at(r, t.cols - 1) = 1.0f;
@@ -298,6 +352,7 @@ struct block {
         dtype const type = i.slot < 0 ? p.spec.out : p.extras.at(static_cast<std::size_t>(i.slot)).type;
         std::int64_t base = slice_offset(o), c0 = col0(i);
         void* out = const_cast<void*>(o.data);
+        if (i.whole) r0 = 0, rows = t.rows;  // all of ∂W
         for (int r = 0; r < rows; ++r)
           for (int c = 0; c < i.width && c0 + c < o.cols; ++c)
             write(out, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], type, t.at(r, c));

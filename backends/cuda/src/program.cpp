@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
 #include <cmath>
 #include <algorithm>
 #include <cstring>
@@ -29,6 +30,8 @@ std::string_view name_of(feature_map m) {
     case feature_map::poly2: return "poly2";
     case feature_map::favor: return "favor";
     case feature_map::random_fourier: return "rff";
+    case feature_map::user0: return "user0";
+    case feature_map::user1: return "user1";
   }
   return "?";
 }
@@ -58,6 +61,7 @@ std::string_view name_of(opcode o) {
     case opcode::store_partial: return "store_partial";
     case opcode::add_partials: return "add_partials";
     case opcode::exp_rows: return "exp_rows";
+    case opcode::param_grad: return "param_grad";
   }
   return "?";
 }
@@ -137,12 +141,22 @@ std::string_view id_of(feature_map m) {
     case feature_map::poly2: return "poly2";
     case feature_map::favor: return "favor";
     case feature_map::random_fourier: return "rff";
+    case feature_map::user0:
+    case feature_map::user1: break;  // map_id
   }
   return "x";
 }
+// A map's part of a kernel name; a user-defined map's name, letters and digits kept.
+std::string map_id(attention_spec const& s, feature_map m) {
+  if (!user_defined(m)) return std::string(id_of(m));
+  std::string r = "u";
+  for (char c : s.user[m == feature_map::user0 ? 0 : 1].name)
+    if (std::isalnum(static_cast<unsigned char>(c))) r += c;
+  return r;
+}
 // φ(K)'s part of a kernel name: its map, and "w2" when it reads a W of its own.
 std::string k_id_of(attention_spec const& s) {
-  return fmt::format("{}{}", id_of(s.map_k), s.w_k_name.empty() ? "" : "w2");
+  return fmt::format("{}{}", map_id(s, s.map_k), s.w_k_name.empty() ? "" : "w2");
 }
 
 struct builder {
@@ -165,6 +179,7 @@ struct builder {
   // slot 3, loaded once: load_w) for favor and random_fourier — and φ(K)'s
   // own W (slot 4) when it has one.
   int x = -1, z = -1, w = -1, wk = -1, d = 0;
+  int w_slot = 3;  // W's input slot (φ(K)'s own: the next): 3 in a forward, 4 in a backward (after ∂out)
   void feature_registers(attention_spec const& s, int t, dtype w_storage) {
     d = static_cast<int>(s.d);
     bool const param = parametric(s.map_q) || parametric(s.map_k);
@@ -176,13 +191,13 @@ struct builder {
     bool const own_k = !s.w_k_name.empty();
     w = reg("w", d, f, s.w_name + (own_k ? ": φ(Q)'s random projections (D, F)" : ": the random projections (D, F)"),
             w_storage);
-    p.inputs.push_back({s.w_name, "w"});  // slot 3
+    p.inputs.push_back({s.w_name, "w"});  // slot w_slot
     if (!own_k) return;
     wk = reg("wk", d, f, s.w_k_name + ": φ(K)'s random projections (D, F)", w_storage);
-    p.inputs.push_back({s.w_k_name, "w"});  // slot 4
+    p.inputs.push_back({s.w_k_name, "w"});  // slot w_slot + 1
   }
   void load_w(std::vector<instruction>& list) const {
-    for (auto [r, slot] : {std::pair{w, 3}, std::pair{wk, 4}})
+    for (auto [r, slot] : {std::pair{w, w_slot}, std::pair{wk, w_slot + 1}})
       if (r >= 0)
         list.push_back({.op = opcode::load, .dst = r, .slot = slot, .width = p.registers[static_cast<std::size_t>(r)].cols,
                         .whole = true});
@@ -253,7 +268,7 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   bool const mask_scores = s.mask_scores && !s.causal;  // (after exp, causal masks those keys anyway)
   p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}",
                               s.causal ? "causal" : mask_scores ? "masked_scores" : "full",
-                              id_of(s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
+                              map_id(s, s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
                               s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
   p.description = fmt::format("{} softmax attention (quadratic), forward{}: {}",
                               s.causal ? "causal" : mask_scores ? "non-causal, scores masked before exp," : "non-causal",
@@ -304,7 +319,7 @@ program lay_out(attention_spec const& s, tile_config tiles) {
   bool const row_map = s.map_q == feature_map::poly2 || parametric(s.map_q);  // C features, not D
   int const w = tm + (s.normalized ? 1 : 0);
   p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}{}", s.causal ? "causal" : "full",
-                              id_of(s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
+                              map_id(s, s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
                               s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "",
                               b.prec != precision_for(s.in) ? "_exact" : "");
   p.description = fmt::format("{} linear attention, forward{}{}: {}", s.causal ? "causal" : "non-causal",
@@ -368,9 +383,25 @@ program lay_out(attention_spec const& s, tile_config tiles) {
 }  // namespace
 
 namespace {
-// The backward program of a (valid, unchained) spec at chunk T (program.hpp,
-// backward_program_of). Slots: Q, K, V, ∂out in 0–3; extra[0] ∂K, extra[1] ∂V,
-// extra[2] the scratch rows ĝ (normalised only).
+// What every program needs of a spec's feature maps.
+void check_maps(attention_spec const& s) {
+  if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
+    throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
+  for (feature_map m : {s.map_q, s.map_k})
+    if (user_defined(m)) {
+      user_map const& u = s.user[m == feature_map::user0 ? 0 : 1];
+      if (u.cuda_apply.empty() || u.cuda_derivative.empty() || !u.apply || !u.derivative)
+        throw std::invalid_argument("lina::cuda: the user-defined map " + u.name +
+                                    " needs its CUDA formulas (cuda_apply, cuda_derivative) and host functions");
+    }
+  if (!s.w_k_name.empty() && !(parametric(s.map_q) && s.map_k == s.map_q))
+    throw std::invalid_argument("lina::cuda: a W of φ(K)'s own needs φ(Q) and φ(K) to be one parametric map");
+}
+
+// The backward program of a (valid) spec at chunk T (program.hpp,
+// backward_program_of). Slots: Q, K, V, ∂out in 0–3, W (and φ(K)'s own W) in
+// 4 (5); extra[0] ∂K, extra[1] ∂V, extra[2] the scratch rows ĝ (normalised
+// only), then ∂W (and ∂W2) for a parametric map, then ∂state (chained).
 program lay_out_backward(attention_spec const& s, int t) {
   builder b;
   program& p = b.p;
@@ -380,10 +411,13 @@ program lay_out_backward(attention_spec const& s, int t) {
   b.prec = precision_of(s);
   int const d = static_cast<int>(s.d), m = static_cast<int>(s.m);
   int const c = static_cast<int>(features(s.map_q, s.d, s.f));
-  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;  // ∂ through the row map (also at D = 1)
+  bool const param = parametric(s.map_q) || parametric(s.map_k);
+  bool const own_k = !s.w_k_name.empty();
+  // ∂ through a row map (also at D = 1), or through x·W
+  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2 || param;
   int const w = m + (s.normalized ? 1 : 0);
-  p.kernel_name = fmt::format("lina_{}_backward_{}_{}_d{}_m{}_t{}_{}_{}{}{}{}", s.causal ? "causal" : "full", id_of(s.map_q),
-                              id_of(s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
+  p.kernel_name = fmt::format("lina_{}_backward_{}_{}_d{}_m{}_t{}_{}_{}{}{}{}", s.causal ? "causal" : "full", map_id(s, s.map_q),
+                              map_id(s, s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
                               s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "",
                               b.prec != precision_for(s.in) ? "_exact" : "");
   p.description = fmt::format("{} linear attention, backward{}{}: ∂{}, ∂{}, ∂{} of {}", s.causal ? "causal" : "non-causal",
@@ -395,6 +429,9 @@ program lay_out_backward(attention_spec const& s, int t) {
               {"∂" + s.v_name, s.out, "the gradient of " + s.v_name, true}};
   int const scratch = max_inputs + 2;  // the load slot of extra[2]
   if (s.normalized) p.extras.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the unnormalised rows [num | den], fp32"});
+  int const dw_at = param ? static_cast<int>(p.extras.size()) : -1;  // ∂W, then φ(K)'s ∂W2
+  if (param) p.extras.push_back({"∂" + s.w_name, s.out, "the gradient of " + s.w_name + " per (batch, head) [B, H, D, F]"});
+  if (own_k) p.extras.push_back({"∂" + s.w_k_name, s.out, "the gradient of " + s.w_k_name + " per (batch, head) [B, H, D, F]"});
   int const d_final = s.chained ? static_cast<int>(p.extras.size()) : -1;  // chained: ∂(the state it leaves), read
   if (s.chained)
     p.extras.push_back({"∂state out", dtype::f32, "the gradient of the state the block leaves, fp32 [B, H, C, W] (0: the end)"});
@@ -403,26 +440,42 @@ program lay_out_backward(attention_spec const& s, int t) {
   std::string const cdim = row_map ? "C" : "D";
   int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")");
   int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")");
+  b.w_slot = 4;
   b.feature_registers(s, t, dtype::f32);
+  int const f = static_cast<int>(s.f);
+  int const dw = param ? b.reg("dw", d, f, "∂" + s.w_name + " = Σ xᵀ·∂z over the rows so far, fp32 (D, F)") : -1;
+  int const dwk = own_k ? b.reg("dwk", d, f, "∂" + s.w_k_name + " = Σ kᵀ·∂z over K's rows so far, fp32 (D, F)") : -1;
   int const v = b.reg("v", t, w, v1 + " chunk (T, W)");
   int const g = b.reg("g", t, w, s.normalized ? "ĝ: ∂out, then the adjoint of the unnormalised rows (T, W)" : "∂out chunk (T, M)");
   int const o = b.reg("o", t, w, s.normalized ? "the unnormalised rows [num | den], then ∂" + v1 + " (T, W)" : "∂V rows (T, M)");
   int const a = b.reg("a", t, t, "a chunk's scores or their adjoints (T, T)");
   int const dx = b.reg("dx", t, c, "∂φ(Q) or ∂φ(K) rows (T, " + cdim + ")");
-  int const gx = row_map ? b.reg("gx", t, d, "∂Q or ∂K rows through the row map (T, D)") : -1;
+  int const gx = row_map ? b.reg("gx", t, d, "∂Q or ∂K rows through the row map or x·W (T, D)") : -1;
   int const st = b.reg("state", c, w, "S = Σ φ(K)ᵀ" + v1 + " (forward), then R = Σ φ(Q)ᵀĝ (reverse), fp32 (" + cdim + ", W)");
   float const eps = static_cast<float>(s.eps);
 
-  auto load_mapped = [&](std::vector<instruction>& body, int dst, int slot, feature_map mp) {
-    b.load_mapped(body, dst, slot, mp);
-  };
   auto load_v = [&](std::vector<instruction>& body) {
     body.push_back(builder::load(v, 2, m));
     if (s.normalized) body.push_back(builder::ones(v));
   };
-  // ∂φ rows in dx → ∂X rows stored to `to` (-1: out, else extra[to]).
+  // ∂φ rows in dx → ∂X rows stored to `to` (-1: out, else extra[to]). A
+  // parametric map reloads x and z = x·W (as the forward computed them; the
+  // registers held the other operand's since), turns z into ∂z, and adds
+  // xᵀ·∂z to its W's gradient (fp32 products: a sum over every row).
   auto finish_grad = [&](std::vector<instruction>& body, int slot, feature_map mp, int to) {
-    if (mp == feature_map::poly2) {
+    if (parametric(mp)) {
+      bool const k_side = slot == 1 && own_k;
+      int const wr = k_side ? b.wk : b.w, dwr = k_side ? dwk : dw;
+      float const scale = static_cast<float>(std::pow(static_cast<double>(d), -0.25));
+      body.push_back(builder::load(b.x, slot, d));
+      body.push_back(b.product(b.z, b.x, false, wr, false, false));  // z = x·W
+      body.push_back({.op = opcode::map_grad, .dst = b.z, .a = dx, .b = b.x, .map = mp, .scale = scale});  // z ← ∂z
+      body.push_back({.op = opcode::param_grad, .dst = gx, .a = b.z, .b = wr, .slot = slot, .map = mp, .scale = scale});
+      body.push_back(builder::store_to(gx, to, d));
+      instruction acc = b.product(dwr, b.x, true, b.z, false, true);  // ∂W += xᵀ·∂z
+      acc.prec = precision::fma_f32;
+      body.push_back(acc);
+    } else if (mp == feature_map::poly2) {
       body.push_back(builder::map_grad(gx, mp, slot, dx));
       body.push_back(builder::store_to(gx, to, d));
     } else {
@@ -447,12 +500,20 @@ program lay_out_backward(attention_spec const& s, int t) {
   // Σ φ(q)ĝᵀ), and what the reverse walk ends with is the gradient of S0.
   p.prologue.push_back(s.chained ? builder::load_state(st, m, s.normalized) : builder::zero(st));
   if (s.chained) p.epilogue.push_back(builder::store_state(st, m, s.normalized));
+  b.load_w(p.prologue);
+  for (auto [r, at] : {std::pair{dw, dw_at}, std::pair{dwk, dw_at + 1}})
+    if (r >= 0) {
+      p.prologue.push_back(builder::zero(r));
+      instruction out = builder::store_to(r, at, f);
+      out.whole = true;
+      p.epilogue.push_back(out);
+    }
   instruction reverse_start = builder::zero(st);
   if (s.chained) reverse_start = builder::load_state(st, m, s.normalized), reverse_start.slot = d_final;
   if (s.causal) {
     std::vector<instruction> fwd, rev;
-    load_mapped(fwd, q, 0, s.map_q);
-    load_mapped(fwd, k, 1, s.map_k);
+    b.load_mapped(fwd, q, 0, s.map_q);
+    b.load_mapped(fwd, k, 1, s.map_k);
     load_v(fwd);
     if (s.normalized) {  // the rows again: o = causal(φQ·φKᵀ)·[V|1] + φQ·S
       fwd.push_back(b.product(a, q, false, k, true, false));
@@ -468,8 +529,8 @@ program lay_out_backward(attention_spec const& s, int t) {
     fwd.push_back(b.product(st, k, true, v, false, true));   // S += φKᵀ·[V|1]
     finish_grad(fwd, 0, s.map_q, -1);
 
-    load_mapped(rev, q, 0, s.map_q);
-    load_mapped(rev, k, 1, s.map_k);
+    b.load_mapped(rev, q, 0, s.map_q);
+    b.load_mapped(rev, k, 1, s.map_k);
     load_v(rev);
     reload_adjoint(rev);
     rev.push_back(b.product(a, v, false, g, true, false));   // a[j][i] = [v|1]_j·ĝ_i
@@ -487,18 +548,18 @@ program lay_out_backward(attention_spec const& s, int t) {
     p.passes.emplace_back(std::move(rev), true, std::vector<instruction>{reverse_start});
   } else {
     std::vector<instruction> sum, rows, adj, kv;
-    load_mapped(sum, k, 1, s.map_k);  // S = Σ φKᵀ·[V|1]
+    b.load_mapped(sum, k, 1, s.map_k);  // S = Σ φKᵀ·[V|1]
     load_v(sum);
     sum.push_back(b.product(st, k, true, v, false, true));
-    load_mapped(rows, q, 0, s.map_q);  // the rows, their adjoint, ∂φQ = ĝ·Sᵀ
+    b.load_mapped(rows, q, 0, s.map_q);  // the rows, their adjoint, ∂φQ = ĝ·Sᵀ
     if (s.normalized) rows.push_back(b.product(o, q, false, st, false, false));
     adjoint_rows(rows);
     rows.push_back(b.product(dx, g, false, st, true, false));
     finish_grad(rows, 0, s.map_q, -1);
-    load_mapped(adj, q, 0, s.map_q);  // R = Σ φQᵀ·ĝ
+    b.load_mapped(adj, q, 0, s.map_q);  // R = Σ φQᵀ·ĝ
     reload_adjoint(adj);
     adj.push_back(b.product(st, q, true, g, false, true));
-    load_mapped(kv, k, 1, s.map_k);  // ∂φK = [V|1]·Rᵀ, ∂[V|1] = φK·R
+    b.load_mapped(kv, k, 1, s.map_k);  // ∂φK = [V|1]·Rᵀ, ∂[V|1] = φK·R
     load_v(kv);
     kv.push_back(b.product(dx, v, false, st, true, false));
     kv.push_back(b.product(o, k, false, st, false, false));
@@ -516,19 +577,13 @@ program lay_out_backward(attention_spec const& s, int t) {
 }  // namespace
 
 program backward_program_of(attention_spec const& s) {
-  if (parametric(s.map_q) || parametric(s.map_k))
-    throw std::invalid_argument("lina::cuda: the backward of a parametric feature map (favor, random_fourier: ∂W) is "
-                                "not generated yet");
   if (s.softmax)
     throw std::invalid_argument("lina::cuda: the backward of softmax attention is not generated yet (linear plans only)");
   if (s.step) throw std::invalid_argument("lina::cuda: a decoding step has no backward kernel");
   if (s.chained && !s.causal)
     throw std::invalid_argument("lina::cuda: only a causal attention carries a state, so only its backward takes one");
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
-  if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
-    throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
-  if (!s.w_k_name.empty() && !(parametric(s.map_q) && s.map_k == s.map_q))
-    throw std::invalid_argument("lina::cuda: a W of φ(K)'s own needs φ(Q) and φ(K) to be one parametric map");
+  check_maps(s);
   for (int t : {64, 32, 16}) {
     program p = lay_out_backward(s, t);
     if (p.shared_bytes() <= shared_memory_budget) return p;
@@ -620,16 +675,14 @@ program program_of(attention_spec const& s) {
         "non-causal one reads the whole sequence, so it has no running state");
   if (s.step && !s.chained)
     throw std::invalid_argument("lina::cuda: a step program continues a state: make its spec chained");
-  if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
-    throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
-  if (!s.w_k_name.empty() && !(parametric(s.map_q) && s.map_k == s.map_q))
-    throw std::invalid_argument("lina::cuda: a W of φ(K)'s own needs φ(Q) and φ(K) to be one parametric map");
+  check_maps(s);
   return lay_out(s, choose_tiles(s));
 }
 
 std::string plan_text(attention_spec const& s) {
   auto mapped = [&](feature_map m, std::string const& x, std::string const& w) {
     if (parametric(m)) return fmt::format("φ[{}]({}; {})", name_of(m), x, w);
+    if (user_defined(m)) return fmt::format("φ[{}]({})", s.user[m == feature_map::user0 ? 0 : 1].name, x);
     return m == feature_map::identity ? x : fmt::format("φ[{}]({})", name_of(m), x);
   };
   std::string const q = mapped(s.map_q, s.q_name, s.w_name),
@@ -690,7 +743,12 @@ std::string listing(program const& p) {
         if (i.slot >= 0)
           return fmt::format("store {} → {}[:, {} cols]", nm(i.dst), p.extras.at(static_cast<std::size_t>(i.slot)).name, i.width);
         return fmt::format("store {} → {}[:, {}{} cols]", nm(i.dst), p.out_name, i.by_m_tile ? "m_tile·tile_m + " : "", i.width);
+      case opcode::param_grad:
+        return fmt::format("param_grad {} = {}·{}ᵀ{}", nm(i.dst), nm(i.a), nm(i.b),
+                           i.map == feature_map::favor ? fmt::format(" − {}·{}·Σ{}", i.scale, source(i.slot), nm(i.a)) : "");
       case opcode::map_grad:
+        if (parametric(i.map))
+          return fmt::format("map_grad {} ← ∂z of φ[{}]({}; {}) from ∂φ {}", nm(i.dst), name_of(i.map), nm(i.b), nm(i.dst), nm(i.a));
         return i.a >= 0 ? fmt::format("map_grad {} ← φ[{}]′({})ᵀ·{}", nm(i.dst), name_of(i.map), source(i.slot), nm(i.a))
                         : fmt::format("map_grad {} ·= φ[{}]′({})", nm(i.dst), name_of(i.map), source(i.slot));
       case opcode::rowdiv_grad: return fmt::format("rowdiv_grad {} (rows {}) eps={}", nm(i.dst), nm(i.a), i.eps);

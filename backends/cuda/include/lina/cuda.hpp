@@ -15,7 +15,8 @@
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
 // live in translation units of their own that never see it.
 //
-// Plans lowered so far (Map ∈ {elu+1, relu, identity, poly2}, φ(·; W) ∈ {favor,
+// Plans lowered so far (Map ∈ {elu+1, relu, identity, poly2} or an element-wise
+// map of the user's with CUDA formulas (detail::cuda_formulas), φ(·; W) ∈ {favor,
 // random_fourier} with one W for both or one each, or no φ at all; each with
 // or without the normaliser rowdiv(…[V|1])):
 //   causal:      contract(φ(Q), prefix(φ(K)⊗V))  or  causal(φ(Q)·φ(K)ᵀ)·V
@@ -79,16 +80,17 @@ struct cuda_plan {
                 "lina::cuda: this plan cannot be lowered to a CUDA kernel yet. Supported: causal "
                 "contract(φ(Q), prefix(φ(K)⊗V)) or causal(φ(Q)·φ(K)ᵀ)·V, non-causal φ(Q)·(φ(K)ᵀ·V) or "
                 "(φ(Q)·φ(K)ᵀ)·V, each optionally normalised as rowdiv(…[V|1]); φ ∈ {elu+1, relu, identity, "
-                "poly2} or none, or φ(X; W) ∈ {favor, random_fourier} with one W for Q and K or one each; "
-                "softmax [causal(]exp(s·[causal(]Q·Kᵀ[)])[)]·V, normalised or not; K and V over one sequence dimension (Q over another: non-causal only); a "
-                "select only between two such forms of one attention");
+                "poly2} or none, an element-wise map of yours that gives cuda_apply and cuda_derivative "
+                "(docs/dsl.md), or φ(X; W) ∈ {favor, random_fourier} with one W for Q and K or one each; "
+                "softmax [causal(]exp(s·[causal(]Q·Kᵀ[)])[)]·V, normalised or not; K and V over one sequence "
+                "dimension (Q over another: non-causal only); a select only between two such forms of one attention");
   static constexpr bool ok = Supported;
 };
 template <bool Supported>
 struct cuda_backward {
   static_assert(Supported,
                 "lina::cuda: the backward of softmax attention is not generated yet: differentiate it on the CPU "
-                "(cpu::gradient), or use a linear attention (phi<elu_plus_one>, or phi<favor> on the CPU)");
+                "(cpu::gradient), or use a linear attention (phi<elu_plus_one>, phi<favor>)");
   static constexpr bool ok = Supported;
 };
 template <bool Supported>
@@ -112,19 +114,21 @@ struct cuda_distinct_inputs {
                 "twice (say K as V) is not differentiated on the CUDA backend yet (use cpu::gradient)");
   static constexpr bool ok = Supported;
 };
-template <bool Supported>
-struct cuda_parametric_backward {
-  static_assert(Supported,
-                "lina::cuda: the backward of a parametric feature map (favor, random_fourier: the gradient of W) is "
-                "not generated yet: differentiate it on the CPU (cpu::gradient)");
-  static constexpr bool ok = Supported;
-};
 }  // namespace diagnose
 
 namespace detail {
 
+// A user-defined element-wise map lowers when it says what it is in CUDA:
+//   static constexpr std::string_view cuda_apply = "log1pf(expf(x))";          // φ(x)
+//   static constexpr std::string_view cuda_derivative = "1.0f / (1.0f + expf(-x))";  // φ′(x)
+// (expressions in the float x; the emulation calls value<float>, derivative<float>).
 template <class Map>
-inline constexpr bool known_map = false;
+concept cuda_formulas = concepts::elementwise_map<Map> && requires {
+  { Map::cuda_apply } -> std::convertible_to<std::string_view>;
+  { Map::cuda_derivative } -> std::convertible_to<std::string_view>;
+};
+template <class Map>
+inline constexpr bool known_map = cuda_formulas<Map>;
 template <>
 inline constexpr bool known_map<lina::elu_plus_one> = true;
 template <>
@@ -149,8 +153,18 @@ constexpr feature_map map_of() {
     return feature_map::relu;
   else if constexpr (std::is_same_v<Map, lina::poly2>)
     return feature_map::poly2;
+  else if constexpr (cuda_formulas<Map>)
+    return feature_map::user0;  // (spec_of makes φ(K)'s user1 when it is another map than φ(Q)'s)
   else
     return feature_map::identity;
+}
+template <class Map>
+user_map user_map_of() {
+  if constexpr (cuda_formulas<Map>)
+    return {std::string(Map::name), std::string(Map::cuda_apply), std::string(Map::cuda_derivative),
+            +[](float x) -> float { return Map::value(x); }, +[](float x) -> float { return Map::derivative(x); }};
+  else
+    return {};
 }
 
 // Stacked layers: an operand that is itself a lowerable attention (a layer
@@ -182,6 +196,7 @@ using layer_input = op::input<layer_name<Slot>, op::rows_of<typename X::shape>, 
 template <class N, char Slot = 'q'>
 struct mapped_input {
   static constexpr bool ok = false;
+  using map_type = void;  // the feature map's type (void: none)
   using param = void;
   using sub = void;
 };
@@ -189,6 +204,7 @@ template <fixed_string Name, class R, class C, char Slot>
 struct mapped_input<node<op::input<Name, R, C>>, Slot> {
   static constexpr bool ok = true;
   static constexpr feature_map map = feature_map::identity;
+  using map_type = void;
   using input = op::input<Name, R, C>;
   using param = void;
   using sub = void;
@@ -197,6 +213,7 @@ template <class Map, fixed_string Name, class R, class C, char Slot>
 struct mapped_input<node<op::phi<Map>, node<op::input<Name, R, C>>>, Slot> {
   static constexpr bool ok = known_map<Map>;
   static constexpr feature_map map = map_of<Map>();
+  using map_type = Map;
   using input = op::input<Name, R, C>;
   using param = void;
   using sub = void;
@@ -205,6 +222,7 @@ template <class Map, fixed_string Name, class R, class C, fixed_string WName, cl
 struct mapped_input<node<op::phi<Map>, node<op::input<Name, R, C>>, node<op::input<WName, WR, WC>>>, Slot> {
   static constexpr bool ok = known_parametric_map<Map>;
   static constexpr feature_map map = map_of<Map>();
+  using map_type = Map;
   using input = op::input<Name, R, C>;
   using param = op::input<WName, WR, WC>;
   using sub = void;
@@ -214,6 +232,7 @@ template <class Map, class X, char Slot>
 struct mapped_input<node<op::phi<Map>, X>, Slot> {
   static constexpr bool ok = known_map<Map>;
   static constexpr feature_map map = map_of<Map>();
+  using map_type = Map;
   using input = layer_input<Slot, X>;
   using param = void;
   using sub = X;
@@ -223,6 +242,7 @@ template <class Op, class... K, char Slot>
 struct mapped_input<node<Op, K...>, Slot> {
   static constexpr bool ok = true;
   static constexpr feature_map map = feature_map::identity;
+  using map_type = void;
   using input = layer_input<Slot, node<Op, K...>>;
   using param = void;
   using sub = node<Op, K...>;
@@ -361,6 +381,8 @@ constexpr bool same_attention() {
   if constexpr (X::ok && Y::ok)
     return X::causal == Y::causal && X::softmax == Y::softmax && X::mask_scores == Y::mask_scores &&
            X::q::map == Y::q::map && X::k::map == Y::k::map && X::v::ones == Y::v::ones &&
+           std::is_same_v<typename X::q::map_type, typename Y::q::map_type> &&
+           std::is_same_v<typename X::k::map_type, typename Y::k::map_type> &&
            std::is_same_v<typename X::q::input, typename Y::q::input> &&
            std::is_same_v<typename X::q::param, typename Y::q::param> &&
            std::is_same_v<typename X::k::param, typename Y::k::param> &&
@@ -447,6 +469,11 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
     s.mask_scores = F::mask_scores && !F::causal;
     s.map_q = F::q::map;
     s.map_k = F::k::map;
+    s.user[0] = detail::user_map_of<typename F::q::map_type>();  // user-defined maps: φ(Q)'s user0, φ(K)'s too if the same
+    if constexpr (F::k::map == feature_map::user0 && !std::is_same_v<typename F::q::map_type, typename F::k::map_type>) {
+      s.map_k = feature_map::user1;
+      s.user[1] = detail::user_map_of<typename F::k::map_type>();
+    }
     s.eps = F::eps(plan);
     s.d = QI::cols::is_static ? QI::cols::static_extent : 0;
     s.m = VI::cols::is_static ? VI::cols::static_extent : 0;
@@ -1066,16 +1093,17 @@ operand device_operand(View const& v) {
 // The launch of `plan`'s kernel on bound device inputs into `out` (shape
 // checked), chained through `st` when given (checked and sized).
 // The kernel arguments of a lowerable plan F on bound device inputs, into `out`.
+// W (and φ(K)'s own) go to w_slot (and the next): 3 in a forward, 4 in a backward.
 template <class F, class O, class Bound>
-forward_args device_args(device_view<O> out, Bound const& in) {
+forward_args device_args(device_view<O> out, Bound const& in, int w_slot = 3) {
   forward_args a;
   a.in[0] = device_operand(in.views[Bound::template input_index<typename F::q::input>()]);
   a.in[1] = device_operand(in.views[Bound::template input_index<typename F::k::input>()]);
   a.in[2] = device_operand(in.views[Bound::template input_index<typename F::v::input>()]);
   if constexpr (!std::is_void_v<typename F::q::param>)  // W
-    a.in[3] = device_operand(in.views[Bound::template input_index<typename F::q::param>()]);
+    a.in[w_slot] = device_operand(in.views[Bound::template input_index<typename F::q::param>()]);
   if constexpr (F::own_k_w)  // φ(K)'s W
-    a.in[4] = device_operand(in.views[Bound::template input_index<typename F::k::param>()]);
+    a.in[w_slot + 1] = device_operand(in.views[Bound::template input_index<typename F::k::param>()]);
   a.out = device_operand(out);
   a.batch = static_cast<std::int64_t>(in.batch);
   a.heads = static_cast<std::int64_t>(in.heads);
@@ -1304,7 +1332,6 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
-  static_assert(diagnose::cuda_parametric_backward<!F::parametric>::ok || true);
   static_assert(diagnose::cuda_stacked_gradient<layers_disjoint<Plan>()>::ok || true);
   static_assert(diagnose::cuda_distinct_inputs<distinct_inputs<F>()>::ok || true);
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
@@ -1316,7 +1343,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
           return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), b...);
         },
         bindings...);
-  } else if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked && distinct_inputs<F>()) {
+  } else if constexpr (F::ok && !F::softmax && !F::stacked && distinct_inputs<F>()) {
     auto in = bind<Plan>(bindings...);
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                   "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
@@ -1332,6 +1359,10 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     a.in[1] = detail::operand_of(in.views[Bound::template input_index<typename F::k::input>()], opt.in, stores[1]);
     a.in[2] = detail::operand_of(in.views[Bound::template input_index<typename F::v::input>()], opt.in, stores[2]);
     a.in[3] = detail::operand_of(dv, opt.in, stores[3]);
+    if constexpr (F::parametric)  // W (and φ(K)'s own) after ∂out
+      a.in[4] = detail::operand_of(in.views[Bound::template input_index<typename F::q::param>()], opt.in, stores[4]);
+    if constexpr (F::own_k_w)
+      a.in[5] = detail::operand_of(in.views[Bound::template input_index<typename F::k::param>()], opt.in, stores[5]);
     a.batch = static_cast<std::int64_t>(in.batch);
     a.heads = static_cast<std::int64_t>(in.heads);
     a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
@@ -1342,7 +1373,8 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     lina::tensor<float>& gk = detail::gradient_slot<typename F::k::input>(g);
     lina::tensor<float>& gv = detail::gradient_slot<typename F::v::input>(g);
     gq = lina::tensor<float>(sq), gk = lina::tensor<float>(sk), gv = lina::tensor<float>(sv);
-    std::vector<std::uint16_t> bits[3];  // 16-bit gradients, widened below
+    std::vector<lina::tensor<float>*> ts = {&gq, &gk, &gv};
+    std::vector<std::uint16_t> bits[5];  // 16-bit gradients, widened below
     auto sink = [&](lina::tensor<float>& t, std::vector<std::uint16_t>& b) {
       if (opt.out == dtype::f32) return detail::dense_operand(t.data(), t.shape());
       b.resize(t.size());
@@ -1353,6 +1385,20 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     a.extra[1] = sink(gv, bits[2]);
     std::vector<float> scratch(s.normalized ? bh * n * (s.m + 1) : 0);
     if (s.normalized) a.extra[2] = detail::dense_operand(scratch.data(), {in.batch, in.heads, n, s.m + 1});
+    if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), after the scratch rows
+      std::size_t const at = s.normalized ? 3 : 2;
+      shape4 const sw{in.batch, in.heads, s.d, s.f};
+      lina::tensor<float>& gw = detail::gradient_slot<typename F::q::param>(g);
+      gw = lina::tensor<float>(sw);
+      a.extra[at] = sink(gw, bits[3]);
+      ts.push_back(&gw);
+      if constexpr (F::own_k_w) {
+        lina::tensor<float>& gw2 = detail::gradient_slot<typename F::k::param>(g);
+        gw2 = lina::tensor<float>(sw);
+        a.extra[at + 1] = sink(gw2, bits[4]);
+        ts.push_back(&gw2);
+      }
+    }
     state s0, d_final;
     if constexpr (chained) {  // S0 in, ∂(state out) in the last extra buffer, ∂S0 out
       char const* call = "cuda::emulate_gradient";
@@ -1368,8 +1414,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     emulate(p, a);
     if constexpr (chained) chain->d_initial->flip();
     if (opt.out != dtype::f32) {
-      lina::tensor<float>* ts[] = {&gq, &gk, &gv};
-      for (int x = 0; x < 3; ++x)
+      for (std::size_t x = 0; x < ts.size(); ++x)
         for (std::size_t i = 0; i < ts[x]->size(); ++i)
           ts[x]->data()[i] = opt.out == dtype::bf16 ? from_bf16_bits(bits[x][i]) : from_f16_bits(bits[x][i]);
     }
@@ -1410,7 +1455,6 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
-  static_assert(diagnose::cuda_parametric_backward<!F::parametric>::ok || true);
   static_assert(diagnose::cuda_stacked_gradient<layers_disjoint<Plan>()>::ok || true);
   static_assert(diagnose::cuda_distinct_inputs<distinct_inputs<F>()>::ok || true);
   auto in = bind<Plan>(bindings...);
@@ -1427,7 +1471,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
         },
         bindings...);
     synchronize_stream(stream, "cuda::gradient");  // the intermediates die with this call
-  } else if constexpr (F::ok && !F::softmax && !F::parametric && !F::stacked && distinct_inputs<F>() &&
+  } else if constexpr (F::ok && !F::softmax && !F::stacked && distinct_inputs<F>() &&
                        is_device_view<typename Bound::view_type>) {
     char const* call = "cuda::gradient";
     auto const dv = view_of(dout);
@@ -1438,7 +1482,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     s.chained = chained;
     program const p = backward_program_of(s);
     require_device(call);
-    forward_args a = detail::device_args<F>(device_view<T>{}, in);
+    forward_args a = detail::device_args<F>(device_view<T>{}, in, 4);  // W after ∂out
     a.in[3] = detail::device_operand(dv);
     std::size_t const n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
     tensor<T>& gq = detail::gradient_slot<typename F::q::input>(g);
@@ -1454,6 +1498,17 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     if (s.normalized) {
       scratch = tensor<float>({in.batch, in.heads, n, s.m + 1}, call);
       a.extra[2] = detail::device_operand(scratch.view());
+    }
+    if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), after the scratch rows
+      std::size_t const at = s.normalized ? 3 : 2;
+      tensor<T>& gw = detail::gradient_slot<typename F::q::param>(g);
+      gw = tensor<T>({in.batch, in.heads, s.d, s.f}, call);
+      a.extra[at] = detail::device_operand(gw.view());
+      if constexpr (F::own_k_w) {
+        tensor<T>& gw2 = detail::gradient_slot<typename F::k::param>(g);
+        gw2 = tensor<T>({in.batch, in.heads, s.d, s.f}, call);
+        a.extra[at + 1] = detail::device_operand(gw2.view());
+      }
     }
     state s0, d_final;
     if constexpr (chained) {  // S0 in, ∂(state out) in the last extra buffer, ∂S0 out

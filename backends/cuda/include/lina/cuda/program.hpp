@@ -87,6 +87,7 @@
 //                          j < width, c0 + j < cols(out) (c0 as for load);
 //                          round: fp32 → output dtype, to nearest even. With a slot
 //                          s ≥ 0 it writes extra[s] instead, in that buffer's dtype.
+//                          A `whole` store (∂W, in an epilogue) has r0 = 0, rows = t.rows.
 //   load from slot s ≥ max_inputs reads extra[s − max_inputs] in its dtype.
 //   load_state t           (from extra[slot] instead of state_in when slot ≥ 0)
 //                          t[i][j] = state_in(i, c0 + j) for i < t.rows, j < width,
@@ -102,7 +103,17 @@
 //                          (T × C): t[i][c] = Σ_f a[i][f] · ∂poly2(x)_f/∂x_c, one fp32
 //                          fma chain per element over the features f in increasing order
 //                          (x_a² gives 2·x_a; (√2·x_a)·x_b gives √2·x_b to a and (√2·x_a)
-//                          to b); 0 for i ≥ rows
+//                          to b); 0 for i ≥ rows. Parametric map (favor, rff; slot −1),
+//                          in place on t = z = x·W (T × F) with a = ∂φ (T × C) and b = x,
+//                          s = the instruction's scale, inv = 1/√F and n = Σ_c x[i][c]²
+//                          as in map: t[i][j] = ∂z, for favor s·(a[i][j]·φ) with φ =
+//                          exp(fma(s, z, −n·(s·s/2)))·inv, for rff s·(a[i][F+j]·(cos(s·z)
+//                          ·inv) − a[i][j]·(sin(s·z)·inv)); 0 for i ≥ rows
+//   param_grad t ← a, b, in[s]  (parametric maps) ∂X rows from ∂z = a (T × F) and W = b
+//                          (D × F): t[i][c] = Σ_f a[i][f]·b[c][f] (one fp32 fma chain,
+//                          increasing f); favor adds the norm's share: t[i][c] =
+//                          fma(−s·x, Σ_f a[i][f], t[i][c]) with x = in[s](r0 + i, c) and
+//                          the sum in increasing f; 0 for i ≥ rows
 //   rowdiv_grad t, o, eps  the adjoint of row_divide: per row i < rows, with
 //                          d = o[i][W−1] + eps (W = o.cols, o holds the unnormalised
 //                          [num | den]) and s = Σ_{j<W−1} t[i][j] · (o[i][j] / d) as one
@@ -144,7 +155,18 @@ enum class dtype : std::uint8_t { f32, f16, bf16 };
 // (C = D(D+1)/2, lina::poly2's order).
 // favor and random_fourier are parametric: φ(x) reads x·W, W (D × F) an
 // input of the plan (lina::favor, lina::random_fourier): C = F or 2F.
-enum class feature_map : std::uint8_t { identity, elu_plus_one, relu, poly2, favor, random_fourier };
+// user0, user1: element-wise maps defined outside lina (attention_spec::user).
+enum class feature_map : std::uint8_t { identity, elu_plus_one, relu, poly2, favor, random_fourier, user0, user1 };
+inline bool user_defined(feature_map m) { return m == feature_map::user0 || m == feature_map::user1; }
+// What a kernel needs of an element-wise map defined outside lina (docs/dsl.md):
+// its formulas as CUDA expressions in the float x (the generated kernel's φ(x)
+// and φ′(x)), and the same in fp32 on the host (the map's value<float> and
+// derivative<float>), which the emulation calls.
+struct user_map {
+  std::string name, cuda_apply, cuda_derivative;
+  float (*apply)(float) = nullptr;
+  float (*derivative)(float) = nullptr;
+};
 // Features of a row of D columns (F: columns of W, for the parametric maps): C.
 std::size_t features(feature_map m, std::size_t d, std::size_t f = 0);
 inline bool parametric(feature_map m) { return m == feature_map::favor || m == feature_map::random_fourier; }
@@ -172,6 +194,7 @@ struct attention_spec {
                             // the diagonal is 0, so its key weighs exp(0) = 1 (the plan as written)
   std::string q_name = "Q", k_name = "K", v_name = "V", w_name = "W";  // the plan's input symbols
   std::string w_k_name;     // φ(K)'s own W (input slot 4; same map, same F), or empty: φ(K) reads φ(Q)'s
+  user_map user[2];         // feature_map::user0 and user1
   std::string description;  // the plan as the user's program printed it (messages)
 };
 
@@ -226,7 +249,7 @@ struct tile_register {
 
 enum class opcode : std::uint8_t {
   zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state,
-  mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows
+  mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows, param_grad
 };
 std::string_view name_of(opcode o);
 
@@ -240,7 +263,7 @@ struct instruction {
   int width = 0;                // load/store/load_state/store_state: columns read or written (≤ the register's)
   bool by_m_tile = false;       // load/store: columns start at m_tile · tile_m (load_state/store_state: always)
   bool z_column = false;        // load_state/store_state: the register's last column ↔ the state's last (z)
-  bool whole = false;           // load: rows 0 … t.rows of the operand (W), not the chunk's
+  bool whole = false;           // load, store: rows 0 … t.rows of the operand (W, ∂W), not the chunk's
   feature_map map = feature_map::identity;  // map
   float eps = 0;                // row_divide
   float scale = 1;              // exp_rows; map with a parametric map: s = D^−¼
@@ -364,10 +387,10 @@ struct operand {
   std::int64_t stride[4] = {0, 0, 0, 0};  // in elements: batch, head, row, col
   std::int64_t cols = 0;
 };
-// Input slots: Q, K, V, then W (φ(Q)'s, or the one W of both) and φ(K)'s own W
-// — or, in a backward kernel, ∂out at 3. Extra buffers: a backward's further
-// gradients and scratch, a split's partial sums.
-inline constexpr int max_inputs = 5, max_extras = 4;
+// Input slots: Q, K, V (0–2), in a backward kernel ∂out (3), then W (φ(Q)'s,
+// or the one W of both) and φ(K)'s own W. Extra buffers: a backward's further
+// gradients (∂K, ∂V, ∂W, ∂W2), its scratch rows and ∂state, a split's partial sums.
+inline constexpr int max_inputs = 6, max_extras = 6;
 struct forward_args {
   operand in[max_inputs];
   operand out;        // data points to writable memory

@@ -27,12 +27,12 @@ struct operand {
   long long cols;
 };
 struct forward_args {
-  operand in[5];      // Q, K, V, W (φ(Q)'s or both's; a backward's ∂out), φ(K)'s own W
+  operand in[6];      // Q, K, V, [∂out (backward)], W (φ(Q)'s or both's), φ(K)'s own W
   operand out;
   operand state_in;   // chained kernels: the running sums they start from (fp32)
   operand state_out;  // chained kernels: where they leave them (fp32; never overlaps state_in)
   long long batch, heads, n;
-  operand extra[4];   // backward kernels: ∂K, ∂V and scratch rows; split ones: the groups' sums (program::extras)
+  operand extra[6];   // backward kernels: ∂K, ∂V, scratch rows, ∂W…; split ones: the groups' sums (program::extras)
   long long group_rows;  // split kernels: rows per group
   long long n_keys;      // rows of K and V when they are not Q's (cross-attention); -1: n
 };
@@ -500,6 +500,58 @@ __device__ void map_param(S* t, const float* x, const float* z, float s, float i
         y = (j < F ? cosf(__fmul_rn(s, zj)) : sinf(__fmul_rn(s, zj))) * inv;
     }
     put(t, i * P + j, y);
+  }
+  __syncthreads();
+}
+
+// The adjoint of map_param, in place (program.hpp, map_grad of a parametric
+// map): t = z = x·W (R × F, pitch P) becomes ∂z from the features' adjoints a
+// (pitch PA) and x (D columns, pitch PX); 0 for i ≥ rows. Each thread reads
+// and writes its own element only. Rounded steps (no contraction), as the
+// emulation writes them.
+template <class Map, int R, int F, int P, int PA, int D, int PX>
+__device__ void map_grad_param(float* t, const float* a, const float* x, float s, float inv, int rows) {
+  for (int e = threadIdx.x; e < R * F; e += blockDim.x) {
+    const int i = e / F, j = e % F;
+    float y = 0.0f;
+    if (i < rows) {
+      const float zj = t[i * P + j];
+      if (Map::per_z == 1) {
+        float n = 0.0f;
+        for (int c = 0; c < D; ++c) n = fmaf(x[i * PX + c], x[i * PX + c], n);
+        const float phi = __fmul_rn(expf(fmaf(s, zj, -__fmul_rn(n, s * s / 2.0f))), inv);
+        y = __fmul_rn(s, __fmul_rn(a[i * PA + j], phi));
+      } else {
+        const float u = __fmul_rn(s, zj);
+        const float c = __fmul_rn(cosf(u), inv), sn = __fmul_rn(sinf(u), inv);
+        y = __fmul_rn(s, __fsub_rn(__fmul_rn(a[i * PA + F + j], c), __fmul_rn(a[i * PA + j], sn)));
+      }
+    }
+    t[i * P + j] = y;
+  }
+  __syncthreads();
+}
+
+// ∂X rows of a parametric map (program.hpp, param_grad): t (R × D) = a·bᵀ
+// with a = ∂z (R × F, pitch PA) and b = W (D × F, pitch PB), one fmaf chain
+// in increasing f; favor also fmaf(−s·x, Σ_f a[i][f], ·) with x = in(r0 + i,
+// c) (type E) — the norm |x|²'s share. 0 for i ≥ rows.
+template <class E, class Map, int R, int D, int P, int F, int PA, int PB>
+__device__ void param_grad(float* t, const float* a, const float* b, const operand& in, long long base, float s,
+                           long long r0, int rows) {
+  for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
+    const int i = e / D, c = e % D;
+    float y = 0.0f;
+    if (i < rows) {
+      for (int f = 0; f < F; ++f) y = fmaf(a[i * PA + f], b[c * PB + f], y);
+      if (Map::per_z == 1) {
+        float sum = 0.0f;
+        for (int f = 0; f < F; ++f) sum = __fadd_rn(sum, a[i * PA + f]);
+        const float x = load_element(E{}, in.data, base + (r0 + i) * in.stride[2] + c * in.stride[3]);
+        y = fmaf(-__fmul_rn(s, x), sum, y);
+      }
+    }
+    t[i * P + c] = y;
   }
   __syncthreads();
 }
