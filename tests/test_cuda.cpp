@@ -68,19 +68,10 @@ tensor<double> widened(tensor<float> const& x) {
   for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = x.data()[i];
   return r;
 }
-// The sums of a host cuda::state, or of a cpu::state's scan, as a tensor [B, H, C, W].
+// The sums of a host cuda::state, or of a cpu::state's scan (after dense), as a tensor [B, H, C, W].
 tensor<float> sums_of(cuda::state const& st) {
   tensor<float> r(st.shape());
   std::copy(st.data(), st.data() + st.size(), r.data());
-  return r;
-}
-tensor<float> sums_of(cpu::state<float> const& st) {
-  auto const x = st[0];
-  tensor<float> r(x.shape());
-  for (std::size_t i = 0; i < r.shape()[0]; ++i)
-    for (std::size_t j = 0; j < r.shape()[1]; ++j)
-      for (std::size_t a = 0; a < r.shape()[2]; ++a)
-        for (std::size_t c = 0; c < r.shape()[3]; ++c) r(i, j, a, c) = x(i, j, a, c);
   return r;
 }
 // Rows [from, to) of a [B, H, N, M] tensor, writable (a block of the output).
@@ -89,16 +80,18 @@ tensor_view<float> rows_of(tensor<float>& t, std::size_t from, std::size_t to) {
   return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
 }
 
-// x with contiguous strides (a gradient the CPU laid out like a broadcast input).
-template <class T>
-tensor<T> dense(tensor<T> const& x) {
-  tensor<T> r(x.shape());
+// A tensor or view's elements in a tensor of contiguous strides (a gradient the
+// CPU laid out like a broadcast input, a cpu::state's sums).
+template <class X>
+auto dense(X const& x) {
+  tensor<std::remove_cvref_t<decltype(x(0, 0, 0, 0))>> r(x.shape());
   for (std::size_t i = 0; i < r.shape()[0]; ++i)
     for (std::size_t j = 0; j < r.shape()[1]; ++j)
       for (std::size_t a = 0; a < r.shape()[2]; ++a)
         for (std::size_t c = 0; c < r.shape()[3]; ++c) r(i, j, a, c) = x(i, j, a, c);
   return r;
 }
+tensor<float> sums_of(cpu::state<float> const& st) { return dense(st[0]); }
 template <class G>
 tensor<float> as_float(G const& x) {
   tensor<float> r(x.shape());
@@ -618,6 +611,15 @@ TEST_CASE("favor and random Fourier features with a W for φ(Q) and another for 
         cuda::emulate_into(plan, opt, rows_of(out, from, to), st, Q = test::tokens(q, from, to),
                            K = test::tokens(k, from, to), V = test::tokens(v, from, to), W = w1, W2 = w2);
       CHECK(relative_rms(out, whole) <= tolerance(dt));
+      // Decoding: a prompt, then one token at a time (the step kernel reads both W).
+      auto rnn = cuda::recurrent(plan, s.b, s.h, opt, cuda::memory::host);
+      tensor<float> steps(whole.shape());
+      rnn.prefill_into(rows_of(steps, 0, cut), Q = test::tokens(q, 0, cut), K = test::tokens(k, 0, cut),
+                       V = test::tokens(v, 0, cut), W = w1, W2 = w2);
+      for (std::size_t t = cut; t < s.n; ++t)
+        rnn.step_into(rows_of(steps, t, t + 1), Q = test::tokens(q, t, t + 1), K = test::tokens(k, t, t + 1),
+                      V = test::tokens(v, t, t + 1), W = w1, W2 = w2);
+      CHECK(relative_rms(steps, whole) <= tolerance(dt));
     }
 }
 
