@@ -29,7 +29,7 @@ std::string_view element_tag(dtype t) {
   return "?";
 }
 // The type a kernel names a map by: lina::tile's, or the kernel's own struct
-// for a user-defined map (defined at the top of its source: user_maps).
+// for a user-defined map (a struct the kernel source defines at its top).
 std::string_view map_tag(feature_map m) {
   switch (m) {
     case feature_map::identity: return "tl::identity";
