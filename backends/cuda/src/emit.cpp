@@ -259,7 +259,7 @@ struct emitter {
         derivative = derivative || (i->op == opcode::map_grad && i->map == m);
       }
       if (!apply && !derivative) continue;
-      user_map const& u = p.spec.user[m == feature_map::user0 ? 0 : 1];
+      user_map const& u = user_of(p.spec, m);
       line(0, "struct {} {{  // φ = {} (user-defined)", map_tag(m), u.name);
       if (apply) line(2, "__device__ static float apply(float x) {{ return {}; }}", u.cuda_apply);
       if (derivative) line(2, "__device__ static float derivative(float x) {{ return {}; }}", u.cuda_derivative);

@@ -150,7 +150,7 @@ std::string_view id_of(feature_map m) {
 std::string map_id(attention_spec const& s, feature_map m) {
   if (!user_defined(m)) return std::string(id_of(m));
   std::string r = "u";
-  for (char c : s.user[m == feature_map::user0 ? 0 : 1].name)
+  for (char c : user_of(s, m).name)
     if (std::isalnum(static_cast<unsigned char>(c))) r += c;
   return r;
 }
@@ -389,7 +389,7 @@ void check_maps(attention_spec const& s) {
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   for (feature_map m : {s.map_q, s.map_k})
     if (user_defined(m)) {
-      user_map const& u = s.user[m == feature_map::user0 ? 0 : 1];
+      user_map const& u = user_of(s, m);
       if (u.cuda_apply.empty() || u.cuda_derivative.empty() || !u.apply || !u.derivative)
         throw std::invalid_argument("lina::cuda: the user-defined map " + u.name +
                                     " needs its CUDA formulas (cuda_apply, cuda_derivative) and host functions");
@@ -682,7 +682,7 @@ program program_of(attention_spec const& s) {
 std::string plan_text(attention_spec const& s) {
   auto mapped = [&](feature_map m, std::string const& x, std::string const& w) {
     if (parametric(m)) return fmt::format("φ[{}]({}; {})", name_of(m), x, w);
-    if (user_defined(m)) return fmt::format("φ[{}]({})", s.user[m == feature_map::user0 ? 0 : 1].name, x);
+    if (user_defined(m)) return fmt::format("φ[{}]({})", user_of(s, m).name, x);
     return m == feature_map::identity ? x : fmt::format("φ[{}]({})", name_of(m), x);
   };
   std::string const q = mapped(s.map_q, s.q_name, s.w_name),

@@ -198,6 +198,9 @@ struct attention_spec {
   std::string description;  // the plan as the user's program printed it (messages)
 };
 
+// The user_map of feature_map::user0 or user1.
+inline user_map const& user_of(attention_spec const& s, feature_map m) { return s.user[m == feature_map::user1 ? 1 : 0]; }
+
 // Chunk and tile sizes, chosen so that every tile of the program fits in
 // shared memory (see choose_tiles).
 struct tile_config {
