@@ -1385,17 +1385,16 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     a.extra[1] = sink(gv, bits[2]);
     std::vector<float> scratch(s.normalized ? bh * n * (s.m + 1) : 0);
     if (s.normalized) a.extra[2] = detail::dense_operand(scratch.data(), {in.batch, in.heads, n, s.m + 1});
-    if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), after the scratch rows
-      std::size_t const at = s.normalized ? 3 : 2;
+    if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
       shape4 const sw{in.batch, in.heads, s.d, s.f};
       lina::tensor<float>& gw = detail::gradient_slot<typename F::q::param>(g);
       gw = lina::tensor<float>(sw);
-      a.extra[at] = sink(gw, bits[3]);
+      a.extra[extra_named(p, "∂" + s.w_name)] = sink(gw, bits[3]);
       ts.push_back(&gw);
       if constexpr (F::own_k_w) {
         lina::tensor<float>& gw2 = detail::gradient_slot<typename F::k::param>(g);
         gw2 = lina::tensor<float>(sw);
-        a.extra[at + 1] = sink(gw2, bits[4]);
+        a.extra[extra_named(p, "∂" + s.w_k_name)] = sink(gw2, bits[4]);
         ts.push_back(&gw2);
       }
     }
@@ -1499,15 +1498,14 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
       scratch = tensor<float>({in.batch, in.heads, n, s.m + 1}, call);
       a.extra[2] = detail::device_operand(scratch.view());
     }
-    if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), after the scratch rows
-      std::size_t const at = s.normalized ? 3 : 2;
+    if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
       tensor<T>& gw = detail::gradient_slot<typename F::q::param>(g);
       gw = tensor<T>({in.batch, in.heads, s.d, s.f}, call);
-      a.extra[at] = detail::device_operand(gw.view());
+      a.extra[extra_named(p, "∂" + s.w_name)] = detail::device_operand(gw.view());
       if constexpr (F::own_k_w) {
         tensor<T>& gw2 = detail::gradient_slot<typename F::k::param>(g);
         gw2 = tensor<T>({in.batch, in.heads, s.d, s.f}, call);
-        a.extra[at + 1] = detail::device_operand(gw2.view());
+        a.extra[extra_named(p, "∂" + s.w_k_name)] = detail::device_operand(gw2.view());
       }
     }
     state s0, d_final;

@@ -140,6 +140,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -332,6 +333,13 @@ struct program {
 // only a causal spec can be chained (std::invalid_argument otherwise: every
 // row of a non-causal attention reads the whole sequence, so there is no
 // running state to carry — as on the CPU, lina/state.hpp).
+// The index of a program's extra buffer by its name (e.g. "∂W"); std::logic_error if it has none.
+inline std::size_t extra_named(program const& p, std::string const& name) {
+  for (std::size_t e = 0; e < p.extras.size(); ++e)
+    if (p.extras[e].name == name) return e;
+  throw std::logic_error("lina::cuda: program " + p.kernel_name + " has no buffer " + name);
+}
+
 program program_of(attention_spec const& s);
 
 // A softmax spec's program is quadratic: per block, the query rows are loaded
