@@ -557,7 +557,7 @@ void check_parametric(Expr const& expr, std::uint64_t seed) {
 }
 }  // namespace
 
-TEST_CASE("emulated favor and random Fourier features (φ(X; W)) = CPU backend = as written") {
+TEST_CASE("emulated favor and random Fourier features (φ of X·W) = CPU backend = as written") {
   check_parametric(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 61);
   check_parametric(normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W))) * V, 62);
   check_parametric(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W))) * V, 63);
@@ -938,7 +938,7 @@ TEST_CASE("chained: two emulated blocks = one pass = the CPU's chained result, a
 
 // favor's state has C = F rows (the random features), and W comes with every
 // block: two chained blocks equal one pass, and the sums are the CPU's.
-TEST_CASE("chained: favor blocks = one pass, and the same state as the CPU's; decoding steps and split rows = one pass") {
+TEST_CASE("chained: favor blocks = one pass, and the same state as the CPU's, and so do decoding steps and split rows") {
   constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
   std::size_t const b = 2, h = 2, n = 100, d = 16, m = 12, f = 32, cut = 37;
   auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2),

@@ -112,7 +112,7 @@ TEST_CASE_TEMPLATE("favor attention steps like any linear attention", T, float, 
   }
 }
 
-TEST_CASE("reset starts over; a saved state restores the sequence where it was") {
+TEST_CASE("reset starts over, and a saved state restores the sequence where it was") {
   constexpr auto e = causal_attn<elu_plus_one>;
   auto q = tensor<double>::random({2, 2, 30, 5}, 1), k = tensor<double>::random({2, 2, 30, 5}, 2);
   auto v = tensor<double>::random({2, 2, 30, 3}, 3);
@@ -138,7 +138,7 @@ TEST_CASE("reset starts over; a saved state restores the sequence where it was")
     CHECK(max_abs_diff(rnn.step(Q = tokens(q, t, t + 1), K = tokens(k, t, t + 1), V = tokens(v, t, t + 1)), first[t]) == 0);
 }
 
-TEST_CASE("stepping with the wrong shape throws shape_error; a foreign state is rejected") {
+TEST_CASE("stepping with the wrong shape throws shape_error, and a foreign state is rejected") {
   constexpr auto e = causal_attn<elu_plus_one>;
   auto rnn = cpu::recurrent<float>(compile(e), 2, 3);
   auto tok = [](std::size_t b, std::size_t h, std::size_t n, std::size_t d) {
