@@ -471,7 +471,19 @@ TEST_CASE("softmax: the quadratic program, its source, and what it does not do")
   spec.chained = true;  // no state: exp has no finite feature map
   CHECK_THROWS_AS(cuda::program_of(spec), std::invalid_argument);
   spec.chained = false;
-  CHECK_THROWS_WITH_AS(cuda::backward_program_of(spec), doctest::Contains("softmax"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(cuda::backward_program_of(spec), doctest::Contains("backward_programs_of"), std::invalid_argument);
+  auto const backward = cuda::backward_programs_of(spec);  // ∂Q per query chunk, then ∂K, ∂V per key chunk
+  REQUIRE(backward.size() == 2);
+  CHECK((backward[0].quadratic && !backward[0].key_major && backward[1].quadratic && backward[1].key_major));
+  CHECK(backward[0].extras == backward[1].extras);  // one forward_args feeds both
+  a.n_keys = 70;  // (cross-attention's blocks: the key-major launch divides K's rows)
+  CHECK(cuda::blocks_of(backward[0], a) == 2 * 3 * 3);
+  CHECK(cuda::blocks_of(backward[1], a) == 2 * 3 * 2);
+  CHECK(cuda::listing(backward[1]).find("for each chunk of queries from this block's key rows on") != std::string::npos);
+  spec.map_q = spec.map_k = cuda::feature_map::favor;
+  spec.f = 16;
+  CHECK_THROWS_WITH_AS(cuda::backward_programs_of(spec), doctest::Contains("favor or random_fourier"), std::invalid_argument);
+  spec.map_q = spec.map_k = cuda::feature_map::identity;
   CHECK_THROWS_AS(cuda::split_programs_of(spec), std::invalid_argument);
   // options.split_rows (the linear plans' chunk-parallel form) does not apply
   auto q = tensor<float>::random({1, 1, 200, 16}, 1), k = tensor<float>::random({1, 1, 200, 16}, 2),
@@ -637,7 +649,6 @@ template <class Expr>
 void check_cross(Expr const& expr, std::uint64_t seed, std::size_t max_d = 40) {
   auto const plan = plan_of(expr);
   static_assert(cuda::lowerable<decltype(plan)>);
-  constexpr bool softmax = contains_op<Expr, op::exp>();
   test::rng r{seed};
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (auto [n, s] : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}, {65, 64}, {1, 200}}) {
@@ -651,18 +662,17 @@ void check_cross(Expr const& expr, std::uint64_t seed, std::size_t max_d = 40) {
       auto exact = cpu::evaluate(expr, Q = widened(q), Kx = widened(k), Vx = widened(v));
       CHECK(relative_rms(got, cpu::evaluate(plan, Q = q, Kx = k, Vx = v)) <= tolerance(dt));
       CHECK(relative_rms(got, exact) <= tolerance(dt));
-      if constexpr (!softmax) {
-        auto dout = rounded(tensor<float>::random({b, h, n, m}, r.next()), dt);
-        auto g = cuda::emulate_gradient(plan, opt, dout, Q = q, Kx = k, Vx = v);
-        auto want = cpu::gradient(expr, widened(dout), Q = widened(q), Kx = widened(k), Vx = widened(v));
-        CHECK(g[Kx].shape() == k.shape());
-        CHECK(g[Vx].shape() == v.shape());
-        if (n > 1) {  // (one query row of a normalised plan: ∂Q, ∂K are eps-sized, see check_backward)
-          CHECK(relative_rms(g[Q], as_float(want[Q])) <= tolerance(dt));
-          CHECK(relative_rms(g[Kx], as_float(want[Kx])) <= tolerance(dt));
-        }
-        CHECK(relative_rms(g[Vx], as_float(want[Vx])) <= tolerance(dt));
+      // (softmax: the key-major launch's blocks divide K's rows, its passes walk Q's)
+      auto dout = rounded(tensor<float>::random({b, h, n, m}, r.next()), dt);
+      auto g = cuda::emulate_gradient(plan, opt, dout, Q = q, Kx = k, Vx = v);
+      auto want = cpu::gradient(expr, widened(dout), Q = widened(q), Kx = widened(k), Vx = widened(v));
+      CHECK(g[Kx].shape() == k.shape());
+      CHECK(g[Vx].shape() == v.shape());
+      if (n > 1) {  // (one query row of a normalised plan: ∂Q, ∂K are eps-sized, see check_backward)
+        CHECK(relative_rms(g[Q], as_float(want[Q])) <= tolerance(dt));
+        CHECK(relative_rms(g[Kx], as_float(want[Kx])) <= tolerance(dt));
       }
+      CHECK(relative_rms(g[Vx], as_float(want[Vx])) <= tolerance(dt));
     }
 }
 }  // namespace
@@ -1127,6 +1137,12 @@ TEST_CASE("golden: the emitted sources of a few small plans") {
   // Softmax: a block per chunk of query rows, the key chunks up to it, a running max.
   check_golden(compile(normalize(causal(exp(Qs * transpose(Ks) * 0.25))) * Vs), {cuda::dtype::bf16, cuda::dtype::bf16},
                "cuda_softmax_causal_d16_m8_bf16.cu");
+  // Its backward: ∂Q per chunk of query rows (the rows again, ĝ and the shift stored), then ∂K, ∂V per chunk of key rows.
+  auto const softmax_backward =
+      cuda::backward_programs_of(cuda::spec_of(compile(normalize(causal(exp(Qs * transpose(Ks) * 0.25))) * Vs),
+                                               {cuda::dtype::bf16, cuda::dtype::bf16}));
+  check_golden(softmax_backward.at(0), "cuda_softmax_causal_backward_q_d16_m8_bf16.cu");
+  check_golden(softmax_backward.at(1), "cuda_softmax_causal_backward_kv_d16_m8_bf16.cu");
 }
 
 // The kernels scripts/gpu-check's benchmark launches first compile here, so a
@@ -1831,6 +1847,145 @@ TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, non-
   check_backward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 86, {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}}, true);
 }
 
+// Softmax's backward: two launches (program.hpp, backward_programs_of) — a
+// block per chunk of query rows for ∂Q (storing ĝ and each row's shift), then
+// a key-major block per chunk of key rows for ∂K and ∂V — against
+// cpu::gradient of the plan and of the expression in double; causal and not,
+// normalised and not, the mask before exp, elu+1 and poly2 inside exp. With
+// exact products within the output's rounding; with the tensor cores'
+// (identity maps, bf16 and f16 inputs: the scores' operands are exact) within
+// c·u of Σ|terms| per gradient (softmax_terms), c = the rounded factors a term
+// carries.
+namespace {
+// Per element of ∂Q, ∂K, ∂V of y = rowdiv(mask(exp(s·QKᵀ))·[V|1]) (or
+// unnormalised, y = mask(exp(s·QKᵀ))·V; or the mask before exp), in double from the inputs as
+// written: Σ over the sum that gives it of |its terms| — ∂Q_i = Σ_j ∂S_ij·k_j,
+// ∂K_j = Σ_i ∂S_ij·q_i, ∂V_j = Σ_i P_ij·∂out_i with ∂S_ij = s·P_ij·(∂out_i·v_j
+// − ∂out_i·y_i) (normalised; else s·E_ij·∂out_i·v_j), P = E / Σ_j E.
+struct terms {
+  tensor<double> q, k, v;
+};
+terms softmax_terms(tensor<float> const& q, tensor<float> const& k, tensor<float> const& v, tensor<float> const& dout,
+                    cuda::attention_spec const& spec) {
+  double const scale = spec.scale;
+  bool const causal = spec.causal, normalized = spec.normalized, mask_scores = spec.mask_scores && !causal;
+  auto const sh = q.shape(), sv = v.shape();
+  std::size_t const n = sh[2], d = sh[3], m = sv[3];
+  terms t{tensor<double>(sh), tensor<double>(sh), tensor<double>(sv)};
+  for (std::size_t b = 0; b < sh[0]; ++b)
+    for (std::size_t h = 0; h < sh[1]; ++h)
+      for (std::size_t i = 0; i < n; ++i) {
+        std::vector<double> e(n, 0.0);
+        double den = 0;
+        for (std::size_t j = 0; j < n && (!causal || j <= i); ++j) {
+          double x = 0;  // (the mask before exp: a key after the row has score 0)
+          for (std::size_t c = 0; c < d && !(mask_scores && j > i); ++c) x += double(q(b, h, i, c)) * k(b, h, j, c);
+          den += e[j] = std::exp(scale * x);
+        }
+        double const norm = normalized ? den + 1e-6 : 1.0;
+        std::vector<double> y(m, 0.0);
+        for (std::size_t j = 0; j < n; ++j)
+          for (std::size_t c = 0; c < m; ++c) y[c] += e[j] / norm * v(b, h, j, c);
+        double gy = 0;
+        if (normalized)
+          for (std::size_t c = 0; c < m; ++c) gy += double(dout(b, h, i, c)) * y[c];
+        for (std::size_t j = 0; j < n; ++j) {
+          double gv = 0;
+          for (std::size_t c = 0; c < m; ++c) gv += double(dout(b, h, i, c)) * v(b, h, j, c);
+          double const ds = mask_scores && j > i ? 0.0 : std::abs(scale * e[j] / norm * (gv - gy));
+          for (std::size_t c = 0; c < d; ++c) {
+            t.q(b, h, i, c) += ds * std::abs(double(k(b, h, j, c)));
+            t.k(b, h, j, c) += ds * std::abs(double(q(b, h, i, c)));
+          }
+          for (std::size_t c = 0; c < m; ++c) t.v(b, h, j, c) += e[j] / norm * std::abs(double(dout(b, h, i, c)));
+        }
+      }
+  return t;
+}
+// ‖terms‖ / ‖result‖ (RMS): how far a relative error per term moves the result.
+double amplification(tensor<double> const& terms, tensor<double> const& exact) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < terms.size(); ++i) num += terms.data()[i] * terms.data()[i];
+  for (std::size_t i = 0; i < exact.size(); ++i) den += exact.data()[i] * exact.data()[i];
+  return den == 0 ? 0.0 : std::sqrt(num / den);
+}
+
+template <class Expr>
+void check_softmax_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, bool positive = false) {
+  auto const plan = compile(expr);
+  auto const spec0 = cuda::spec_of(plan);
+  bool const identity = spec0.map_q == cuda::feature_map::identity;
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
+    double worst = 0, worst_mma = 0;
+    for (shape const& s : cases) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      auto [q, k, v] = random_inputs(s, dt, r, positive);
+      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      auto cpu = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+      auto exact = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
+      auto g = cuda::emulate_gradient(plan, {dt, dt, true}, dout, Q = q, K = k, V = v);
+      bool const fast = dt != cuda::dtype::f32 && identity;
+      decltype(g) mma;
+      terms t;
+      if (fast) {
+        mma = cuda::emulate_gradient(plan, {dt, dt}, dout, Q = q, K = k, V = v);
+        t = softmax_terms(q, k, v, dout, spec0);
+      }
+      auto one = [&](auto const& x, std::string const& name, tensor<double> const& term) {
+        CAPTURE(name);
+        if (spec0.normalized && s.n == 1 && name != "∂V") {
+          // One token: its row is v·E/(E + eps), which depends on q and k through
+          // eps alone: the gradient is cancellation noise; its size is the property.
+          double size = 0, total = 0;
+          for (std::size_t i = 0; i < g[x].size(); ++i) size += double(g[x].data()[i]) * g[x].data()[i];
+          for (std::size_t i = 0; i < dout.size(); ++i) total += double(dout.data()[i]) * dout.data()[i];
+          CHECK(std::sqrt(size) <= 1e-4 * std::sqrt(total));
+          return;
+        }
+        double const e1 = relative_rms(g[x], cpu[x]), e2 = relative_rms(g[x], as_float(exact[x]));
+        CHECK(e1 <= tolerance(dt));
+        CHECK(e2 <= tolerance(dt));
+        worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
+        if (!fast) return;
+        // A term of ∂Q or ∂K carries E, ĝ (or ∂out) and ∂S rounded as operands,
+        // and ĝ divides by the recomputed rows (E rounded): 4u; of ∂V, E and ĝ: 2u.
+        double const bound = tolerance(dt) + (name == "∂V" ? 2 : 4) * operand_roundoff(dt) * amplification(term, exact[x]);
+        CAPTURE(bound);
+        double const e3 = relative_rms(mma[x], as_float(exact[x]));
+        CHECK(e3 <= bound);
+        worst_mma = std::max(worst_mma, e3 / bound);
+      };
+      one(Q, "∂Q", t.q);
+      one(K, "∂K", t.k);
+      one(V, "∂V", t.v);
+      // The kernels a launch uses compile: fp32 at the first shape, bf16 at the largest (T = 32).
+      if ((&s == &cases.front() && dt == cuda::dtype::f32) || (s.d == 128 && dt == cuda::dtype::bf16)) {
+        auto spec = cuda::spec_of(plan, {dt, dt});
+        spec.d = s.d, spec.m = s.m;
+        for (auto const& p : cuda::backward_programs_of(spec)) check_compiles(p);
+      }
+    }
+    MESSAGE(cuda::name_of(dt) << " " << spec0.description << " backward: largest error / tolerance: " << worst
+                              << "; tensor-core products, error / bound: " << worst_mma);
+  }
+}
+}  // namespace
+
+TEST_CASE("backward: softmax (two quadratic launches) = cpu::gradient = the expression's") {
+  std::vector<shape> cases = {{1, 1, 0, 5, 3}, {1, 2, 1, 7, 4}, {2, 1, 63, 16, 9}, {1, 1, 65, 24, 40}, {1, 1, 130, 128, 128}};
+  test::rng r{95};
+  add_random_shapes(cases, r, 2, 2, 200);
+  check_softmax_backward(normalize(causal(exp(Q * transpose(K) * 0.25))) * V, 95, cases);
+  check_softmax_backward(normalize(exp(Q * transpose(K) / 4.0)) * V, 96, cases);
+  check_softmax_backward(causal(exp(0.125 * (Q * transpose(K)))) * V, 97, cases);
+  check_softmax_backward(normalize(exp(causal(Q * transpose(K)) * 0.25)) * V, 98, cases);
+  check_softmax_backward(normalize(causal(exp(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)) * 0.03))) * V, 99,
+                         {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}});
+  check_softmax_backward(normalize(exp(phi<poly2>(Q) * transpose(phi<poly2>(K)) * 0.05)) * V, 100,
+                         {{1, 2, 9, 6, 5}, {1, 1, 70, 8, 20}}, true);
+}
+
 // A few small cases against central finite differences of the expression in
 // double (the references above are cpu::gradient, itself checked so in the CPU suite).
 // A user-defined element-wise map lowers with its CUDA formulas (cuda_apply,
@@ -1957,7 +2112,7 @@ TEST_CASE("backward: favor and random Fourier features (∂W per batch and head)
 TEST_CASE("backward: emulated gradients = finite differences in double, small cases") {
   auto check_fd = [](auto const& expr, shape s, std::uint64_t seed) {
     CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
-    auto const plan = compile<order::linear>(expr);
+    auto const plan = plan_of(expr);
     auto q = tensor<float>::random({s.b, s.h, s.n, s.d}, seed), k = tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1);
     auto v = tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dout = tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 3);
     auto g = cuda::emulate_gradient(plan, {cuda::dtype::f32, cuda::dtype::f32, true}, dout, Q = q, K = k, V = v);
@@ -1990,6 +2145,9 @@ TEST_CASE("backward: emulated gradients = finite differences in double, small ca
   check_fd(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, {1, 2, 7, 3, 2}, 91);
   check_fd(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, {2, 1, 5, 4, 3}, 92);
   check_fd(causal(Q * transpose(K)) * V, {1, 1, 70, 3, 2}, 93);  // two chunks
+  check_fd(normalize(causal(exp(Q * transpose(K) * 0.5))) * V, {1, 2, 7, 3, 2}, 94);  // softmax: two launches
+  check_fd(normalize(exp(causal(Q * transpose(K)))) * V, {1, 1, 70, 3, 2}, 95);       // the mask before exp, two chunks
+  check_fd(exp(Q * transpose(K)) * V, {2, 1, 5, 4, 3}, 96);
 }
 
 // A sequence evaluated in two chained blocks is differentiated last block
@@ -2113,10 +2271,13 @@ TEST_CASE("device: gradients = their emulation") {
   };
   constexpr auto causal_plan = compile<order::linear>(causal_expr);
   constexpr auto full_plan = compile<order::linear>(full_expr);
+  constexpr auto softmax_plan = compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V);  // two launches
   for (shape s : {shape{2, 3, 40, 16, 8}, shape{1, 2, 150, 64, 64}, shape{1, 1, 70, 128, 128}}) {
     run.template operator()<float>(causal_plan, s, 900);
     run.template operator()<cuda::bf16>(causal_plan, s, 910);
     run.template operator()<cuda::bf16>(full_plan, s, 920);
+    run.template operator()<float>(softmax_plan, s, 940);
+    run.template operator()<cuda::bf16>(softmax_plan, s, 950);
   }
   {  // favor: ∂W per (batch, head) too, W one device matrix shown to every (batch, head) (zero strides)
     constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);

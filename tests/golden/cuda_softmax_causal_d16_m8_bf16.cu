@@ -28,6 +28,7 @@ extern "C" __global__ void __launch_bounds__(256) lina_softmax_causal_id_id_d16_
   float* const a = reinterpret_cast<float*>(shared + 9216);
   float* const o = reinterpret_cast<float*>(shared + 26624);
   float* const mx = reinterpret_cast<float*>(shared + 29696);
+  const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V
   const long long q_chunks = (args.n + chunk - 1) / chunk;
   const long long tile = blockIdx.x / q_chunks;
   const long long query0 = blockIdx.x % q_chunks * chunk;  // this block's query rows: query0 … + queries
@@ -53,7 +54,7 @@ extern "C" __global__ void __launch_bounds__(256) lina_softmax_causal_id_id_d16_
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, m0, rows, tile_m);
     tl::ones_column<v_rows, v_cols, v_pitch>(v, rows);
     tl::product<tl::mma_bf16, a_rows, a_cols, q_cols, false, true, false, a_pitch, q_pitch, k_pitch>(a, q, k);  // a = q·kᵀ
-    tl::exp_rows<a_rows, a_cols, a_pitch, o_cols, o_pitch, mx_pitch, true, true, false, 256>(a, o, mx, 0.250000000f, r0, query0, rows);
+    tl::exp_rows<a_rows, a_cols, a_pitch, o_cols, o_pitch, mx_pitch, 1, true, false, 256>(a, o, mx, 0.250000000f, query0, r0, args.n, keys_n);
     tl::product<tl::mma_bf16, o_rows, o_cols, a_cols, false, false, true, o_pitch, a_pitch, v_pitch>(o, a, v);  // o += a·v
   }
   {  // this block's query rows

@@ -66,6 +66,9 @@ struct emitter {
     out += '\n';
   }
 
+  // The first query and the first key of a quadratic program's scores (program.hpp, exp_rows).
+  std::string_view scores_at() const { return p.key_major ? "r0, key0" : "query0, r0"; }
+
   static bool fusable(cuda::instruction const& load, cuda::instruction const& map) {
     return load.op == opcode::load && map.op == opcode::map && map.a < 0 && map.dst == load.dst;
   }
@@ -136,10 +139,18 @@ struct emitter {
         else
           line(ind, "tl::row_divide<{}, {}, {}>({}, eps);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
         break;
-      case opcode::exp_rows:
-        line(ind, "tl::exp_rows<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, r0, query0, rows);",
-             rows(i.dst), cols(i.dst), pitch(i.dst), cols(i.a), pitch(i.a), i.b >= 0 ? pitch(i.b) : "1", yes(i.b >= 0),
-             yes(i.causal), yes(i.mask_scores), p.tiles.threads, t, name(i.a), i.b >= 0 ? name(i.b) : "static_cast<float*>(nullptr)", i.scale);
+      case opcode::exp_rows: {  // shift: 0 none, 1 the running max (rescaling o), 2 fixed
+        int const shift = i.b < 0 ? 0 : i.a >= 0 ? 1 : 2;
+        line(ind, "tl::exp_rows<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, {}, args.n, keys_n);",
+             rows(i.dst), cols(i.dst), pitch(i.dst), i.a >= 0 ? cols(i.a) : "1", i.a >= 0 ? pitch(i.a) : "1",
+             i.b >= 0 ? pitch(i.b) : "1", shift, yes(i.causal), yes(i.mask_scores), p.tiles.threads, t,
+             i.a >= 0 ? name(i.a) : "static_cast<float*>(nullptr)", i.b >= 0 ? name(i.b) : "static_cast<float*>(nullptr)",
+             i.scale, scores_at());
+        break;
+      }
+      case opcode::exp_grad:
+        line(ind, "tl::exp_grad<{}, {}, {}, {}, {}, {}>({}, {}, {:#.9g}f, {}, args.n, keys_n);", rows(i.dst), cols(i.dst),
+             pitch(i.dst), pitch(i.a), yes(i.causal), yes(i.mask_scores), t, name(i.a), i.scale, scores_at());
         break;
       case opcode::store: {
         memory const m = sink(i.slot);
@@ -178,8 +189,12 @@ struct emitter {
         break;
       }
       case opcode::rowdiv_grad:
-        line(ind, "tl::rowdiv_grad<{}, {}, {}, {}>({}, {}, eps, rows);", rows(i.dst), cols(i.a), pitch(i.dst), pitch(i.a), t,
-             name(i.a));
+        if (i.b >= 0)  // softmax rows shifted by m
+          line(ind, "tl::rowdiv_grad<{}, {}, {}, {}, {}>({}, {}, eps, rows, {});", rows(i.dst), cols(i.a), pitch(i.dst),
+               pitch(i.a), pitch(i.b), t, name(i.a), name(i.b));
+        else
+          line(ind, "tl::rowdiv_grad<{}, {}, {}, {}>({}, {}, eps, rows);", rows(i.dst), cols(i.a), pitch(i.dst), pitch(i.a),
+               t, name(i.a));
         break;
       case opcode::load_state:
         if (i.slot >= 0)  // from an extra buffer (a chained backward: ∂ of the state the block leaves)
@@ -232,8 +247,10 @@ struct emitter {
     // Every instruction, wherever it runs (prologue, passes, epilogue).
     std::vector<cuda::instruction const*> all;
     for (auto const& i : p.prologue) all.push_back(&i);
-    for (auto const& pass : p.passes)
+    for (auto const& pass : p.passes) {
+      for (auto const& i : pass.before) all.push_back(&i);
       for (auto const& i : pass) all.push_back(&i);
+    }
     for (auto const& i : p.epilogue) all.push_back(&i);
     float eps = 0;
     bool divides = false;
@@ -300,8 +317,14 @@ struct emitter {
     }
     bool walks_keys = false;  // a pass over the rows of K and V, which may not be Q's (cross-attention)
     for (auto const& pass : p.passes) walks_keys = walks_keys || (pass.keys && !p.spec.causal);
-    if (walks_keys) line(2, "const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V");
-    if (p.quadratic) {  // blocks per chunk of query rows too: x = (slice · m_tiles + m_tile) · q_chunks + qc
+    if (walks_keys || p.quadratic) line(2, "const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V");
+    if (p.key_major) {  // blocks per chunk of key rows too: x = (slice · m_tiles + m_tile) · k_chunks + kc
+      line(2, "const long long k_chunks = (keys_n + chunk - 1) / chunk;");
+      line(2, "const long long tile = blockIdx.x / k_chunks;");
+      line(2, "const long long key0 = blockIdx.x % k_chunks * chunk;  // this block's key rows: key0 … + keys");
+      line(2, "const int keys = static_cast<int>(keys_n - key0 < chunk ? keys_n - key0 : chunk);");
+      line(2, "const long long queries_begin = {};  // the queries that read its keys", p.spec.causal ? "key0" : "0");
+    } else if (p.quadratic) {  // blocks per chunk of query rows too: x = (slice · m_tiles + m_tile) · q_chunks + qc
       line(2, "const long long q_chunks = (args.n + chunk - 1) / chunk;");
       line(2, "const long long tile = blockIdx.x / q_chunks;");
       line(2, "const long long query0 = blockIdx.x % q_chunks * chunk;  // this block's query rows: query0 … + queries");
@@ -320,10 +343,8 @@ struct emitter {
       if (reads && i->slot < max_inputs) loaded.at(static_cast<std::size_t>(i->slot)) = true;
       if (reads && i->slot >= max_inputs) extra.at(static_cast<std::size_t>(i->slot - max_inputs)) = true;
       if (i->op == opcode::store && i->slot >= 0) extra.at(static_cast<std::size_t>(i->slot)) = true;
+      if (i->op == opcode::load_state && i->slot >= 0) extra.at(static_cast<std::size_t>(i->slot)) = true;
     }
-    for (auto const& pass : p.passes)
-      for (auto const& i : pass.before)
-        if (i.op == opcode::load_state && i.slot >= 0) extra.at(static_cast<std::size_t>(i.slot)) = true;
     for (auto const* list : {&p.prologue, &p.epilogue})
       for (auto const& i : *list)
         if (i.op == opcode::store_partial || i.op == opcode::add_partials) extra.at(0) = true;
@@ -344,12 +365,18 @@ struct emitter {
       line(2, "const long long state_in_base = b * args.state_in.stride[0] + h * args.state_in.stride[1];");
       line(2, "const long long state_out_base = b * args.state_out.stride[0] + h * args.state_out.stride[1];");
     }
-    if (p.quadratic) {  // the prologue works on the block's query rows
-      line(2, "{{  // this block's query rows");
-      line(4, "const long long r0 = query0;");
-      line(4, "const int rows = queries;");
-      body(4, p.prologue);
+    // A quadratic program's prologue, what runs before its passes and its
+    // epilogue work on the block's own rows (query rows; key-major: key rows).
+    auto own_rows = [&](std::vector<cuda::instruction> const& list) {
+      if (list.empty()) return;
+      line(2, "{{  // this block's {} rows", p.key_major ? "key" : "query");
+      line(4, "const long long r0 = {};", p.key_major ? "key0" : "query0");
+      line(4, "const int rows = {};", p.key_major ? "keys" : "queries");
+      body(4, list);
       line(2, "}}");
+    };
+    if (p.quadratic) {
+      own_rows(p.prologue);
     } else {
       for (auto const& i : p.prologue) {
         if (i.op != opcode::zero && i.op != opcode::load_state && i.op != opcode::add_partials && !i.whole)
@@ -359,15 +386,20 @@ struct emitter {
       }
     }
     for (auto const& pass : p.passes) {
-      for (auto const& i : pass.before) {
-        if (i.op != opcode::zero && i.op != opcode::load_state)
-          throw std::logic_error("lina::cuda::emit: what runs before a pass is a zero or a load_state instruction");
-        instruction(2, i);
-      }
+      if (p.quadratic)
+        own_rows(pass.before);
+      else
+        for (auto const& i : pass.before) {
+          if (i.op != opcode::zero && i.op != opcode::load_state)
+            throw std::logic_error("lina::cuda::emit: what runs before a pass is a zero or a load_state instruction");
+          instruction(2, i);
+        }
       if (pass.reverse)  // the same chunks, last first
         line(2, "for (long long r0 = args.n > 0 ? (args.n - 1) / chunk * chunk : -1; r0 >= 0; r0 -= chunk) {{  // last first");
       else if (p.split)
         line(2, "for (long long r0 = row_begin; r0 < row_end; r0 += chunk) {{");
+      else if (p.key_major)
+        line(2, "for (long long r0 = queries_begin; r0 < args.n; r0 += chunk) {{  // chunks of queries");
       else if (p.quadratic)
         line(2, "for (long long r0 = 0; r0 < keys_end; r0 += chunk) {{  // chunks of keys");
       else if (pass.keys)
@@ -376,6 +408,8 @@ struct emitter {
         line(2, "for (long long r0 = 0; r0 < args.n; r0 += chunk) {{");
       if (p.split)
         line(4, "const int rows = static_cast<int>(row_end - r0 < chunk ? row_end - r0 : chunk);");
+      else if (p.key_major)
+        line(4, "const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);");
       else if (p.quadratic)
         line(4, "const int rows = static_cast<int>(keys_end - r0 < chunk ? keys_end - r0 : chunk);");
       else if (pass.keys)
@@ -385,12 +419,8 @@ struct emitter {
       body(4, pass);
       line(2, "}}");
     }
-    if (p.quadratic) {  // the epilogue too: it finishes and stores the block's query rows
-      line(2, "{{  // this block's query rows");
-      line(4, "const long long r0 = query0;");
-      line(4, "const int rows = queries;");
-      body(4, p.epilogue);
-      line(2, "}}");
+    if (p.quadratic) {  // the epilogue finishes and stores the block's rows
+      own_rows(p.epilogue);
       line(0, "}}");
       return std::move(out);
     }

@@ -109,6 +109,15 @@ struct block {
     return slot < max_inputs ? p.spec.in : p.extras.at(static_cast<std::size_t>(slot - max_inputs)).type;
   }
   std::int64_t col0(instruction const& i) const { return i.by_m_tile ? m_tile * p.tiles.tile_m : 0; }
+  // exp_rows' and exp_grad's score (r, c) of a chunk at r0: its query and key
+  // (program.hpp), and whether it is valid.
+  struct score {
+    std::int64_t query, key;
+  };
+  score score_at(std::int64_t r0, int r, int c) const {
+    return p.key_major ? score{r0 + r, row_begin + c} : score{row_begin + r, r0 + c};
+  }
+  bool valid(instruction const& i, score x) const { return x.query < a.n && x.key < keys_of(a) && (!i.causal || x.key <= x.query); }
 
   void run(instruction const& i, std::int64_t r0, int rows) {
     tile& t = reg[static_cast<std::size_t>(i.dst)];
@@ -195,7 +204,8 @@ struct block {
         tile& o = reg[static_cast<std::size_t>(i.a)];
         int const w = o.cols;
         for (int r = 0; r < rows; ++r) {
-          float const d = o.at(r, w - 1) + i.eps;
+          float const d = i.b >= 0 ? std::fma(i.eps, std::exp(-reg[static_cast<std::size_t>(i.b)].at(r, 0)), o.at(r, w - 1))
+                                   : o.at(r, w - 1) + i.eps;
           float sum = 0.0f;
           for (int c = 0; c + 1 < w; ++c) sum = std::fma(t.at(r, c), o.at(r, c) / d, sum);
           t.at(r, w - 1) = -sum / d;
@@ -302,24 +312,36 @@ struct block {
         }
         break;
       case opcode::exp_rows: {
-        tile& o = reg[static_cast<std::size_t>(i.a)];
         for (int r = 0; r < t.rows; ++r) {
-          auto valid = [&](int c) { return c < rows && (!i.causal || r0 + c <= row_begin + r); };
           if (i.mask_scores)  // exp(causal(S)): a masked key's score is 0 (its weight exp(0 − shift))
             for (int c = 0; c < t.cols; ++c)
-              if (r0 + c > row_begin + r) t.at(r, c) = 0.0f;
+              if (score x = score_at(r0, r, c); x.key > x.query) t.at(r, c) = 0.0f;
           float shift = 0.0f;
-          if (i.b >= 0) {
+          if (i.b >= 0 && i.a < 0) {  // the forward's final shift
+            shift = reg[static_cast<std::size_t>(i.b)].at(r, 0);
+          } else if (i.b >= 0) {  // the running max
+            tile& o = reg[static_cast<std::size_t>(i.a)];
             float& m = reg[static_cast<std::size_t>(i.b)].at(r, 0);
             float grown = m;
             for (int c = 0; c < t.cols; ++c)
-              if (valid(c)) grown = std::fmax(grown, i.scale * t.at(r, c));  // fmax skips a NaN, as fmaxf does
+              if (valid(i, score_at(r0, r, c))) grown = std::fmax(grown, i.scale * t.at(r, c));  // fmax skips a NaN, as fmaxf does
             float const f = std::exp(m - grown);
             for (int c = 0; c < o.cols; ++c) o.at(r, c) = o.at(r, c) * f;
             m = shift = grown;
           }
-          for (int c = 0; c < t.cols; ++c) t.at(r, c) = valid(c) ? std::exp(std::fma(i.scale, t.at(r, c), -shift)) : 0.0f;
+          for (int c = 0; c < t.cols; ++c)
+            t.at(r, c) = valid(i, score_at(r0, r, c)) ? std::exp(std::fma(i.scale, t.at(r, c), -shift)) : 0.0f;
         }
+        break;
+      }
+      case opcode::exp_grad: {
+        tile& e = reg[static_cast<std::size_t>(i.a)];
+        for (int r = 0; r < t.rows; ++r)
+          for (int c = 0; c < t.cols; ++c) {
+            score const x = score_at(r0, r, c);
+            bool const live = valid(i, x) && !(i.mask_scores && x.key > x.query);
+            t.at(r, c) = live ? i.scale * (e.at(r, c) * t.at(r, c)) : 0.0f;
+          }
         break;
       }
       case opcode::load_state: {
@@ -384,24 +406,30 @@ struct block {
     for (auto const& r : p.registers)
       reg.push_back({r.rows, r.cols, std::vector<float>(static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.cols))});
     if (idle()) return;
-    // A quadratic block's prologue and epilogue work on its query rows, its
-    // pass on the keys before them (causal) or all keys.
-    int const q_rows = static_cast<int>(row_end - row_begin);
-    for (auto const& i : p.prologue) p.quadratic ? step(i, row_begin, q_rows) : step(i, 0, 0);
+    // A quadratic block's prologue, what runs before its passes and its
+    // epilogue work on its rows (query rows; key-major: key rows), its passes
+    // on the chunks of the other side those rows meet.
+    int const own_rows = static_cast<int>(row_end - row_begin);
+    for (auto const& i : p.prologue) p.quadratic ? step(i, row_begin, own_rows) : step(i, 0, 0);
     std::int64_t const t = p.tiles.chunk;
     for (auto const& pass : p.passes) {
-      // The rows it walks: the keys (K, V) or this block's rows of Q.
-      std::int64_t const first = p.quadratic || pass.keys ? 0 : row_begin;
-      std::int64_t const last = pass.keys && !p.spec.causal ? keys_of(a) : row_end;
+      // The rows it walks: the keys (K, V), this block's rows of Q, or in a
+      // quadratic program the other side's chunks (causal: up to the diagonal).
+      std::int64_t first = pass.keys ? 0 : row_begin;
+      std::int64_t last = pass.keys && !p.spec.causal ? keys_of(a) : row_end;
+      if (p.key_major)
+        first = p.spec.causal ? row_begin : 0, last = a.n;
+      else if (p.quadratic)
+        first = 0, last = p.spec.causal ? row_end : keys_of(a);
       std::int64_t const chunks = (last - first + t - 1) / t;
-      for (auto const& i : pass.before) step(i, 0, 0);
+      for (auto const& i : pass.before) p.quadratic ? step(i, row_begin, own_rows) : step(i, 0, 0);
       for (std::int64_t c = 0; c < chunks; ++c) {
         std::int64_t const r0 = first + (pass.reverse ? chunks - 1 - c : c) * t;
         int rows = static_cast<int>(std::min(t, last - r0));
         for (auto const& i : pass) step(i, r0, rows);
       }
     }
-    for (auto const& i : p.epilogue) p.quadratic ? step(i, row_begin, q_rows) : step(i, a.n, 0);
+    for (auto const& i : p.epilogue) p.quadratic ? step(i, row_begin, own_rows) : step(i, a.n, 0);
   }
 };
 
@@ -438,8 +466,9 @@ void emulate(program const& p, forward_args const& args) {
     blk.b = slice / args.heads;
     blk.h = slice % args.heads;
     std::int64_t const rows_per = p.quadratic ? p.tiles.chunk : args.group_rows;  // per group
+    std::int64_t const n = p.key_major ? keys_of(args) : args.n;                  // the rows blocks divide
     blk.row_begin = p.split || p.quadratic ? blk.group * rows_per : 0;
-    blk.row_end = p.split || p.quadratic ? std::min(args.n, blk.row_begin + rows_per) : args.n;
+    blk.row_end = p.split || p.quadratic ? std::min(n, blk.row_begin + rows_per) : n;
     blk.run_all();
   }
 }

@@ -62,6 +62,7 @@ std::string_view name_of(opcode o) {
     case opcode::add_partials: return "add_partials";
     case opcode::exp_rows: return "exp_rows";
     case opcode::param_grad: return "param_grad";
+    case opcode::exp_grad: return "exp_grad";
   }
   return "?";
 }
@@ -241,6 +242,33 @@ struct builder {
   static instruction divide(int t, float eps) { return {.op = opcode::row_divide, .dst = t, .eps = eps}; }
   static instruction store(int t, int width) {
     return {.op = opcode::store, .dst = t, .width = width, .by_m_tile = true};
+  }
+  // ∂φ rows in dx → ∂X rows stored to `to` (-1: out, else extra[to]), via gx
+  // for a row map. A parametric map reloads x and z = x·W (as the forward
+  // computed them; the registers held the other operand's since), turns z
+  // into ∂z, and adds xᵀ·∂z to its W's gradient dw (dwk: φ(K)'s own W's)
+  // in fp32 products: a sum over every row.
+  int dw = -1, dwk = -1;
+  void finish_grad(std::vector<instruction>& body, int dx, int gx, int slot, feature_map mp, int to) const {
+    if (parametric(mp)) {
+      bool const k_side = slot == 1 && wk >= 0;
+      int const wr = k_side ? wk : w, dwr = k_side ? dwk : dw;
+      float const scale = static_cast<float>(std::pow(static_cast<double>(d), -0.25));
+      body.push_back(load(x, slot, d));
+      body.push_back(product(z, x, false, wr, false, false));  // z = x·W
+      body.push_back({.op = opcode::map_grad, .dst = z, .a = dx, .b = x, .map = mp, .scale = scale});  // z ← ∂z
+      body.push_back({.op = opcode::param_grad, .dst = gx, .a = z, .b = wr, .slot = slot, .map = mp, .scale = scale});
+      body.push_back(store_to(gx, to, d));
+      instruction acc = product(dwr, x, true, z, false, true);  // ∂W += xᵀ·∂z
+      acc.prec = precision::fma_f32;
+      body.push_back(acc);
+    } else if (mp == feature_map::poly2) {
+      body.push_back(map_grad(gx, mp, slot, dx));
+      body.push_back(store_to(gx, to, d));
+    } else {
+      if (mp != feature_map::identity) body.push_back(map_grad(dx, mp, slot));
+      body.push_back(store_to(dx, to, d));
+    }
   }
   static instruction load_state(int t, int width, bool z) {
     return {.op = opcode::load_state, .dst = t, .width = width, .by_m_tile = true, .z_column = z};
@@ -443,8 +471,8 @@ program lay_out_backward(attention_spec const& s, int t) {
   b.w_slot = 4;
   b.feature_registers(s, t, dtype::f32);
   int const f = static_cast<int>(s.f);
-  int const dw = param ? b.reg("dw", d, f, "∂" + s.w_name + " = Σ xᵀ·∂z over the rows so far, fp32 (D, F)") : -1;
-  int const dwk = own_k ? b.reg("dwk", d, f, "∂" + s.w_k_name + " = Σ kᵀ·∂z over K's rows so far, fp32 (D, F)") : -1;
+  int const dw = b.dw = param ? b.reg("dw", d, f, "∂" + s.w_name + " = Σ xᵀ·∂z over the rows so far, fp32 (D, F)") : -1;
+  int const dwk = b.dwk = own_k ? b.reg("dwk", d, f, "∂" + s.w_k_name + " = Σ kᵀ·∂z over K's rows so far, fp32 (D, F)") : -1;
   int const v = b.reg("v", t, w, v1 + " chunk (T, W)");
   int const g = b.reg("g", t, w, s.normalized ? "ĝ: ∂out, then the adjoint of the unnormalised rows (T, W)" : "∂out chunk (T, M)");
   int const o = b.reg("o", t, w, s.normalized ? "the unnormalised rows [num | den], then ∂" + v1 + " (T, W)" : "∂V rows (T, M)");
@@ -457,31 +485,6 @@ program lay_out_backward(attention_spec const& s, int t) {
   auto load_v = [&](std::vector<instruction>& body) {
     body.push_back(builder::load(v, 2, m));
     if (s.normalized) body.push_back(builder::ones(v));
-  };
-  // ∂φ rows in dx → ∂X rows stored to `to` (-1: out, else extra[to]). A
-  // parametric map reloads x and z = x·W (as the forward computed them; the
-  // registers held the other operand's since), turns z into ∂z, and adds
-  // xᵀ·∂z to its W's gradient (fp32 products: a sum over every row).
-  auto finish_grad = [&](std::vector<instruction>& body, int slot, feature_map mp, int to) {
-    if (parametric(mp)) {
-      bool const k_side = slot == 1 && own_k;
-      int const wr = k_side ? b.wk : b.w, dwr = k_side ? dwk : dw;
-      float const scale = static_cast<float>(std::pow(static_cast<double>(d), -0.25));
-      body.push_back(builder::load(b.x, slot, d));
-      body.push_back(b.product(b.z, b.x, false, wr, false, false));  // z = x·W
-      body.push_back({.op = opcode::map_grad, .dst = b.z, .a = dx, .b = b.x, .map = mp, .scale = scale});  // z ← ∂z
-      body.push_back({.op = opcode::param_grad, .dst = gx, .a = b.z, .b = wr, .slot = slot, .map = mp, .scale = scale});
-      body.push_back(builder::store_to(gx, to, d));
-      instruction acc = b.product(dwr, b.x, true, b.z, false, true);  // ∂W += xᵀ·∂z
-      acc.prec = precision::fma_f32;
-      body.push_back(acc);
-    } else if (mp == feature_map::poly2) {
-      body.push_back(builder::map_grad(gx, mp, slot, dx));
-      body.push_back(builder::store_to(gx, to, d));
-    } else {
-      if (mp != feature_map::identity) body.push_back(builder::map_grad(dx, mp, slot));
-      body.push_back(builder::store_to(dx, to, d));
-    }
   };
   // ĝ: ∂out, through rowdiv's adjoint when normalised (o holds the rows), kept in scratch.
   auto adjoint_rows = [&](std::vector<instruction>& body) {
@@ -527,7 +530,7 @@ program lay_out_backward(attention_spec const& s, int t) {
     fwd.push_back(b.product(dx, a, false, k, false, false)); // ∂φQ = a·φK
     fwd.push_back(b.product(dx, g, false, st, true, true));  //      + ĝ·Sᵀ (earlier chunks)
     fwd.push_back(b.product(st, k, true, v, false, true));   // S += φKᵀ·[V|1]
-    finish_grad(fwd, 0, s.map_q, -1);
+    b.finish_grad(fwd, dx, gx, 0, s.map_q, -1);
 
     b.load_mapped(rev, q, 0, s.map_q);
     b.load_mapped(rev, k, 1, s.map_k);
@@ -543,7 +546,7 @@ program lay_out_backward(attention_spec const& s, int t) {
     rev.push_back(b.product(o, k, false, st, false, true));  //         + φK·R
     rev.push_back(builder::store_to(o, 1, m));
     rev.push_back(b.product(st, q, true, g, false, true));   // R += φQᵀ·ĝ
-    finish_grad(rev, 1, s.map_k, 0);
+    b.finish_grad(rev, dx, gx, 1, s.map_k, 0);
     p.passes.emplace_back(std::move(fwd));
     p.passes.emplace_back(std::move(rev), true, std::vector<instruction>{reverse_start});
   } else {
@@ -555,7 +558,7 @@ program lay_out_backward(attention_spec const& s, int t) {
     if (s.normalized) rows.push_back(b.product(o, q, false, st, false, false));
     adjoint_rows(rows);
     rows.push_back(b.product(dx, g, false, st, true, false));
-    finish_grad(rows, 0, s.map_q, -1);
+    b.finish_grad(rows, dx, gx, 0, s.map_q, -1);
     b.load_mapped(adj, q, 0, s.map_q);  // R = Σ φQᵀ·ĝ
     reload_adjoint(adj);
     adj.push_back(b.product(st, q, true, g, false, true));
@@ -564,7 +567,7 @@ program lay_out_backward(attention_spec const& s, int t) {
     kv.push_back(b.product(dx, v, false, st, true, false));
     kv.push_back(b.product(o, k, false, st, false, false));
     kv.push_back(builder::store_to(o, 1, m));
-    finish_grad(kv, 1, s.map_k, 0);
+    b.finish_grad(kv, dx, gx, 1, s.map_k, 0);
     p.passes.emplace_back(std::move(sum));
     p.passes.back().keys = true;
     p.passes.emplace_back(std::move(rows));
@@ -574,11 +577,147 @@ program lay_out_backward(attention_spec const& s, int t) {
   }
   return p;
 }
+
+// The two quadratic programs of a softmax spec's backward at chunk T
+// (program.hpp, backward_programs_of): key_side false, a block per chunk of
+// query rows giving ∂Q (and storing ĝ and the shift m); true, key-major, a
+// block per chunk of key rows giving ∂K and ∂V. Slots: Q, K, V, ∂out in 0–3;
+// extra[0] ∂K, extra[1] ∂V, then (normalised) extra[2] ĝ and extra[3] m.
+program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) {
+  builder b;
+  program& p = b.p;
+  b.start(s, {t, static_cast<int>(s.m), 256});  // every column of M in one block: ∂S sums over them
+  p.quadratic = true;
+  p.key_major = key_side;
+  int const d = static_cast<int>(s.d), m = static_cast<int>(s.m);
+  int const c = static_cast<int>(features(s.map_q, s.d, s.f));
+  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;
+  int const w = m + (s.normalized ? 1 : 0);
+  bool const mask_scores = s.mask_scores && !s.causal;
+  float const eps = static_cast<float>(s.eps), scale = static_cast<float>(s.scale);
+  p.kernel_name = fmt::format("lina_softmax_{}_backward_{}_{}_{}_d{}_m{}_t{}_{}_{}{}{}",
+                              s.causal ? "causal" : mask_scores ? "masked_scores" : "full", key_side ? "kv" : "q",
+                              map_id(s, s.map_q), map_id(s, s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
+                              s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
+  p.description = fmt::format("{} softmax attention (quadratic), backward{}, {}: {}",
+                              s.causal ? "causal" : mask_scores ? "non-causal, scores masked before exp," : "non-causal",
+                              s.normalized ? "" : " (unnormalized)",
+                              key_side ? fmt::format("∂{}, ∂{} per chunk of key rows", s.k_name, s.v_name)
+                                       : fmt::format("∂{} per chunk of query rows", s.q_name),
+                              plan_text(s));
+  p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}, {"∂out", "dout"}};
+  p.out_name = "∂" + s.q_name;
+  p.extras = {{"∂" + s.k_name, s.out, "the gradient of " + s.k_name, true},
+              {"∂" + s.v_name, s.out, "the gradient of " + s.v_name, true}};
+  if (s.normalized) {
+    p.extras.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the shifted rows [num | den], fp32 [B, H, N, M+1]"});
+    p.extras.push_back({"shift", dtype::f32, "each query row's final shift m, fp32 [B, H, N, 1]"});
+  }
+  int const scratch = max_inputs + 2, shift = max_inputs + 3;  // their load slots
+
+  std::string const v1 = s.normalized ? "[V|1]" : "V";
+  std::string const cdim = row_map ? "C" : "D";
+  std::string const mine = key_side ? "this block's key rows" : "this block's query rows";
+  int const q = b.reg("q", t, c, "φ(Q) " + (key_side ? std::string("chunk") : mine) + " (T, " + cdim + ")");
+  int const k = b.reg("k", t, c, "φ(K) " + (key_side ? mine : std::string("chunk")) + " (T, " + cdim + ")");
+  b.feature_registers(s, t, dtype::f32);
+  int const v = b.reg("v", t, w, v1 + (key_side ? " of " + mine : std::string(" chunk")) + " (T, W)");
+  int const g = b.reg("g", t, w, s.normalized ? "ĝ: the adjoint of the shifted rows [num | den] (T, W)" : "∂out rows (T, M)");
+  int const a = b.reg("a", t, t, "the scores, then E = exp(scale·score − m) (T queries × T keys)");
+  int const ds = b.reg("ds", t, t, "ĝ·" + v1 + "ᵀ, then ∂S = scale·E∘(ĝ·" + v1 + "ᵀ) (T, T)");
+  int const mx = s.normalized ? b.reg("mx", t, 1, "each query row's shift m (T, 1)") : -1;
+  int const o = s.normalized && !key_side ? b.reg("o", t, w, "the shifted rows [num | den] again (T, W)") : -1;
+  int const dx = b.reg(key_side ? "dk" : "dq", t, c, (key_side ? "∂φ(K)" : "∂φ(Q)") + std::string(" of ") + mine + " (T, " + cdim + ")");
+  int const dv = key_side ? b.reg("dv", t, w, "∂" + v1 + " of " + mine + " (T, W)") : -1;
+  int const gx = row_map ? b.reg("gx", t, d, "∂Q or ∂K rows through the row map (T, D)") : -1;
+
+  auto load_v = [&](std::vector<instruction>& body) {
+    body.push_back(builder::load(v, 2, m));
+    if (s.normalized) body.push_back(builder::ones(v));
+  };
+  instruction exp_fixed{.op = opcode::exp_rows, .dst = a, .b = mx, .scale = scale, .causal = s.causal,
+                        .mask_scores = mask_scores};  // a = E, with the forward's final shift
+  instruction const exp_grad{.op = opcode::exp_grad, .dst = ds, .a = a, .scale = scale, .causal = s.causal,
+                             .mask_scores = mask_scores};  // ds = ∂S
+  if (!key_side) {
+    b.load_mapped(p.prologue, q, 0, s.map_q);
+    p.prologue.push_back(builder::zero(dx));
+    std::vector<instruction> keys;  // ∂φQ = Σ ∂S·φK over the key chunks
+    b.load_mapped(keys, k, 1, s.map_k);
+    load_v(keys);
+    keys.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
+    keys.push_back(exp_fixed);                                 // a = E
+    keys.push_back(b.product(ds, g, false, v, true, false));  // ds = ĝ·[V|1]ᵀ
+    keys.push_back(exp_grad);                                  // ds = ∂S
+    keys.push_back(b.product(dx, ds, false, k, false, true)); // ∂φQ += ∂S·φK
+    if (s.normalized) {  // first the rows again, as the forward ran them: o and the final shift m
+      p.prologue.push_back(builder::zero(o));
+      p.prologue.push_back(builder::zero(mx));
+      std::vector<instruction> rows;
+      b.load_mapped(rows, k, 1, s.map_k);
+      load_v(rows);
+      rows.push_back(b.product(a, q, false, k, true, false));
+      instruction running = exp_fixed;
+      running.a = o;  // the running max, o rescaled
+      rows.push_back(running);
+      rows.push_back(b.product(o, a, false, v, false, true));
+      p.passes.emplace_back(std::move(rows));
+      // ĝ = rowdiv's adjoint of the shifted rows, kept (with m) for the key-major launch
+      std::vector<instruction> adjoint = {builder::load(g, 3, m), builder::rowdiv_grad(g, o, eps)};
+      adjoint.back().b = mx;
+      adjoint.push_back(builder::store_to(g, 2, w));
+      adjoint.push_back(builder::store_to(mx, 3, 1));
+      p.passes.emplace_back(std::move(keys), false, std::move(adjoint));
+    } else {
+      p.prologue.push_back(builder::load(g, 3, m));  // ĝ = ∂out
+      p.passes.emplace_back(std::move(keys));
+    }
+    b.finish_grad(p.epilogue, dx, gx, 0, s.map_q, -1);
+  } else {
+    b.load_mapped(p.prologue, k, 1, s.map_k);
+    load_v(p.prologue);
+    p.prologue.push_back(builder::zero(dx));
+    p.prologue.push_back(builder::zero(dv));
+    std::vector<instruction> queries;
+    b.load_mapped(queries, q, 0, s.map_q);
+    queries.push_back(s.normalized ? builder::load(g, scratch, w) : builder::load(g, 3, m));
+    if (s.normalized) queries.push_back(builder::load(mx, shift, 1));
+    queries.push_back(b.product(a, q, false, k, true, false));   // a = φQ·φKᵀ
+    queries.push_back(exp_fixed);                                  // a = E
+    queries.push_back(b.product(dv, a, true, g, false, true));    // ∂[V|1] += Eᵀ·ĝ
+    queries.push_back(b.product(ds, g, false, v, true, false));   // ds = ĝ·[V|1]ᵀ
+    queries.push_back(exp_grad);                                   // ds = ∂S
+    queries.push_back(b.product(dx, ds, true, q, false, true));   // ∂φK += ∂Sᵀ·φQ
+    p.passes.emplace_back(std::move(queries));
+    p.epilogue.push_back(builder::store_to(dv, 1, m));
+    b.finish_grad(p.epilogue, dx, gx, 1, s.map_k, 0);
+  }
+  return p;
+}
 }  // namespace
+
+std::vector<program> backward_programs_of(attention_spec const& s) {
+  if (!s.softmax) return {backward_program_of(s)};
+  if (s.step) throw std::invalid_argument("lina::cuda: a decoding step has no backward kernel");
+  if (s.chained) throw std::invalid_argument("lina::cuda: softmax attention has no state to carry");
+  if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
+  check_maps(s);
+  if (parametric(s.map_q) || parametric(s.map_k))
+    throw std::invalid_argument("lina::cuda: the backward of softmax attention with favor or random_fourier inside exp "
+                                "is not generated yet (∂W sums over every block; use cpu::gradient)");
+  for (int t : {64, 32, 16}) {
+    std::vector<program> ps{lay_out_softmax_backward(s, t, false), lay_out_softmax_backward(s, t, true)};
+    if (ps[0].shared_bytes() <= shared_memory_budget && ps[1].shared_bytes() <= shared_memory_budget) return ps;
+  }
+  throw std::invalid_argument(fmt::format(
+      "lina::cuda: D = {}, M = {} is too large for softmax's backward kernels: one block holds every column and, at "
+      "T = 16, needs {} bytes of shared memory, more than the {} a block may use (splitting M over blocks: not yet)",
+      s.d, s.m, lay_out_softmax_backward(s, 16, false).shared_bytes(), shared_memory_budget));
+}
 
 program backward_program_of(attention_spec const& s) {
   if (s.softmax)
-    throw std::invalid_argument("lina::cuda: the backward of softmax attention is not generated yet (linear plans only)");
+    throw std::invalid_argument("lina::cuda: the backward of softmax attention takes two launches: backward_programs_of");
   if (s.step) throw std::invalid_argument("lina::cuda: a decoding step has no backward kernel");
   if (s.chained && !s.causal)
     throw std::invalid_argument("lina::cuda: only a causal attention carries a state, so only its backward takes one");
@@ -738,7 +877,12 @@ std::string listing(program const& p) {
         return fmt::format("exp_rows {} = exp({}·{} − {}){}{}", nm(i.dst), i.scale, nm(i.dst),
                            i.b >= 0 ? nm(i.b) : "0",
                            i.causal ? ", keys after the row masked" : i.mask_scores ? ", scores after the row 0" : "",
-                           i.b >= 0 ? fmt::format("; {} grows to the row max, {} rescaled", nm(i.b), nm(i.a)) : "");
+                           i.b < 0    ? ""
+                           : i.a >= 0 ? fmt::format("; {} grows to the row max, {} rescaled", nm(i.b), nm(i.a))
+                                      : fmt::format("; {} fixed (the forward's final shift)", nm(i.b)));
+      case opcode::exp_grad:
+        return fmt::format("exp_grad {} = {}·{}∘{}{}", nm(i.dst), i.scale, nm(i.a), nm(i.dst),
+                           i.causal || i.mask_scores ? ", 0 after the row" : "");
       case opcode::store:
         if (i.slot >= 0)
           return fmt::format("store {} → {}[:, {} cols]", nm(i.dst), p.extras.at(static_cast<std::size_t>(i.slot)).name, i.width);
@@ -751,7 +895,9 @@ std::string listing(program const& p) {
           return fmt::format("map_grad {} ← ∂z of φ[{}]({}; {}) from ∂φ {}", nm(i.dst), name_of(i.map), nm(i.b), nm(i.dst), nm(i.a));
         return i.a >= 0 ? fmt::format("map_grad {} ← φ[{}]′({})ᵀ·{}", nm(i.dst), name_of(i.map), source(i.slot), nm(i.a))
                         : fmt::format("map_grad {} ·= φ[{}]′({})", nm(i.dst), name_of(i.map), source(i.slot));
-      case opcode::rowdiv_grad: return fmt::format("rowdiv_grad {} (rows {}) eps={}", nm(i.dst), nm(i.a), i.eps);
+      case opcode::rowdiv_grad:
+        return fmt::format("rowdiv_grad {} (rows {}) eps={}{}", nm(i.dst), nm(i.a), i.eps,
+                           i.b >= 0 ? fmt::format("·exp(−{})", nm(i.b)) : "");
       case opcode::store_partial:
         return fmt::format("store_partial {} → partials[group, :, m_tile·tile_m + {} cols{}] (not the last group)",
                            nm(i.dst), i.width, i.z_column ? " | z (m_tile 0)" : "");
@@ -773,6 +919,8 @@ std::string listing(program const& p) {
     for (auto const& i : pass.before) r += "  " + one(i) + "\n";
     r += pass.reverse  ? "  for each chunk, last first:\n"
          : p.split    ? "  for each chunk of the group:\n"
+         : p.key_major ? (p.spec.causal ? "  for each chunk of queries from this block's key rows on:\n"
+                                        : "  for each chunk of queries:\n")
          : p.quadratic ? (p.spec.causal ? "  for each chunk of keys up to this block's query rows:\n"
                                         : "  for each chunk of keys:\n")
          : pass.keys   ? "  for each chunk of K and V:\n"

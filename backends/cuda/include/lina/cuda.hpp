@@ -89,8 +89,9 @@ struct cuda_plan {
 template <bool Supported>
 struct cuda_backward {
   static_assert(Supported,
-                "lina::cuda: the backward of softmax attention is not generated yet: differentiate it on the CPU "
-                "(cpu::gradient), or use a linear attention (phi<elu_plus_one>, phi<favor>)");
+                "lina::cuda: the backward of softmax attention with favor or random_fourier inside exp is not "
+                "generated yet (∂W sums over every block): differentiate it on the CPU (cpu::gradient), or use an "
+                "element-wise map or poly2 inside exp, or a linear attention");
   static constexpr bool ok = Supported;
 };
 template <bool Supported>
@@ -1214,11 +1215,13 @@ auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
 // device, cuda::gradient(plan, dout, stream, Q = dq, K = dk, V = dv): the
 // gradients of a lowerable plan's inputs, g[Q], g[K], g[V], as
 // cpu::gradient(plan, dout, …) gives them — computed by the generated backward
-// kernel (lina/cuda/program.hpp, backward_program_of): for a causal plan one
-// forward pass (the rows again, rowdiv's adjoint, ∂Q from the prefix sums) and
-// one reverse pass (∂K, ∂V from the suffix sums), one block per (batch, head);
-// memory beyond inputs and gradients: the fp32 adjoint rows of a normalised plan,
-// N × (M+1) per (batch, head). dout must have the shape of the plan's result
+// kernel (lina/cuda/program.hpp, backward_programs_of): for a causal linear
+// plan one forward pass (the rows again, rowdiv's adjoint, ∂Q from the prefix
+// sums) and one reverse pass (∂K, ∂V from the suffix sums), one block per
+// (batch, head); for softmax two quadratic launches (∂Q per chunk of query
+// rows, then ∂K, ∂V per chunk of key rows); memory beyond inputs and
+// gradients: the fp32 adjoint rows of a normalised plan, N × (M+1) per
+// (batch, head) (softmax: and each row's shift, N × 1). dout must have the shape of the plan's result
 // (shape_error "dout" otherwise, before anything runs). Inputs and dout are read
 // as opts.in (the emulation) or have the device views' element type (one type
 // for all four); the gradients are rounded to opts.out (emulation: returned as
@@ -1280,6 +1283,14 @@ void gather_gradients(gradients<T, In...>& g, A& a, B& b) {
       }(),
       ...);
 }
+// Do backward kernels take this plan? Softmax's do not take a parametric map yet.
+template <class F>
+constexpr bool differentiable() {
+  if constexpr (F::ok && !F::stacked)
+    return !(F::softmax && F::parametric);
+  else
+    return true;
+}
 // Q, K and V are three inputs (the backward kernel writes one gradient each).
 template <class F>
 constexpr bool distinct_inputs() {
@@ -1331,7 +1342,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
   constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
-  static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
+  static_assert(diagnose::cuda_backward<differentiable<F>()>::ok || true);
   static_assert(diagnose::cuda_stacked_gradient<layers_disjoint<Plan>()>::ok || true);
   static_assert(diagnose::cuda_distinct_inputs<distinct_inputs<F>()>::ok || true);
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
@@ -1343,7 +1354,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
           return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), b...);
         },
         bindings...);
-  } else if constexpr (F::ok && !F::softmax && !F::stacked && distinct_inputs<F>()) {
+  } else if constexpr (F::ok && differentiable<F>() && !F::stacked && distinct_inputs<F>()) {
     auto in = bind<Plan>(bindings...);
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                   "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
@@ -1352,7 +1363,8 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     using Bound = decltype(in);
     attention_spec s = detail::bound_spec(plan, opt, in);
     s.chained = chained;
-    program const p = backward_program_of(s);
+    std::vector<program> const ps = backward_programs_of(s);  // one launch, or softmax's two
+    program const& p = ps.front();
     std::vector<std::uint16_t> stores[max_inputs];
     forward_args a;
     a.in[0] = detail::operand_of(in.views[Bound::template input_index<typename F::q::input>()], opt.in, stores[0]);
@@ -1383,8 +1395,9 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     a.out = sink(gq, bits[0]);
     a.extra[0] = sink(gk, bits[1]);
     a.extra[1] = sink(gv, bits[2]);
-    std::vector<float> scratch(s.normalized ? bh * n * (s.m + 1) : 0);
-    if (s.normalized) a.extra[2] = detail::dense_operand(scratch.data(), {in.batch, in.heads, n, s.m + 1});
+    std::vector<float> scratch(s.normalized ? bh * n * (s.m + 1) : 0), shift(s.normalized && s.softmax ? bh * n : 0);
+    if (s.normalized) a.extra[extra_named(p, "scratch")] = detail::dense_operand(scratch.data(), {in.batch, in.heads, n, s.m + 1});
+    if (s.normalized && s.softmax) a.extra[extra_named(p, "shift")] = detail::dense_operand(shift.data(), {in.batch, in.heads, n, 1});
     if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
       shape4 const sw{in.batch, in.heads, s.d, s.f};
       lina::tensor<float>& gw = detail::gradient_slot<typename F::q::param>(g);
@@ -1410,7 +1423,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
       a.state_out = r.kernel_out();
       a.extra[p.extras.size() - 1] = d_final.kernel_in();
     }
-    emulate(p, a);
+    for (program const& x : ps) emulate(x, a);
     if constexpr (chained) chain->d_initial->flip();
     if (opt.out != dtype::f32) {
       for (std::size_t x = 0; x < ts.size(); ++x)
@@ -1453,7 +1466,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
   constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
-  static_assert(diagnose::cuda_backward<!F::softmax>::ok || true);
+  static_assert(diagnose::cuda_backward<differentiable<F>()>::ok || true);
   static_assert(diagnose::cuda_stacked_gradient<layers_disjoint<Plan>()>::ok || true);
   static_assert(diagnose::cuda_distinct_inputs<distinct_inputs<F>()>::ok || true);
   auto in = bind<Plan>(bindings...);
@@ -1470,7 +1483,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
         },
         bindings...);
     synchronize_stream(stream, "cuda::gradient");  // the intermediates die with this call
-  } else if constexpr (F::ok && !F::softmax && !F::stacked && distinct_inputs<F>() &&
+  } else if constexpr (F::ok && differentiable<F>() && !F::stacked && distinct_inputs<F>() &&
                        is_device_view<typename Bound::view_type>) {
     char const* call = "cuda::gradient";
     auto const dv = view_of(dout);
@@ -1479,7 +1492,8 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     detail::check_dout<Plan>(dv.shape(), in);
     attention_spec s = detail::bound_spec(plan, options{dtype_of<T>, dtype_of<T>}, in);
     s.chained = chained;
-    program const p = backward_program_of(s);
+    std::vector<program> const ps = backward_programs_of(s);  // one launch, or softmax's two
+    program const& p = ps.front();
     require_device(call);
     forward_args a = detail::device_args<F>(device_view<T>{}, in, 4);  // W after ∂out
     a.in[3] = detail::device_operand(dv);
@@ -1493,10 +1507,14 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     a.out = detail::device_operand(gq.view());
     a.extra[0] = detail::device_operand(gk.view());
     a.extra[1] = detail::device_operand(gv.view());
-    tensor<float> scratch;
+    tensor<float> scratch, shift;
     if (s.normalized) {
       scratch = tensor<float>({in.batch, in.heads, n, s.m + 1}, call);
-      a.extra[2] = detail::device_operand(scratch.view());
+      a.extra[extra_named(p, "scratch")] = detail::device_operand(scratch.view());
+    }
+    if (s.normalized && s.softmax) {
+      shift = tensor<float>({in.batch, in.heads, n, 1}, call);
+      a.extra[extra_named(p, "shift")] = detail::device_operand(shift.view());
     }
     if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
       tensor<T>& gw = detail::gradient_slot<typename F::q::param>(g);
@@ -1519,7 +1537,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
       a.state_out = r.kernel_out();
       a.extra[p.extras.size() - 1] = d_final.kernel_in();
     }
-    launch(p, a, stream);
+    for (program const& x : ps) launch(x, a, stream);  // in order on the stream: softmax's second reads the first's scratch
     if constexpr (chained) chain->d_initial->flip();
     if (s.normalized || chained) synchronize_stream(stream, call);  // the scratch rows and state copies die with this call
   }

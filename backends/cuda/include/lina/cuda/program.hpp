@@ -26,9 +26,13 @@
 // A quadratic program (softmax: exp has no finite feature map, so there is no
 // running state to scan) has one block per (batch, head, M tile, chunk of
 // query rows): x = (slice · m_tiles + m_tile) · q_chunks + qc, q_chunks =
-// ⌈n / T⌉. Its prologue and epilogue run on the block's query rows [q0, q0 +
-// q_rows), q0 = qc · T, and its pass walks the key chunks [0, n) — causal:
-// [0, q0 + q_rows), up to and including the diagonal chunk.
+// ⌈n / T⌉. Its prologue and epilogue — and what runs before a pass — work on
+// the block's query rows [q0, q0 + q_rows), q0 = qc · T, and its passes walk
+// the key chunks [0, n_keys) — causal: [0, q0 + q_rows), up to and including
+// the diagonal chunk. A key-major quadratic program (softmax's backward for
+// ∂K and ∂V) swaps the roles: a block per chunk of key rows [k0, k0 + k_rows),
+// ⌈n_keys / T⌉ of them, whose passes walk the query chunks [0, n) — causal:
+// [k0, n), from the diagonal chunk on.
 //
 // Registers are tiles (rows × cols) in shared memory, rows `pitch` elements
 // apart (pitch_of: padded so that a warp's column reads hit distinct banks),
@@ -73,16 +77,26 @@
 //                          the divisor is fma(eps, exp(−m[i][0]), t[i][cols-1]):
 //                          exp(x)/(Σexp(x) + eps) = exp(x−m)/(Σexp(x−m) + eps·e^−m)
 //   exp_rows t, o, m       (quadratic programs) the scores t (T × T: query rows ×
-//                          this chunk's keys) become exp(scale·t − shift), per
-//                          row i < T: key j is valid when j < rows and, causal,
-//                          r0 + j ≤ q0 + i; mask_scores: a key after the row is
-//                          valid, its score 0. Shifted (b ≥ 0, normalised plans):
-//                          m' = max(m[i][0], scale·t[i][j] over valid j) (a NaN
-//                          score is skipped by the max and stays NaN), o[i][·]
-//                          ·= exp(m[i][0] − m'), m[i][0] = m'; m starts at 0, so
-//                          e^−m ≤ 1 and eps·e^−m never overflows. Unshifted: m' =
-//                          0 (the unnormalised rows are exp(x) as written). Then
-//                          t[i][j] = exp(scale·t[i][j] − m') for valid j, else 0.
+//                          keys) become exp(scale·t − shift). Row i is query
+//                          qi, column j key kj: qi = q0 + i, kj = r0 + j (the
+//                          pass's key chunk), or in a key-major program qi = r0 +
+//                          i (the pass's query chunk), kj = k0 + j. (i, j) is
+//                          valid when qi < n, kj < n_keys and, causal, kj ≤ qi;
+//                          mask_scores: a key after the row (kj > qi) is valid,
+//                          its score 0. Running shift (a ≥ 0, b ≥ 0: normalised
+//                          forwards): m' = max(m[i][0], scale·t[i][j] over valid
+//                          j) (a NaN score is skipped by the max and stays NaN),
+//                          o[i][·] ·= exp(m[i][0] − m'), m[i][0] = m'; m starts
+//                          at 0, so e^−m ≤ 1 and eps·e^−m never overflows. Fixed
+//                          shift (a = −1, b ≥ 0: backward kernels, the forward's
+//                          final m): m' = m[i][0]. Unshifted (b = −1): m' = 0 (the
+//                          unnormalised rows are exp(x) as written). Then
+//                          t[i][j] = exp(scale·t[i][j] − m') if valid, else 0.
+//   exp_grad t, e          (quadratic programs) the adjoint of exp_rows with the
+//                          shift held: with t = ∂E and e = E, t[i][j] = scale ·
+//                          (e[i][j]·t[i][j]) where (i, j) is valid and, with
+//                          mask_scores, kj ≤ qi (a masked score is a constant);
+//                          0 elsewhere
 //   store t → out          out(r0 + i, c0 + j) = round(t[i][j]) for i < rows,
 //                          j < width, c0 + j < cols(out) (c0 as for load);
 //                          round: fp32 → output dtype, to nearest even. With a slot
@@ -116,7 +130,9 @@
 //                          the sum in increasing f; 0 for i ≥ rows
 //   rowdiv_grad t, o, eps  the adjoint of row_divide: per row i < rows, with
 //                          d = o[i][W−1] + eps (W = o.cols, o holds the unnormalised
-//                          [num | den]) and s = Σ_{j<W−1} t[i][j] · (o[i][j] / d) as one
+//                          [num | den]; with a register m (b ≥ 0: softmax rows
+//                          shifted by m) d = fma(eps, exp(−m[i][0]), o[i][W−1]),
+//                          row_divide's divisor) and s = Σ_{j<W−1} t[i][j] · (o[i][j] / d) as one
 //                          fp32 fma chain in increasing j: t[i][W−1] = −s / d, then
 //                          t[i][j] = t[i][j] / d for j < W−1; rows ≥ rows stay as they are
 //   store_partial t        (a partials program) extra[0](group·C + i, c0 + j) = t[i][j]
@@ -253,15 +269,16 @@ struct tile_register {
 
 enum class opcode : std::uint8_t {
   zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state,
-  mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows, param_grad
+  mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows, param_grad, exp_grad
 };
 std::string_view name_of(opcode o);
 
 struct instruction {
   opcode op;
   int dst = -1;                 // the register written (read too, by in-place ops)
-  int a = -1, b = -1;           // product operands; map, map_grad: the source of a row map (else -1); rowdiv_grad: o;
-                                // exp_rows: a = o, b = m (-1: unshifted); row_divide: b = m (-1: no shift)
+  int a = -1, b = -1;           // product operands; map, map_grad: the source of a row map (else -1);
+                                // rowdiv_grad: a = o, b = m (-1: no shift); row_divide: b = m (-1: no shift);
+                                // exp_rows: a = o (-1: the shift m is fixed), b = m (-1: unshifted); exp_grad: a = E
   bool transpose_a = false, transpose_b = false, accumulate = false;  // product
   int slot = -1;                // load, map_grad: input slot (≥ max_inputs: an extra buffer); store: -1 out, else extra[slot]
   int width = 0;                // load/store/load_state/store_state: columns read or written (≤ the register's)
@@ -270,9 +287,9 @@ struct instruction {
   bool whole = false;           // load, store: rows 0 … t.rows of the operand (W, ∂W), not the chunk's
   feature_map map = feature_map::identity;  // map
   float eps = 0;                // row_divide
-  float scale = 1;              // exp_rows; map with a parametric map: s = D^−¼
-  bool causal = false;          // exp_rows: mask keys after the query row
-  bool mask_scores = false;     // exp_rows: the scores of keys after the query row are 0 (exp(causal(S)))
+  float scale = 1;              // exp_rows, exp_grad; map with a parametric map: s = D^−¼
+  bool causal = false;          // exp_rows, exp_grad: mask keys after the query row
+  bool mask_scores = false;     // exp_rows, exp_grad: the scores of keys after the query row are 0 (exp(causal(S)))
   precision prec = precision::fma_f32;  // product
 
   bool operator==(instruction const&) const = default;
@@ -302,6 +319,8 @@ struct extra_buffer {
   dtype type = dtype::f32;
   std::string comment;
   bool keys = false;  // rows of K and V (∂K, ∂V), not Q's
+
+  bool operator==(extra_buffer const&) const = default;
 };
 
 struct program {
@@ -319,6 +338,7 @@ struct program {
   std::string out_name = "out";                     // what `out` holds (a backward kernel: ∂Q)
   bool split = false;                               // blocks per group of rows too (forward_args::group_rows)
   bool quadratic = false;                           // blocks per chunk of query rows too (see the top)
+  bool key_major = false;                           // quadratic: blocks per chunk of key rows, passes over queries
 
   // Registers lie one after another in shared memory (rows × pitch elements),
   // each starting at a multiple of 16 bytes (ready for vector accesses).
@@ -363,6 +383,22 @@ program program_of(attention_spec const& s);
 // state is stored per chunk. Non-causal: four streaming passes (S; the rows,
 // their adjoint and ∂Q; R; ∂K and ∂V); not chained (std::invalid_argument).
 program backward_program_of(attention_spec const& s);
+
+// The backward of any spec the backward kernels take, as the launches it
+// needs, in order, on ONE forward_args (the same slots and extra buffers):
+// a linear spec's one program (backward_program_of); a softmax spec's two
+// quadratic programs over the same extras (∂K, ∂V, and for a normalised plan
+// the fp32 scratch rows ĝ [B, H, N, M+1] and each row's shift m [B, H, N, 1]):
+//   1. a block per chunk of query rows: the forward's rows again (a pass over
+//      the keys: o and the running max m), then rowdiv's adjoint ĝ (stored
+//      with m) and a second pass over the keys with m fixed: ∂S = scale·E∘
+//      (ĝ·[V|1]ᵀ), ∂φ(Q) = Σ ∂S·φ(K) → ∂Q (out);
+//   2. key-major, a block per chunk of key rows walking the query chunks (ĝ
+//      and m from the scratch): ∂[V|1] = Σ Eᵀ·ĝ, ∂φ(K) = Σ ∂Sᵀ·φ(Q) → ∂K, ∂V.
+// No atomics: every gradient row is summed by one block. Element-wise maps
+// and poly2; a parametric map's ∂W (a sum over every block) is not generated
+// for softmax yet (std::invalid_argument).
+std::vector<program> backward_programs_of(attention_spec const& s);
 
 // The chunk-parallel form of a causal, unchained forward (splitting N when
 // B·H·m_tiles blocks cannot fill the device): two launches over groups of
@@ -421,7 +457,7 @@ bool overlap(operand const& x, operand const& y, std::int64_t batch, std::int64_
 
 // Blocks to launch for a program on these arguments.
 inline std::int64_t groups_of(program const& p, forward_args const& a) {
-  if (p.quadratic) return (a.n + p.tiles.chunk - 1) / p.tiles.chunk;  // chunks of query rows
+  if (p.quadratic) return ((p.key_major ? keys_of(a) : a.n) + p.tiles.chunk - 1) / p.tiles.chunk;  // chunks of rows
   return !p.split ? 1 : a.group_rows <= 0 ? 0 : (a.n + a.group_rows - 1) / a.group_rows;
 }
 inline std::int64_t blocks_of(program const& p, forward_args const& a) {

@@ -456,12 +456,12 @@ __device__ void map_grad_rows(float* t, const float* a, const operand& in, long 
 
 // rowdiv's adjoint, a thread per row (program.hpp, rowdiv_grad): with o = [num |
 // den] (W columns, pitch PO) and t = ∂out (the first W − 1 columns),
-// d = den + eps, s = Σ_j t_j·(num_j / d) in increasing j: t_{W−1} = −s / d,
-// t_j = t_j / d.
-template <int R, int W, int PT, int PO>
-__device__ void rowdiv_grad(float* t, const float* o, float eps, int rows) {
+// d = den + eps (softmax rows shifted by m, pitch PM: fmaf(eps, exp(−m), den)),
+// s = Σ_j t_j·(num_j / d) in increasing j: t_{W−1} = −s / d, t_j = t_j / d.
+template <int R, int W, int PT, int PO, int PM = 1>
+__device__ void rowdiv_grad(float* t, const float* o, float eps, int rows, const float* m = nullptr) {
   for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-    const float d = o[i * PO + W - 1] + eps;
+    const float d = m ? fmaf(eps, expf(-m[i * PM]), o[i * PO + W - 1]) : o[i * PO + W - 1] + eps;
     float s = 0.0f;
     for (int j = 0; j < W - 1; ++j) s = fmaf(t[i * PT + j], o[i * PO + j] / d, s);
     t[i * PT + W - 1] = -s / d;
@@ -567,37 +567,57 @@ __device__ void row_divide_shifted(float* t, const float* m, float eps) {
   __syncthreads();
 }
 
-// exp_rows (program.hpp): the scores t (R × C) of query rows q0 + i against
-// keys r0 + j become exp(scale·t − shift), invalid keys (j ≥ rows; causal:
-// r0 + j > q0 + i) 0; MaskScores: those after the row count with score 0
-// (exp(causal(S))). Shift: each row's running max m (R × 1, pitch PM, from
-// 0) grows to its valid scaled scores and the row's W columns of o (pitch PO)
-// are rescaled by exp(m_old − m_new); else the shift is 0. G = Threads / R
-// adjacent lanes share a row and reduce its max with warp shuffles.
-template <int R, int C, int P, int W, int PO, int PM, bool Shift, bool Causal, bool MaskScores, int Threads>
-__device__ void exp_rows(float* t, float* o, float* m, float scale, long long r0, long long q0, int rows) {
+// exp_rows (program.hpp): the scores t (R × C) of queries q0 + i against keys
+// k0 + j become exp(scale·t − shift); invalid ones (a query ≥ nq, a key ≥ nk;
+// causal: key > query) 0; MaskScores: keys after the query count with score 0
+// (exp(causal(S))). Shift 1, the running max: each row's m (R × 1, pitch PM,
+// from 0) grows to its valid scaled scores and the row's W columns of o
+// (pitch PO) are rescaled by exp(m_old − m_new); Shift 2: m is the forward's
+// final shift, read; Shift 0: the shift is 0. G = Threads / R adjacent lanes
+// share a row and reduce its max with warp shuffles.
+template <int R, int C, int P, int W, int PO, int PM, int Shift, bool Causal, bool MaskScores, int Threads>
+__device__ void exp_rows(float* t, float* o, float* m, float scale, long long q0, long long k0, long long nq,
+                         long long nk) {
   constexpr int G = Threads / R;
   static_assert(G * R == Threads && G <= 32 && (G & (G - 1)) == 0, "exp_rows: a power-of-two group of lanes per row");
   const int i = threadIdx.x / G, lane = threadIdx.x % G;
-  const long long last = q0 + i - r0;  // causal: keys j <= last
+  const long long query = q0 + i;
+  // the valid keys of the row: k0 + j < end
+  long long end = query < nq ? (Causal && query + 1 < nk ? query + 1 : nk) : k0;
   float* row = t + i * P;
   if (MaskScores)
     for (int j = lane; j < C; j += G)
-      if (j > last) row[j] = 0.0f;
+      if (k0 + j > query) row[j] = 0.0f;
   float shift = 0.0f;
-  if (Shift) {
+  if (Shift == 1) {
     const float old = m[i * PM];
     float grown = old;
     for (int j = lane; j < C; j += G)
-      if (j < rows && (!Causal || j <= last)) grown = fmaxf(grown, scale * row[j]);  // fmaxf skips a NaN
+      if (k0 + j < end) grown = fmaxf(grown, scale * row[j]);  // fmaxf skips a NaN
     for (int off = G / 2; off > 0; off /= 2) grown = fmaxf(grown, __shfl_xor_sync(0xffffffffu, grown, off, G));
     const float f = expf(old - grown);
     for (int j = lane; j < W; j += G) o[i * PO + j] = o[i * PO + j] * f;
     if (lane == 0) m[i * PM] = grown;
     shift = grown;
+  } else if (Shift == 2) {
+    shift = m[i * PM];
   }
-  for (int j = lane; j < C; j += G)
-    row[j] = j < rows && (!Causal || j <= last) ? expf(fmaf(scale, row[j], -shift)) : 0.0f;
+  for (int j = lane; j < C; j += G) row[j] = k0 + j < end ? expf(fmaf(scale, row[j], -shift)) : 0.0f;
+  __syncthreads();
+}
+
+// exp_grad (program.hpp): with t = ∂E and e = E (R × C, pitches P, PE), the
+// scores' adjoint t = scale·(e∘t) where exp_rows' score is valid (MaskScores:
+// and the key is not after the query); 0 elsewhere.
+template <int R, int C, int P, int PE, bool Causal, bool MaskScores>
+__device__ void exp_grad(float* t, const float* e, float scale, long long q0, long long k0, long long nq,
+                         long long nk) {
+  for (int x = threadIdx.x; x < R * C; x += blockDim.x) {
+    const int i = x / C, j = x % C;
+    const long long query = q0 + i, key = k0 + j;
+    const bool live = query < nq && key < nk && ((!Causal && !MaskScores) || key <= query);
+    t[i * P + j] = live ? scale * (e[i * PE + j] * t[i * P + j]) : 0.0f;
+  }
   __syncthreads();
 }
 
