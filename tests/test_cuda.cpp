@@ -2352,6 +2352,51 @@ TEST_CASE("split: the chunk-parallel form (groups of rows, two launches) = one p
   CHECK(rows >= 128);
 }
 
+// A chained evaluation (a block of a longer sequence, the decode prefill)
+// splits too: each group starts from the state in plus the groups before it,
+// and the last group leaves the state out. Against the same block in one
+// pass, rows and state, after a first block that left a state.
+TEST_CASE("split: a chained block (groups of rows from the state in) = one pass, rows and state") {
+  auto check = [](auto const& plan, shape s, std::uint64_t seed) {
+    auto spec = cuda::spec_of(plan);
+    spec.d = s.d, spec.m = s.m, spec.chained = true;
+    auto const sp = cuda::split_programs_of(spec);
+    auto unchained = spec;
+    unchained.chained = false;
+    CHECK(sp.partials.kernel_name == cuda::split_programs_of(unchained).partials.kernel_name);  // one kernel for both
+    std::int64_t const t = sp.scan.tiles.chunk;
+    std::size_t const cut = 70;
+    for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+      test::rng r{seed};
+      auto [q, k, v] = random_inputs(s, dt, r, false);
+      cuda::options const opt{dt, dt};
+      auto run = [&](std::int64_t rows, tensor<float>& out) {  // two blocks; the second split into groups of `rows`
+        cuda::state st(plan, s.b, s.h, cuda::memory::host);
+        cuda::emulate_into(plan, opt, rows_of(out, 0, cut), st, Q = test::tokens(q, 0, cut), K = test::tokens(k, 0, cut),
+                           V = test::tokens(v, 0, cut));
+        cuda::options split = opt;
+        split.split_rows = rows;
+        cuda::emulate_into(plan, split, rows_of(out, cut, s.n), st, Q = test::tokens(q, cut, s.n),
+                           K = test::tokens(k, cut, s.n), V = test::tokens(v, cut, s.n));
+        return sums_of(st);
+      };
+      tensor<float> once({s.b, s.h, s.n, s.m});
+      auto const state = run(0, once);
+      for (std::int64_t rows : {t, 2 * t, 1000 * t}) {
+        CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(rows);
+        tensor<float> got({s.b, s.h, s.n, s.m});
+        auto const got_state = run(rows, got);
+        double const tol = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt);  // the same sums in another order
+        CHECK(relative_rms(got, once) <= tol);
+        CHECK(relative_rms(got_state, state) <= 1e-5);  // fp32 sums whatever the inputs
+      }
+    }
+    check_compiles(sp.scan);
+  };
+  check(compile<order::linear>(causal_expr), {2, 1, 300, 16, 8}, 74);
+  check(compile<order::linear>(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V), {1, 2, 331, 24, 100}, 75);
+}
+
 // Launches that split N (too few (batch, head) blocks for the device) = the
 // emulation of the same split.
 TEST_CASE("device: the chunk-parallel form = its emulation") {
@@ -2379,5 +2424,15 @@ TEST_CASE("device: the chunk-parallel form = its emulation") {
       };
       auto y = dt == cuda::dtype::f32 ? got.template operator()<float>() : got.template operator()<cuda::bf16>();
       CHECK(relative_rms(y, want) <= (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
+      // Chained through a state: the launch splits the same way; rows and the state out as emulated.
+      cuda::state st(plan, s.b, s.h), host(plan, s.b, s.h, cuda::memory::host);
+      auto want_chained = cuda::emulate(plan, opt, host, Q = q, K = k, V = v);
+      auto got_chained = [&]<class E>() {
+        auto dq = cuda::to_device<E>(q), dk = cuda::to_device<E>(k), dv = cuda::to_device<E>(v);
+        return cuda::to_host(cuda::evaluate(plan, st, nullptr, Q = dq, K = dk, V = dv));
+      };
+      auto yc = dt == cuda::dtype::f32 ? got_chained.template operator()<float>() : got_chained.template operator()<cuda::bf16>();
+      CHECK(relative_rms(yc, want_chained) <= (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
+      CHECK(relative_rms(sums_of(cuda::to_host(st)), sums_of(host)) <= 1e-6);
     }
 }

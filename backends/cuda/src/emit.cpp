@@ -427,7 +427,13 @@ struct emitter {
     for (auto const& i : p.epilogue) {
       if (i.op != opcode::store_state && i.op != opcode::store_partial && !(i.op == opcode::store && i.whole))
         throw std::logic_error("lina::cuda::emit: an epilogue holds only store_state, store_partial and whole stores (∂W)");
-      instruction(2, i);
+      if (p.split && i.op == opcode::store_state) {  // the last group's sums cover every row
+        line(2, "if (group == groups - 1) {{");
+        instruction(4, i);
+        line(2, "}}");
+      } else {
+        instruction(2, i);
+      }
     }
     line(0, "}}");
     return std::move(out);

@@ -360,6 +360,7 @@ struct block {
         break;
       }
       case opcode::store_state: {
+        if (p.split && group + 1 < groups) break;  // the last group's sums cover every row
         operand const& s = a.state_out;
         auto* data = static_cast<float*>(const_cast<void*>(s.data));
         std::int64_t base = slice_offset(s), c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;

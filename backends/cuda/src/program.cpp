@@ -735,10 +735,13 @@ program backward_program_of(attention_spec const& s) {
 }
 
 split_programs split_programs_of(attention_spec const& s) {
-  if (!s.causal || s.chained || s.softmax)
-    throw std::invalid_argument("lina::cuda: the chunk-parallel form is for causal, unchained linear forwards");
+  if (!s.causal || s.softmax)
+    throw std::invalid_argument("lina::cuda: the chunk-parallel form is for causal linear forwards");
+  // The partials never see the state: a chained spec's are the unchained one's (one kernel for both).
+  attention_spec unchained = s;
+  unchained.chained = false;
   program scan = program_of(s);
-  program partials = scan;
+  program partials = program_of(unchained);
   auto reg = [&](char const* name) {
     for (std::size_t r = 0; r < scan.registers.size(); ++r)
       if (scan.registers[r].name == name) return static_cast<int>(r);
@@ -768,10 +771,12 @@ split_programs split_programs_of(attention_spec const& s) {
   partials.description = "the sums of φ(K)ᵀ" + std::string(s.normalized ? "[V|1]" : "V") +
                          " per group of rows (the chunk-parallel form's first launch) of: " + plan_text(s);
   partials.extras = {{"partials", dtype::f32, "Σ φ(K)ᵀ[V|1] per group of rows, fp32 [B, H, groups·C, W]"}};
-  scan.prologue.push_back(add_op);
+  scan.prologue.push_back(add_op);  // after load_state, when chained: S0 + the groups before
   scan.split = true;
   scan.kernel_name += "_split";
-  scan.description += " (chunk-parallel: each group of rows starts from the sums of the groups before it)";
+  scan.description += s.chained ? " (chunk-parallel: each group of rows starts from the state in and the sums of the "
+                                  "groups before it; the last group stores the state out)"
+                                : " (chunk-parallel: each group of rows starts from the sums of the groups before it)";
   scan.extras = partials.extras;
   return {std::move(partials), std::move(scan)};
 }

@@ -68,8 +68,8 @@ struct options {
   // every product an exact fp32 FMA chain instead — slower, for checking.
   bool exact_products = false;
   // The emulation of the chunk-parallel form (split_programs_of): groups of
-  // this many rows (a multiple of the chunk; 0: one pass) for causal plans
-  // without a state. Launches choose it from the device (split_rows).
+  // this many rows (a multiple of the chunk; 0: one pass) for causal linear
+  // plans, chained or not. Launches choose it from the device (split_rows).
   std::int64_t split_rows = 0;
 };
 
@@ -908,7 +908,8 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
     }
-    if (opt.split_rows > 0 && s.causal && !s.softmax && !st) {  // the chunk-parallel form: partials, then the scan
+    // The chunk-parallel form: partials, then the scan (N = 0 has no group to store a state).
+    if (opt.split_rows > 0 && a.n > 0 && s.causal && !s.softmax && !step) {
       split_programs const sp = split_programs_of(s);
       a.group_rows = opt.split_rows;
       std::int64_t const groups = (a.n + a.group_rows - 1) / a.group_rows;
@@ -1127,11 +1128,12 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* 
     if (st) {
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
-    } else if (s.causal && !s.softmax) {  // too few (batch, head, M tile) blocks for the device: split N too
-      std::int64_t const rows = split_rows(blocks_of(p, a), a.n, p.tiles.chunk, dev.sms);
-      if (rows > 0) return launch_split(split_programs_of(s), a, rows, stream);
     }
-    launch(p, a, stream);
+    std::int64_t const rows = s.causal && !s.softmax ? split_rows(blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
+    if (rows > 0)  // too few (batch, head, M tile) blocks for the device: split N too
+      launch_split(split_programs_of(s), a, rows, stream);
+    else
+      launch(p, a, stream);
     if (st) st->flip();
   }
 }

@@ -145,7 +145,9 @@
 //                          rows before this block's group
 //   store_state t          state_out(i, c0 + j) = t[i][j] for the same (i, j); the z
 //                          column (z_column) only from the block with m_tile = 0 —
-//                          every block of a (batch, head) holds the same z. state_in
+//                          every block of a (batch, head) holds the same z. In a
+//                          split program only the last group's blocks store (their
+//                          sums cover every row). state_in
 //                          and state_out must not overlap: while one block stores
 //                          its final z, another may not have loaded the initial one.
 //
@@ -400,13 +402,14 @@ program backward_program_of(attention_spec const& s);
 // for softmax yet (std::invalid_argument).
 std::vector<program> backward_programs_of(attention_spec const& s);
 
-// The chunk-parallel form of a causal, unchained forward (splitting N when
-// B·H·m_tiles blocks cannot fill the device): two launches over groups of
-// group_rows rows (a multiple of the chunk). `partials` sums φ(K)ᵀ[V|1] over
-// each group into extra[0] (fp32 [B, H, groups·C, W]); `scan` starts each
-// group from the sums of the groups before it (add_partials) and runs the
-// chunked scan over its rows. Same tiles as program_of(s); the results equal
-// it up to the order of the state's sums.
+// The chunk-parallel form of a causal forward (splitting N when B·H·m_tiles
+// blocks cannot fill the device): two launches over groups of group_rows rows
+// (a multiple of the chunk). `partials` sums φ(K)ᵀ[V|1] over each group into
+// extra[0] (fp32 [B, H, groups·C, W]); `scan` starts each group from the sums
+// of the groups before it (add_partials; chained: added to the state in) and
+// runs the chunked scan over its rows; chained, the last group stores the
+// state out. Same tiles as program_of(s); the results equal it up to the
+// order of the state's sums.
 struct split_programs {
   program partials, scan;
 };
