@@ -227,17 +227,30 @@ device_buffer::device_buffer(std::size_t bytes, std::string const& call) : bytes
     check(cudaMalloc(&ptr_, bytes), call == "cudaMalloc" ? call : "cudaMalloc in " + call, "-");
   }
 }
+device_buffer::device_buffer(std::size_t bytes, void* stream, std::string const& call)
+    : bytes_(bytes), stream_(stream), ordered_(true) {
+  if (bytes) {
+    require_device(call);
+    check(cudaMallocAsync(&ptr_, bytes, static_cast<cudaStream_t>(stream)), "cudaMallocAsync in " + call, "-");
+  }
+}
+void device_buffer::release() noexcept {
+  if (!ptr_) return;
+  if (ordered_)
+    cudaFreeAsync(ptr_, static_cast<cudaStream_t>(stream_));
+  else
+    cudaFree(ptr_);
+  ptr_ = nullptr;
+}
 device_buffer& device_buffer::operator=(device_buffer&& o) noexcept {
   if (this != &o) {
-    if (ptr_) cudaFree(ptr_);
-    ptr_ = o.ptr_, bytes_ = o.bytes_;
+    release();
+    ptr_ = o.ptr_, bytes_ = o.bytes_, stream_ = o.stream_, ordered_ = o.ordered_;
     o.ptr_ = nullptr, o.bytes_ = 0;
   }
   return *this;
 }
-device_buffer::~device_buffer() {
-  if (ptr_) cudaFree(ptr_);
-}
+device_buffer::~device_buffer() { release(); }
 void device_buffer::upload(void const* host, std::size_t bytes) {
   if (bytes > bytes_) throw std::invalid_argument("lina::cuda::device_buffer::upload: more bytes than the buffer holds");
   if (bytes) check(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy (to device)", "-");

@@ -158,8 +158,9 @@ struct emitter {
           line(ind, "tl::store<{}, {}, {}, {}>({}, {}, {}, 0, 0, {}, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst),
                t, m.operand, m.base, rows(i.dst), width(i));
         else
-          line(ind, "tl::store<{}, {}, {}, {}>({}, {}, {}, r0, {}, rows, {});", m.type, rows(i.dst), cols(i.dst),
-               pitch(i.dst), t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
+          line(ind, "tl::store<{}, {}, {}, {}{}>({}, {}, {}, r0, {}, rows, {});{}", m.type, rows(i.dst), cols(i.dst),
+               pitch(i.dst), i.accumulate ? ", true" : "", t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i),
+               i.accumulate ? "  // added to what is there" : "");
         break;
       }
       case opcode::mask_anticausal:

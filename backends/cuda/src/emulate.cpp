@@ -377,8 +377,10 @@ struct block {
         void* out = const_cast<void*>(o.data);
         if (i.whole) r0 = 0, rows = t.rows;  // all of ∂W
         for (int r = 0; r < rows; ++r)
-          for (int c = 0; c < i.width && c0 + c < o.cols; ++c)
-            write(out, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], type, t.at(r, c));
+          for (int c = 0; c < i.width && c0 + c < o.cols; ++c) {
+            std::int64_t const at = base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3];
+            write(out, at, type, i.accumulate ? read(out, at, type) + t.at(r, c) : t.at(r, c));
+          }
         break;
       }
     }

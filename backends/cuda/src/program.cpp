@@ -696,6 +696,41 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
 }
 }  // namespace
 
+namespace {
+// A plan that reads one input twice (program.hpp, backward_programs_of): in
+// the order the programs store them, each later share's stores add to the
+// buffer the first share of its input wrote, and the kernels are named for it.
+void tie_shares(std::vector<program>& ps) {
+  attention_spec const& s = ps.front().spec;
+  auto input_of = [&](int slot) { return slot < 0 ? s.q_name : slot == 0 ? s.k_name : s.v_name; };  // out, ∂K, ∂V
+  if (s.q_name != s.k_name && s.q_name != s.v_name && s.k_name != s.v_name) return;
+  std::vector<std::pair<std::string, int>> first;  // an input's first-stored share: (input, slot)
+  auto visit = [&](instruction& i) {
+    if (i.op != opcode::store || i.whole || i.slot > 1) return;  // (∂W, scratch: not shares)
+    std::string const x = input_of(i.slot);
+    auto const at = std::find_if(first.begin(), first.end(), [&](auto const& f) { return f.first == x; });
+    if (at == first.end())
+      first.emplace_back(x, i.slot);
+    else
+      i.accumulate = at->second != i.slot;
+  };
+  for (program& p : ps) {
+    for (auto& i : p.prologue) visit(i);
+    for (auto& pass : p.passes) {
+      for (auto& i : pass.before) visit(i);
+      for (auto& i : pass) visit(i);
+    }
+    for (auto& i : p.epilogue) visit(i);
+    p.kernel_name += s.q_name == s.k_name && s.k_name == s.v_name ? "_same_qkv"
+                     : s.q_name == s.k_name                      ? "_same_qk"
+                     : s.q_name == s.v_name                      ? "_same_qv"
+                                                                 : "_same_kv";
+    p.description += fmt::format(" — reading {} twice: its gradient is the sum of its shares",
+                                 s.k_name == s.v_name ? s.k_name : s.q_name);
+  }
+}
+}  // namespace
+
 std::vector<program> backward_programs_of(attention_spec const& s) {
   if (!s.softmax) return {backward_program_of(s)};
   if (s.step) throw std::invalid_argument("lina::cuda: a decoding step has no backward kernel");
@@ -707,7 +742,9 @@ std::vector<program> backward_programs_of(attention_spec const& s) {
                                 "is not generated yet (∂W sums over every block; use cpu::gradient)");
   for (int t : {64, 32, 16}) {
     std::vector<program> ps{lay_out_softmax_backward(s, t, false), lay_out_softmax_backward(s, t, true)};
-    if (ps[0].shared_bytes() <= shared_memory_budget && ps[1].shared_bytes() <= shared_memory_budget) return ps;
+    if (ps[0].shared_bytes() > shared_memory_budget || ps[1].shared_bytes() > shared_memory_budget) continue;
+    tie_shares(ps);
+    return ps;
   }
   throw std::invalid_argument(fmt::format(
       "lina::cuda: D = {}, M = {} is too large for softmax's backward kernels: one block holds every column and, at "
@@ -724,8 +761,10 @@ program backward_program_of(attention_spec const& s) {
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
   check_maps(s);
   for (int t : {64, 32, 16}) {
-    program p = lay_out_backward(s, t);
-    if (p.shared_bytes() <= shared_memory_budget) return p;
+    std::vector<program> p{lay_out_backward(s, t)};
+    if (p[0].shared_bytes() > shared_memory_budget) continue;
+    tie_shares(p);
+    return std::move(p[0]);
   }
   throw std::invalid_argument(fmt::format(
       "lina::cuda: D = {}, M = {} is too large for the backward kernel: one block holds the whole C × (M+1) state "
@@ -779,6 +818,30 @@ split_programs split_programs_of(attention_spec const& s) {
                                 : " (chunk-parallel: each group of rows starts from the sums of the groups before it)";
   scan.extras = partials.extras;
   return {std::move(partials), std::move(scan)};
+}
+
+program add_program(dtype t, std::size_t cols) {
+  if (cols == 0) throw std::invalid_argument("lina::cuda::add_program: no columns");
+  builder b;
+  program& p = b.p;
+  attention_spec s;
+  s.causal = s.normalized = false;
+  s.in = s.out = t;
+  s.d = s.m = cols;
+  s.description = "out += x";
+  int const c = static_cast<int>(cols);
+  int chunk = 64;
+  while (chunk > 1 && static_cast<std::size_t>(chunk) * static_cast<std::size_t>(pitch_of(c)) * 4 > shared_memory_budget)
+    chunk /= 2;
+  b.start(s, {chunk, c, 256});
+  p.kernel_name = fmt::format("lina_add_{}_c{}", name_of(t), cols);
+  p.description = fmt::format("out += x, [B, H, n, {}] {}: the sum of two gradients of one input", cols, name_of(t));
+  p.inputs = {{"x", "x"}};
+  int const r = b.reg("t", chunk, c, "rows of x (T, cols)");
+  instruction add = builder::store_to(r, -1, c);
+  add.accumulate = true;
+  p.passes.push_back(pass({builder::load(r, 0, c), add}));
+  return p;
 }
 
 std::int64_t split_rows(std::int64_t blocks, std::int64_t n, int chunk, int sms) {
@@ -890,7 +953,8 @@ std::string listing(program const& p) {
                            i.causal || i.mask_scores ? ", 0 after the row" : "");
       case opcode::store:
         if (i.slot >= 0)
-          return fmt::format("store {} → {}[:, {} cols]", nm(i.dst), p.extras.at(static_cast<std::size_t>(i.slot)).name, i.width);
+          return fmt::format("store {} → {}[:, {} cols]{}", nm(i.dst), p.extras.at(static_cast<std::size_t>(i.slot)).name,
+                             i.width, i.accumulate ? ", added to what is there" : "");
         return fmt::format("store {} → {}[:, {}{} cols]", nm(i.dst), p.out_name, i.by_m_tile ? "m_tile·tile_m + " : "", i.width);
       case opcode::param_grad:
         return fmt::format("param_grad {} = {}·{}ᵀ{}", nm(i.dst), nm(i.a), nm(i.b),

@@ -101,20 +101,6 @@ struct cuda_stacked {
                 "chained gradient) yet: use the CPU backend (cpu::evaluate with a cpu::state, cpu::recurrent)");
   static constexpr bool ok = Supported;
 };
-template <bool Supported>
-struct cuda_stacked_gradient {
-  static_assert(Supported,
-                "lina::cuda: the layers of this stacked plan share an input, whose gradients would add up: not yet on "
-                "the CUDA backend (use cpu::gradient)");
-  static constexpr bool ok = Supported;
-};
-template <bool Supported>
-struct cuda_distinct_inputs {
-  static_assert(Supported,
-                "lina::cuda: the backward kernel writes ∂Q, ∂K and ∂V to three inputs: a plan that reads one input "
-                "twice (say K as V) is not differentiated on the CUDA backend yet (use cpu::gradient)");
-  static constexpr bool ok = Supported;
-};
 }  // namespace diagnose
 
 namespace detail {
@@ -1092,6 +1078,19 @@ operand device_operand(View const& v) {
   return o;
 }
 
+// to += from on `stream` (add_program's kernel): the gradient of an input that
+// two layers of a stack share.
+template <class T>
+void add_into(tensor<T>& to, tensor<T> const& from, void* stream) {
+  shape4 const sh = to.shape();
+  forward_args a;
+  a.in[0] = device_operand(from.view());
+  a.out = device_operand(to.view());
+  a.batch = static_cast<std::int64_t>(sh[0]), a.heads = static_cast<std::int64_t>(sh[1]);
+  a.n = static_cast<std::int64_t>(sh[2]);
+  launch(add_program(dtype_of<T>, sh[3]), a, stream);
+}
+
 // The launch of `plan`'s kernel on bound device inputs into `out` (shape
 // checked), chained through `st` when given (checked and sized).
 // The kernel arguments of a lowerable plan F on bound device inputs, into `out`.
@@ -1230,6 +1229,9 @@ auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
 // float) or have the inputs' element type (device: cuda::tensor<T>, dense
 // [B, H, N, ·]). A chained form takes the block's initial state and the
 // gradient of the state it left, and also returns the gradient of the first.
+// The device form is asynchronous on `stream` (its scratch is stream-ordered)
+// but for the chained and stacked forms, which wait for it (their state copies
+// and intermediates die with the call).
 // Not yet: M split over blocks (D, M up to about 128 fit: a clear error beyond).
 namespace detail {
 template <class Op, class Tensor, class... In>
@@ -1268,18 +1270,20 @@ state chain_operand(state const& x, L const& linear, Bound const& in, memory whe
 }
 
 // A layer's gradients into g (stacked plans: each input of the stack is an
-// input of one layer, the one below or the rest above it).
+// input of the layer below, of the rest above it, or of both — then its
+// gradient is the sum of the two, add(to, from)).
 template <class I, class G>
 inline constexpr bool has_gradient = false;
 template <class I, class T, class... In>
 inline constexpr bool has_gradient<I, gradients<T, In...>> = (std::is_same_v<I, In> || ...);
-template <class T, class... In, class A, class B>
-void gather_gradients(gradients<T, In...>& g, A& a, B& b) {
+template <class T, class... In, class A, class B, class Add>
+void gather_gradients(gradients<T, In...>& g, A& a, B& b, Add&& add) {
   (
       [&] {
         T& out = g.all()[lina::detail::index_of_v<In, lina::detail::type_list<In...>>];
-        if constexpr (has_gradient<In, A>)
-          out = std::move(gradient_slot<In>(a));
+        if constexpr (has_gradient<In, A>) out = std::move(gradient_slot<In>(a));
+        if constexpr (has_gradient<In, A> && has_gradient<In, B>)
+          add(out, gradient_slot<In>(b));
         else if constexpr (has_gradient<In, B>)
           out = std::move(gradient_slot<In>(b));
       }(),
@@ -1293,37 +1297,14 @@ constexpr bool differentiable() {
   else
     return true;
 }
-// Q, K and V are three inputs (the backward kernel writes one gradient each).
-template <class F>
-constexpr bool distinct_inputs() {
-  if constexpr (F::ok && !F::stacked)
-    return !std::is_same_v<typename F::q::input, typename F::k::input> &&
-           !std::is_same_v<typename F::q::input, typename F::v::input> &&
-           !std::is_same_v<typename F::k::input, typename F::v::input>;
-  else
-    return true;
-}
-// Does the layer below share no input with the rest of the stack?
-template <class Plan>
-constexpr bool layers_disjoint() {
-  using F = forward_plan<Plan>;
-  if constexpr (F::ok && F::stacked) {
-    using layer = typename F::layer;
-    using Rest = decltype(replace_subtree<typename layer::sub>(std::declval<Plan const&>(), node<typename layer::input>{}));
-    return []<class... I>(lina::detail::type_list<I...>*) {
-      return (!lina::detail::names_an_input<I::name, inputs_of<Rest>>::value && ...);
-    }(static_cast<inputs_of<typename layer::sub>*>(nullptr));
-  } else {
-    return true;
-  }
-}
 
 // The chain rule through a stacked plan, a layer at a time: run(layer, its
 // bindings) evaluates the layer below into an intermediate; grad(plan, dout,
 // bindings) differentiates the rest above on it, then the layer on the
-// gradient of its result; the two gradients' inputs fill g.
-template <class Plan, class G, class Dout, class Run, class Grad, class... B>
-void layers_backward(Plan const& plan, G& g, Dout const& dout, Run&& run, Grad&& grad, B const&... bindings) {
+// gradient of its result; the two gradients' inputs fill g (add: an input
+// both read).
+template <class Plan, class G, class Dout, class Run, class Grad, class Add, class... B>
+void layers_backward(Plan const& plan, G& g, Dout const& dout, Run&& run, Grad&& grad, Add&& add, B const&... bindings) {
   using layer = typename forward_plan<Plan>::layer;
   using Sub = typename layer::sub;
   auto const& sub = subtree<Sub>(plan);
@@ -1335,7 +1316,7 @@ void layers_backward(Plan const& plan, G& g, Dout const& dout, Run&& run, Grad&&
       [&](auto const&... b) { return grad(rest, dout, b...); }, bindings..., result);
   auto g_sub = with_inputs_of<Sub>(
       [&](auto const&... b) { return grad(sub, gradient_slot<typename layer::input>(g_rest), b...); }, bindings...);
-  gather_gradients(g, g_rest, g_sub);
+  gather_gradients(g, g_rest, g_sub, add);
 }
 
 // (Chain: chain_states for the chained form, else void.)
@@ -1345,18 +1326,24 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<differentiable<F>()>::ok || true);
-  static_assert(diagnose::cuda_stacked_gradient<layers_disjoint<Plan>()>::ok || true);
-  static_assert(diagnose::cuda_distinct_inputs<distinct_inputs<F>()>::ok || true);
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<lina::tensor<float>, BP> g;
-  if constexpr (F::ok && F::stacked && !chained && layers_disjoint<Plan>()) {
+  if constexpr (F::ok && F::stacked && !chained) {
     layers_backward(
         plan, g, dout, [&](auto const& layer, auto const&... b) { return emulate(layer, opt, b...); },
         [&](auto const& p, auto const& d, auto const&... b) {
           return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), b...);
         },
+        [&](lina::tensor<float>& to, lina::tensor<float> const& from) {  // as add_program's kernel: rounded to opt.out
+          for (std::size_t i = 0; i < to.size(); ++i) {
+            float const x = to.data()[i] + from.data()[i];
+            to.data()[i] = opt.out == dtype::f32    ? x
+                           : opt.out == dtype::bf16 ? from_bf16_bits(bf16_bits(x))
+                                                    : from_f16_bits(f16_bits(x));
+          }
+        },
         bindings...);
-  } else if constexpr (F::ok && differentiable<F>() && !F::stacked && distinct_inputs<F>()) {
+  } else if constexpr (F::ok && differentiable<F>() && !F::stacked) {
     auto in = bind<Plan>(bindings...);
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                   "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
@@ -1387,16 +1374,18 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     lina::tensor<float>& gk = detail::gradient_slot<typename F::k::input>(g);
     lina::tensor<float>& gv = detail::gradient_slot<typename F::v::input>(g);
     gq = lina::tensor<float>(sq), gk = lina::tensor<float>(sk), gv = lina::tensor<float>(sv);
-    std::vector<lina::tensor<float>*> ts = {&gq, &gk, &gv};
-    std::vector<std::uint16_t> bits[5];  // 16-bit gradients, widened below
-    auto sink = [&](lina::tensor<float>& t, std::vector<std::uint16_t>& b) {
+    // 16-bit gradients, widened below: one buffer per gradient (an input the
+    // plan reads twice has one, which the kernel's shares add into).
+    std::vector<std::pair<lina::tensor<float>*, std::vector<std::uint16_t>>> bits;
+    auto sink = [&](lina::tensor<float>& t) {
       if (opt.out == dtype::f32) return detail::dense_operand(t.data(), t.shape());
-      b.resize(t.size());
-      return detail::dense_operand(b.data(), t.shape());
+      auto at = std::find_if(bits.begin(), bits.end(), [&](auto const& x) { return x.first == &t; });
+      if (at == bits.end()) at = bits.insert(bits.end(), {&t, std::vector<std::uint16_t>(t.size())});
+      return detail::dense_operand(at->second.data(), t.shape());
     };
-    a.out = sink(gq, bits[0]);
-    a.extra[0] = sink(gk, bits[1]);
-    a.extra[1] = sink(gv, bits[2]);
+    a.out = sink(gq);
+    a.extra[0] = sink(gk);
+    a.extra[1] = sink(gv);
     std::vector<float> scratch(s.normalized ? bh * n * (s.m + 1) : 0), shift(s.normalized && s.softmax ? bh * n : 0);
     if (s.normalized) a.extra[extra_named(p, "scratch")] = detail::dense_operand(scratch.data(), {in.batch, in.heads, n, s.m + 1});
     if (s.normalized && s.softmax) a.extra[extra_named(p, "shift")] = detail::dense_operand(shift.data(), {in.batch, in.heads, n, 1});
@@ -1404,13 +1393,11 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
       shape4 const sw{in.batch, in.heads, s.d, s.f};
       lina::tensor<float>& gw = detail::gradient_slot<typename F::q::param>(g);
       gw = lina::tensor<float>(sw);
-      a.extra[extra_named(p, "∂" + s.w_name)] = sink(gw, bits[3]);
-      ts.push_back(&gw);
+      a.extra[extra_named(p, "∂" + s.w_name)] = sink(gw);
       if constexpr (F::own_k_w) {
         lina::tensor<float>& gw2 = detail::gradient_slot<typename F::k::param>(g);
         gw2 = lina::tensor<float>(sw);
-        a.extra[extra_named(p, "∂" + s.w_k_name)] = sink(gw2, bits[4]);
-        ts.push_back(&gw2);
+        a.extra[extra_named(p, "∂" + s.w_k_name)] = sink(gw2);
       }
     }
     state s0, d_final;
@@ -1427,11 +1414,9 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     }
     for (program const& x : ps) emulate(x, a);
     if constexpr (chained) chain->d_initial->flip();
-    if (opt.out != dtype::f32) {
-      for (std::size_t x = 0; x < ts.size(); ++x)
-        for (std::size_t i = 0; i < ts[x]->size(); ++i)
-          ts[x]->data()[i] = opt.out == dtype::bf16 ? from_bf16_bits(bits[x][i]) : from_f16_bits(bits[x][i]);
-    }
+    for (auto const& [t, b] : bits)
+      for (std::size_t i = 0; i < t->size(); ++i)
+        t->data()[i] = opt.out == dtype::bf16 ? from_bf16_bits(b[i]) : from_f16_bits(b[i]);
   }
   return g;
 }
@@ -1469,23 +1454,22 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   static_assert(diagnose::cuda_backward<differentiable<F>()>::ok || true);
-  static_assert(diagnose::cuda_stacked_gradient<layers_disjoint<Plan>()>::ok || true);
-  static_assert(diagnose::cuda_distinct_inputs<distinct_inputs<F>()>::ok || true);
   auto in = bind<Plan>(bindings...);
   using Bound = decltype(in);
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using T = std::remove_const_t<typename Bound::value_type>;
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<tensor<T>, BP> g;
-  if constexpr (F::ok && F::stacked && !chained && layers_disjoint<Plan>() && is_device_view<typename Bound::view_type>) {
+  if constexpr (F::ok && F::stacked && !chained && is_device_view<typename Bound::view_type>) {
     layers_backward(
         plan, g, dout, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, b...); },
         [&](auto const& p, auto const& d, auto const&... b) {
           return gradient_impl(p, d, stream, static_cast<void const*>(nullptr), b...);
         },
+        [&](tensor<T>& to, tensor<T> const& from) { add_into(to, from, stream); },
         bindings...);
     synchronize_stream(stream, "cuda::gradient");  // the intermediates die with this call
-  } else if constexpr (F::ok && differentiable<F>() && !F::stacked && distinct_inputs<F>() &&
+  } else if constexpr (F::ok && differentiable<F>() && !F::stacked &&
                        is_device_view<typename Bound::view_type>) {
     char const* call = "cuda::gradient";
     auto const dv = view_of(dout);
@@ -1509,14 +1493,17 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     a.out = detail::device_operand(gq.view());
     a.extra[0] = detail::device_operand(gk.view());
     a.extra[1] = detail::device_operand(gv.view());
-    tensor<float> scratch, shift;
+    // The adjoint rows (and softmax's shifts): stream-ordered, freed on the stream after the launches.
+    device_buffer scratch, shift;
     if (s.normalized) {
-      scratch = tensor<float>({in.batch, in.heads, n, s.m + 1}, call);
-      a.extra[extra_named(p, "scratch")] = detail::device_operand(scratch.view());
+      shape4 const sh{in.batch, in.heads, n, s.m + 1};
+      scratch = device_buffer(sh[0] * sh[1] * sh[2] * sh[3] * sizeof(float), stream, call);
+      a.extra[extra_named(p, "scratch")] = detail::dense_operand(scratch.get(), sh);
     }
     if (s.normalized && s.softmax) {
-      shift = tensor<float>({in.batch, in.heads, n, 1}, call);
-      a.extra[extra_named(p, "shift")] = detail::device_operand(shift.view());
+      shape4 const sh{in.batch, in.heads, n, 1};
+      shift = device_buffer(sh[0] * sh[1] * sh[2] * sizeof(float), stream, call);
+      a.extra[extra_named(p, "shift")] = detail::dense_operand(shift.get(), sh);
     }
     if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
       tensor<T>& gw = detail::gradient_slot<typename F::q::param>(g);
@@ -1541,7 +1528,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     }
     for (program const& x : ps) launch(x, a, stream);  // in order on the stream: softmax's second reads the first's scratch
     if constexpr (chained) chain->d_initial->flip();
-    if (s.normalized || chained) synchronize_stream(stream, call);  // the scratch rows and state copies die with this call
+    if (chained) synchronize_stream(stream, call);  // the state copies die with this call
   }
   return g;
 }

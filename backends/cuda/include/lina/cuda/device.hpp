@@ -86,7 +86,13 @@ class device_buffer {
   device_buffer() = default;
   // Allocates (cudaMalloc) when bytes > 0, after require_device(call).
   explicit device_buffer(std::size_t bytes, std::string const& call = "cudaMalloc");
-  device_buffer(device_buffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr, o.bytes_ = 0; }
+  // Stream-ordered (cudaMallocAsync on `stream`, freed there by cudaFreeAsync):
+  // scratch for launches queued on that stream, released after them without
+  // the host waiting.
+  device_buffer(std::size_t bytes, void* stream, std::string const& call);
+  device_buffer(device_buffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_), stream_(o.stream_), ordered_(o.ordered_) {
+    o.ptr_ = nullptr, o.bytes_ = 0;
+  }
   device_buffer& operator=(device_buffer&& o) noexcept;
   device_buffer(device_buffer const&) = delete;
   device_buffer& operator=(device_buffer const&) = delete;
@@ -97,8 +103,11 @@ class device_buffer {
   void download(void* host, std::size_t bytes) const;
 
  private:
+  void release() noexcept;
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
+  void* stream_ = nullptr;  // stream-ordered buffers: where they are freed
+  bool ordered_ = false;
 };
 
 // Wait for the device and report any asynchronous launch error.

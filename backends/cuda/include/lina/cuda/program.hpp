@@ -101,6 +101,9 @@
 //                          j < width, c0 + j < cols(out) (c0 as for load);
 //                          round: fp32 → output dtype, to nearest even. With a slot
 //                          s ≥ 0 it writes extra[s] instead, in that buffer's dtype.
+//                          accumulate: out(…) = round(out(…) + t[i][j]), out read in
+//                          its dtype (a backward's gradient of an input the plan
+//                          reads twice: the other share was stored before)
 //                          A `whole` store (∂W, in an epilogue) has r0 = 0, rows = t.rows.
 //   load from slot s ≥ max_inputs reads extra[s − max_inputs] in its dtype.
 //   load_state t           (from extra[slot] instead of state_in when slot ≥ 0)
@@ -281,7 +284,7 @@ struct instruction {
   int a = -1, b = -1;           // product operands; map, map_grad: the source of a row map (else -1);
                                 // rowdiv_grad: a = o, b = m (-1: no shift); row_divide: b = m (-1: no shift);
                                 // exp_rows: a = o (-1: the shift m is fixed), b = m (-1: unshifted); exp_grad: a = E
-  bool transpose_a = false, transpose_b = false, accumulate = false;  // product
+  bool transpose_a = false, transpose_b = false, accumulate = false;  // product; store: add to what is there
   int slot = -1;                // load, map_grad: input slot (≥ max_inputs: an extra buffer); store: -1 out, else extra[slot]
   int width = 0;                // load/store/load_state/store_state: columns read or written (≤ the register's)
   bool by_m_tile = false;       // load/store: columns start at m_tile · tile_m (load_state/store_state: always)
@@ -400,6 +403,11 @@ program backward_program_of(attention_spec const& s);
 // No atomics: every gradient row is summed by one block. Element-wise maps
 // and poly2; a parametric map's ∂W (a sum over every block) is not generated
 // for softmax yet (std::invalid_argument).
+// A plan that reads one input twice (K as V, Q as K: the spec's names say
+// so) gets one gradient for it: the buffers of the shares are the same
+// memory, and every store of a share after the first-stored one adds to what
+// is there (store with accumulate) — the order is the programs': ∂Q, then
+// ∂V, then ∂K, each row's shares stored by one block or by launches in order.
 std::vector<program> backward_programs_of(attention_spec const& s);
 
 // The chunk-parallel form of a causal forward (splitting N when B·H·m_tiles
@@ -414,6 +422,12 @@ struct split_programs {
   program partials, scan;
 };
 split_programs split_programs_of(attention_spec const& s);
+
+// out += in[0], both [B, H, n, cols] of element type t (the gradient of an
+// input that two layers of a stacked plan share is the sum of the layers'):
+// one block per (batch, head) walks the rows, a load and an adding store per
+// chunk. std::invalid_argument for cols = 0.
+program add_program(dtype t, std::size_t cols);
 
 // Rows per group for a split launch: 0 (do not split) when `blocks` blocks of
 // the unsplit program already give every one of `sms` SMs one or when the

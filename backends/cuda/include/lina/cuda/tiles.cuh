@@ -621,14 +621,19 @@ __device__ void exp_grad(float* t, const float* e, float scale, long long q0, lo
   __syncthreads();
 }
 
-template <class E, int R, int C, int P, class S>
+// out(r0 + i, c0 + j) = t[i][j] (Add: out += t, read in E: a gradient of an
+// input the plan reads twice, whose other share this block stored before).
+template <class E, int R, int C, int P, bool Add = false, class S>
 __device__ void store(const S* t, const operand& out, long long base, long long r0, long long c0, int rows,
                       int width) {
   void* data = const_cast<void*>(out.data);
   for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
-    if (j < width && c0 + j < out.cols)
-      store_element(E{}, data, base + (r0 + i) * out.stride[2] + (c0 + j) * out.stride[3], get(t, i * P + j));
+    if (j < width && c0 + j < out.cols) {
+      const long long at = base + (r0 + i) * out.stride[2] + (c0 + j) * out.stride[3];
+      const float x = get(t, i * P + j);
+      store_element(E{}, data, at, Add ? load_element(E{}, data, at) + x : x);
+    }
   }
   __syncthreads();
 }

@@ -1,0 +1,363 @@
+// Helpers shared by the CUDA backend's test files (test_cuda.cpp, test_cuda_backward.cpp):
+// the symbols, references, tolerances and device utilities both use. Each file uses a
+// subset, so unused-function warnings are off for these internal helpers.
+#pragma once
+
+#include <doctest/doctest.h>
+#include <cmath>
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <lina/cpu.hpp>
+#include <lina/cuda.hpp>
+#include <lina/cuda/nvrtc.hpp>
+#include <lina/lina.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <unistd.h>
+#include "support.hpp"
+#include "heap_counter.hpp"
+
+using namespace lina;
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+namespace {
+
+constexpr auto N = dim<"N">;
+constexpr auto D = dim<"D">;  // dynamic, so shapes can be random
+constexpr auto M = dim<"M">;
+constexpr auto Q = input<"Q">(N, D);
+constexpr auto K = input<"K">(N, D);
+constexpr auto V = input<"V">(N, M);
+
+// ‖a − ref‖₂ / ‖ref‖₂ (0 when both are empty or zero).
+template <class A, class R>
+double relative_rms(A const& a, R const& ref) {
+  REQUIRE(a.shape() == ref.shape());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    double d = static_cast<double>(a.data()[i]) - static_cast<double>(ref.data()[i]);
+    num += d * d;
+    den += static_cast<double>(ref.data()[i]) * static_cast<double>(ref.data()[i]);
+  }
+  if (den == 0) return num == 0 ? 0 : INFINITY;
+  return std::sqrt(num / den);
+}
+
+// The values a kernel reading dtype t sees: x rounded to t (nearest even).
+tensor<float> rounded(tensor<float> const& x, cuda::dtype t) {
+  tensor<float> r = x;
+  for (std::size_t i = 0; i < r.size(); ++i) {
+    float v = r.data()[i];
+    if (t == cuda::dtype::bf16) r.data()[i] = cuda::from_bf16_bits(cuda::bf16_bits(v));
+    if (t == cuda::dtype::f16) r.data()[i] = cuda::from_f16_bits(cuda::f16_bits(v));
+  }
+  return r;
+}
+tensor<double> widened(tensor<float> const& x) {
+  tensor<double> r(x.shape());
+  for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = x.data()[i];
+  return r;
+}
+// The sums of a host cuda::state, or of a cpu::state's scan (after dense), as a tensor [B, H, C, W].
+tensor<float> sums_of(cuda::state const& st) {
+  tensor<float> r(st.shape());
+  std::copy(st.data(), st.data() + st.size(), r.data());
+  return r;
+}
+// Rows [from, to) of a [B, H, N, M] tensor, writable (a block of the output).
+tensor_view<float> rows_of(tensor<float>& t, std::size_t from, std::size_t to) {
+  auto s = t.shape();
+  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
+}
+
+// A tensor or view's elements in a tensor of contiguous strides (a gradient the
+// CPU laid out like a broadcast input, a cpu::state's sums).
+template <class X>
+auto dense(X const& x) {
+  tensor<std::remove_cvref_t<decltype(x(0, 0, 0, 0))>> r(x.shape());
+  for (std::size_t i = 0; i < r.shape()[0]; ++i)
+    for (std::size_t j = 0; j < r.shape()[1]; ++j)
+      for (std::size_t a = 0; a < r.shape()[2]; ++a)
+        for (std::size_t c = 0; c < r.shape()[3]; ++c) r(i, j, a, c) = x(i, j, a, c);
+  return r;
+}
+tensor<float> sums_of(cpu::state<float> const& st) { return dense(st[0]); }
+template <class G>
+tensor<float> as_float(G const& x) {
+  tensor<float> r(x.shape());
+  for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = static_cast<float>(x.data()[i]);
+  return r;
+}
+
+// Relative RMS tolerance of an emulated result against references computed
+// from the same (rounded) inputs. Both sides then differ by fp32 summation
+// order — about √(terms)·2⁻²⁴ relative, ≤ 1e-6 at these sizes — and by the
+// rounding of the output to its dtype: nearest-even rounding errs by at most
+// half an ulp, 2⁻⁹ relative for bf16 (8 bits of significand) and 2⁻¹² for
+// fp16 (11 bits), with an RMS about half that. The tolerances are twice the
+// worst case: 2⁻⁸ (bf16), 2⁻¹¹ (fp16), and 1e-5 for fp32 (the summation
+// order alone, with room for cancellation in signed, unnormalised sums).
+double tolerance(cuda::dtype out) {
+  switch (out) {
+    case cuda::dtype::bf16: return std::ldexp(1.0, -8);
+    case cuda::dtype::f16: return std::ldexp(1.0, -11);
+    default: return 1e-5;
+  }
+}
+
+// The tensor cores' operand rounding (program.hpp, `precision`): unit
+// roundoff 2⁻⁹ for bf16 operands, 2⁻¹¹ for tf32 (f16 programs); exact
+// fp32 products round nothing.
+double operand_roundoff(cuda::dtype in) {
+  switch (in) {
+    case cuda::dtype::bf16: return std::ldexp(1.0, -9);
+    case cuda::dtype::f16: return std::ldexp(1.0, -11);
+    default: return 0.0;
+  }
+}
+
+// The plan a test runs: the linear order, or compile()'s plan for softmax
+// (exp never linearises).
+template <class Expr>
+constexpr auto plan_of(Expr const& expr) {
+  if constexpr (contains_op<Expr, op::exp>())
+    return compile(expr);
+  else
+    return compile<order::linear>(expr);
+}
+
+// How far operand rounding may move a result, relative RMS: every term of an
+// output's sums carries at most three rounded factors (φ(q), φ(k), and the
+// chunk's score or the state), so it errs by at most 3u of its magnitude, and
+// a normalised row divides two such sums: |error| ≤ 6u·Σ|terms| / |Σ a|.
+// Σ|terms| is the same expression on magnitudes: |V|, and |Q|, |K| where the
+// features are signed (identity, poly2 — whose features of |x| are the
+// magnitudes of x's); elu+1 and relu features are ≥ 0 already. Softmax rounds
+// one factor per term (exp of the score: q and k arrive in the input type,
+// which the operand type holds exactly), so 2u·Σ exp·|v| / |Σ exp|.
+template <class Expr>
+double rounding_bound(Expr const& expr, cuda::dtype in, tensor<float> const& q, tensor<float> const& k,
+                      tensor<float> const& v, tensor<double> const& exact) {
+  double u = operand_roundoff(in);
+  if (u == 0.0) return 0.0;
+  auto const spec = cuda::spec_of(plan_of(expr));
+  bool const signed_features =
+      !spec.softmax && (spec.map_q == cuda::feature_map::identity || spec.map_q == cuda::feature_map::poly2);
+  auto magnitude = [](tensor<float> const& x) {
+    tensor<double> r(x.shape());
+    for (std::size_t i = 0; i < x.size(); ++i) r.data()[i] = std::abs(static_cast<double>(x.data()[i]));
+    return r;
+  };
+  auto terms = signed_features ? cpu::evaluate(expr, Q = magnitude(q), K = magnitude(k), V = magnitude(v))
+                               : cpu::evaluate(expr, Q = widened(q), K = widened(k), V = magnitude(v));
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < terms.size(); ++i) num += terms.data()[i] * terms.data()[i];
+  for (std::size_t i = 0; i < exact.size(); ++i) den += exact.data()[i] * exact.data()[i];
+  return den == 0.0 ? 0.0 : (spec.softmax ? 2.0 : 6.0) * u * std::sqrt(num / den);
+}
+
+// Compile each distinct generated kernel once per architecture; any log fails.
+void check_compiles(cuda::program const& p) {
+  static std::set<std::string> done;
+  std::string src = cuda::emit(p);
+  if (!done.insert(src).second) return;
+  for (char const* arch : {"sm_80", "sm_90"}) {
+    CAPTURE(arch);
+    CAPTURE(p.kernel_name);
+    cuda::compiled_kernel k;
+    REQUIRE_NOTHROW(k = cuda::compile(src, p.kernel_name, arch));
+    CHECK(k.log == "");
+    CHECK(!k.image.empty());
+  }
+}
+
+struct shape {
+  std::size_t b, h, n, d, m;
+  bool random = false;  // drawn at random: emulated, but its kernels are not compiled (NVRTC's time goes to the edge shapes)
+};
+
+// The fixed shapes whose tensor-core kernels compile too: the first and the
+// widest D (the fp32 kernels compile at every fixed shape; the 16-bit ones
+// differ from them in types and product instructions, not in shape logic).
+bool tensor_core_edge(shape const& s, std::vector<shape> const& cases) {
+  std::size_t widest = 0;
+  for (shape const& c : cases)
+    if (!c.random) widest = std::max(widest, c.d);
+  return !s.random && (&s == &cases.front() || s.d == widest);
+}
+
+// `count` random shapes with N in [n_min, n_max], D ≤ 40, M ≤ 80 and M ≠ D, appended to s.
+void add_random_shapes(std::vector<shape>& s, test::rng& r, int count, std::size_t n_min, std::size_t n_max) {
+  for (int i = 0; i < count; ++i) {
+    shape x{r.in(1, 2), r.in(1, 3), r.in(n_min, n_max), r.in(1, 40), 0, true};
+    do x.m = r.in(1, 80);
+    while (x.m == x.d);
+    s.push_back(x);
+  }
+}
+
+// Edge shapes first (N = 0, 1, a chunk ± 1; D ≠ M; non-powers of two up to
+// 256, which take the smaller chunk), then random ones.
+std::vector<shape> shapes(std::uint64_t seed, int random_count) {
+  std::vector<shape> s = {{1, 1, 0, 5, 3},  {1, 2, 1, 7, 4},    {2, 1, 63, 16, 9},  {1, 1, 65, 48, 96},
+                          {1, 1, 130, 96, 48}, {1, 1, 70, 200, 72}, {1, 1, 40, 256, 200}};
+  test::rng r{seed};
+  add_random_shapes(s, r, random_count, 0, 300);
+  return s;
+}
+
+// Random Q, K ([B,H,N,D]; |·| when positive: poly2's features then stay
+// away from cancellation) and V ([B,H,N,M]), as a kernel reading dtype t sees them.
+struct qkv {
+  tensor<float> q, k, v;
+};
+qkv random_inputs(shape const& s, cuda::dtype t, test::rng& r, bool positive) {
+  auto q = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+  auto k = tensor<float>::random({s.b, s.h, s.n, s.d}, r.next());
+  if (positive)
+    for (auto* x : {&q, &k})
+      for (std::size_t i = 0; i < x->size(); ++i) x->data()[i] = std::abs(x->data()[i]);
+  auto v = tensor<float>::random({s.b, s.h, s.n, s.m}, r.next());
+  return {rounded(q, t), rounded(k, t), rounded(v, t)};
+}
+
+// The emulated kernel of plan_of(expr) against cpu::evaluate of the same plan
+// and against the expression as written, in double, all on the inputs as the
+// kernel reads them. The kernels of the first `compiled` fixed shapes compile
+// (all of them by default).
+template <class Expr>
+void check_forward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& fixed = {}, bool positive = false,
+                   std::size_t compiled = SIZE_MAX) {
+  auto const plan = plan_of(expr);
+  static_assert(cuda::lowerable<decltype(plan)>);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
+    double worst = 0, worst_mma = 0;
+    test::rng r{seed};
+    std::vector<shape> const cases = fixed.empty() ? shapes(seed, 3) : fixed;
+    for (shape const& s : cases) {
+      CAPTURE(cuda::name_of(dt));
+      CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      auto [q, k, v] = random_inputs(s, dt, r, positive);
+      // Exact fp32 products: within the output's rounding of both references.
+      cuda::options opt{dt, dt, true};
+      auto got = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+      auto cpu = cpu::evaluate(plan, Q = q, K = k, V = v);
+      auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
+      double e1 = relative_rms(got, cpu), e2 = relative_rms(got, exact);
+      CHECK(e1 <= tolerance(dt));
+      CHECK(e2 <= tolerance(dt));
+      worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
+      // The kernels a launch would use (the tensor-core ones for 16-bit inputs)
+      // compile at every shape; the exact-product variants at the first.
+      bool const compiles = !s.random && static_cast<std::size_t>(&s - cases.data()) < compiled;
+      if (compiles && (dt == cuda::dtype::f32 || &s == &cases.front()))
+        check_compiles(cuda::program_of(plan, opt, D = s.d, M = s.m));
+      if (dt != cuda::dtype::f32) {  // the tensor-core precision: within its operands' rounding too
+        cuda::options fast{dt, dt};
+        auto rounded_products = cuda::emulate(plan, fast, Q = q, K = k, V = v);
+        double bound = tolerance(dt) + rounding_bound(expr, dt, q, k, v, exact);
+        double e3 = relative_rms(rounded_products, exact);
+        CAPTURE(bound);
+        CHECK(e3 <= bound);
+        worst_mma = std::max(worst_mma, e3 / bound);
+        if (compiles && tensor_core_edge(s, cases)) check_compiles(cuda::program_of(plan, fast, D = s.d, M = s.m));
+      }
+    }
+    std::string mma = dt == cuda::dtype::f32 ? "" : "; tensor-core products, error / bound: " + std::to_string(worst_mma);
+    MESSAGE(cuda::name_of(dt) << ": largest relative RMS error / tolerance: " << worst << mma);
+  }
+}
+
+
+// FAVOR+ and random Fourier features: W, D × F.
+constexpr auto Fw = dim<"F">;
+constexpr auto W = input<"W">(D, Fw);
+
+// The 16-bit bit patterns of a float tensor (dense [B,H,N,C]).
+std::vector<std::uint16_t> bits_of(tensor<float> const& x, cuda::dtype t) {
+  std::vector<std::uint16_t> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i)
+    r[i] = t == cuda::dtype::bf16 ? cuda::bf16_bits(x.data()[i]) : cuda::f16_bits(x.data()[i]);
+  return r;
+}
+cuda::device_buffer upload(tensor<float> const& x, cuda::dtype t) {
+  cuda::device_buffer d(x.size() * cuda::size_of(t));
+  if (t == cuda::dtype::f32)
+    d.upload(x.data(), d.size());
+  else
+    d.upload(bits_of(x, t).data(), d.size());
+  return d;
+}
+
+// Elements of type dt (dense, of this shape) as floats: from device memory or from host bits.
+tensor<float> widened_from(std::vector<std::uint16_t> const& bits, cuda::dtype dt, shape4 shape) {
+  tensor<float> r(shape);
+  for (std::size_t i = 0; i < bits.size(); ++i)
+    r.data()[i] = dt == cuda::dtype::bf16 ? cuda::from_bf16_bits(bits[i]) : cuda::from_f16_bits(bits[i]);
+  return r;
+}
+tensor<float> widened_from(cuda::device_buffer const& d, cuda::dtype dt, shape4 shape) {
+  tensor<float> r(shape);
+  if (dt == cuda::dtype::f32) {
+    d.download(r.data(), r.size() * 4);
+    return r;
+  }
+  std::vector<std::uint16_t> bits(r.size());
+  d.download(bits.data(), bits.size() * 2);
+  return widened_from(bits, dt, shape);
+}
+
+// One launch of `plan`'s kernel on the device against its emulation.
+template <class Plan>
+void launch_vs_emulation(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed) {
+  CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+  auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
+  auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
+  auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
+  auto want = cuda::emulate(plan, {dt, dt}, Q = q, K = k, V = v);
+  auto dq = upload(q, dt), dk = upload(k, dt), dv = upload(v, dt);
+  cuda::device_buffer dout(want.size() * cuda::size_of(dt));
+  shape4 sq{s.b, s.h, s.n, s.d}, sv{s.b, s.h, s.n, s.m};
+  auto go = [&]<class E>() {
+    cuda::evaluate_into(plan, cuda::device_view<E>(static_cast<E*>(dout.get()), sv), nullptr,
+                        Q = cuda::device_view<E const>(static_cast<E const*>(dq.get()), sq),
+                        K = cuda::device_view<E const>(static_cast<E const*>(dk.get()), sq),
+                        V = cuda::device_view<E const>(static_cast<E const*>(dv.get()), sv));
+  };
+  if (dt == cuda::dtype::f32) go.template operator()<float>();
+  if (dt == cuda::dtype::bf16) go.template operator()<cuda::bf16>();
+  if (dt == cuda::dtype::f16) go.template operator()<cuda::f16>();
+  cuda::synchronize();
+  tensor<float> const got = widened_from(dout, dt, want.shape());
+  // fp32: the same fma chains, but the device's expf differs from the host's
+  // exp by a few ulps; 16-bit: the tensor cores sum in their own order.
+  CHECK(relative_rms(got, want) <= (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
+}
+constexpr auto causal_expr = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+constexpr auto full_expr = normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V;
+constexpr auto softmax_expr = normalize(causal(exp(Q * transpose(K) * 0.125))) * V;
+// f(plan, the bindings among b... that plan reads).
+template <class Plan, class F, class... B>
+auto on_inputs_of(Plan const& plan, F&& f, B const&... b) {
+  return cuda::detail::with_inputs_of<Plan>([&](auto const&... kept) { return f(plan, kept...); }, b...);
+}
+template <class E>
+cuda::dtype dtype_for() {
+  return cuda::dtype_of<E>;
+}
+
+}  // namespace
+
+// A device test without a device says so in the words ctest counts as skipped.
+inline bool skipped_without(cuda::device_status const& dev) {
+  if (dev.available) return false;
+  MESSAGE("skipped: no CUDA device (" << dev.reason << ")");
+  return true;
+}
+#pragma GCC diagnostic pop

@@ -1,0 +1,598 @@
+// The CUDA backend's backward kernels without a GPU: generated from the derived
+// plans, run in the host emulation against cpu::gradient, the gradient of the
+// expression in double and finite differences; they compile with NVRTC. (A
+// file of its own: the two halves of the CUDA suite compile side by side.)
+#include "cuda_support.hpp"
+
+// ---- gradients: the backward kernels -----------------------------------------------------
+namespace {
+
+// The emulated backward kernel of compile<order::linear>(expr) against
+// cpu::gradient of the same plan (fp32, the same rounded inputs) and against
+// the expression's gradient in double, for ∂Q, ∂K, ∂V.
+template <class Expr>
+void check_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, bool positive = false) {
+  auto const plan = compile<order::linear>(expr);
+  bool const normalized = cuda::spec_of(plan).normalized;
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
+    double worst = 0, worst_mma = 0;
+    for (shape const& s : cases) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      auto [q, k, v] = random_inputs(s, dt, r, positive);
+      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      auto cpu = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+      auto exact = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
+      for (bool exact_products : {true, false}) {
+        if (!exact_products && dt == cuda::dtype::f32) continue;
+        cuda::options opt{dt, dt, exact_products};
+        auto g = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+        auto one = [&](auto const& x, std::string const& name) {
+          CAPTURE(name);
+          CAPTURE(exact_products);
+          double const u = exact_products ? 0.0 : operand_roundoff(dt);
+          if (normalized && s.n == 1 && name != "∂V") {
+            // One token: its output is v·s/(s + eps), s = φq·φk > 0, which
+            // depends on q and k through eps alone — the relative error of a
+            // gradient that small is cancellation noise; its size is the
+            // property. The two terms that cancel (through the numerator and
+            // the denominator) are each about ‖dout‖, and the tensor cores
+            // round their operands by u.
+            double size = 0, scale = 0;
+            for (std::size_t i = 0; i < g[x].size(); ++i) size += double(g[x].data()[i]) * g[x].data()[i];
+            for (std::size_t i = 0; i < dout.size(); ++i) scale += double(dout.data()[i]) * dout.data()[i];
+            CHECK(std::sqrt(size) <= (1e-4 + 2 * u) * std::sqrt(scale));
+            return;
+          }
+          double e1 = relative_rms(g[x], cpu[x]), e2 = relative_rms(g[x], as_float(exact[x]));
+          if (exact_products) {
+            CHECK(e1 <= tolerance(dt));
+            CHECK(e2 <= tolerance(dt));
+            worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
+          } else {
+            // Tensor-core products round every operand they read by u. A term of
+            // an unnormalised gradient carries at most four rounded factors
+            // (∂out or ĝ, [v|1] or φq, then the chunk's score and φk, or the
+            // state); a normalised one also rounds the recomputed rows (three
+            // factors) that ĝ divides by, twice (numerator and denominator):
+            // 4u and 10u on the RMS, plus the output's rounding.
+            double const bound = tolerance(dt) + (normalized ? 10 : 4) * u;
+            CAPTURE(bound);
+            CHECK(e2 <= bound);
+            worst_mma = std::max(worst_mma, e2 / bound);
+          }
+        };
+        one(Q, "∂Q");
+        one(K, "∂K");
+        one(V, "∂V");
+        // The kernels a launch uses compile: at the first shape and at the largest.
+        auto spec = cuda::spec_of(plan, opt);
+        spec.d = s.d, spec.m = s.m;
+        if ((&s == &cases.front() || s.d == 128) && (!exact_products || dt == cuda::dtype::f32))
+          check_compiles(cuda::backward_program_of(spec));
+      }
+    }
+    MESSAGE(cuda::name_of(dt) << " backward: largest error / tolerance: " << worst << "; tensor-core products, error / bound: "
+                              << worst_mma);
+  }
+}
+
+std::vector<shape> backward_shapes(std::uint64_t seed, bool large = false) {
+  // N = 0, 1, a chunk ± 1, several chunks; D ≠ M; (large) the largest D = M the kernel holds, T = 16.
+  std::vector<shape> s = {{1, 1, 0, 5, 3}, {1, 2, 1, 7, 4}, {2, 1, 63, 16, 9}, {1, 1, 65, 24, 40}};
+  if (large) s.push_back({1, 1, 150, 128, 128});
+  test::rng r{seed};
+  add_random_shapes(s, r, 2, 2, 200);
+  return s;
+}
+}  // namespace
+
+TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, causal") {
+  check_backward(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 81, backward_shapes(81, true));
+  check_backward(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 82, backward_shapes(82));
+  check_backward(causal(Q * transpose(K)) * V, 83, backward_shapes(83));
+}
+TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, non-causal and poly2") {
+  check_backward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 84, backward_shapes(84));
+  check_backward(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 85, backward_shapes(85));
+  check_backward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 86, {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}}, true);
+}
+
+// Softmax's backward: two launches (program.hpp, backward_programs_of) — a
+// block per chunk of query rows for ∂Q (storing ĝ and each row's shift), then
+// a key-major block per chunk of key rows for ∂K and ∂V — against
+// cpu::gradient of the plan and of the expression in double; causal and not,
+// normalised and not, the mask before exp, elu+1 and poly2 inside exp. With
+// exact products within the output's rounding; with the tensor cores'
+// (identity maps, bf16 and f16 inputs: the scores' operands are exact) within
+// c·u of Σ|terms| per gradient (softmax_terms), c = the rounded factors a term
+// carries.
+namespace {
+// Per element of ∂Q, ∂K, ∂V of y = rowdiv(mask(exp(s·QKᵀ))·[V|1]) (or
+// unnormalised, y = mask(exp(s·QKᵀ))·V; or the mask before exp), in double from the inputs as
+// written: Σ over the sum that gives it of |its terms| — ∂Q_i = Σ_j ∂S_ij·k_j,
+// ∂K_j = Σ_i ∂S_ij·q_i, ∂V_j = Σ_i P_ij·∂out_i with ∂S_ij = s·P_ij·(∂out_i·v_j
+// − ∂out_i·y_i) (normalised; else s·E_ij·∂out_i·v_j), P = E / Σ_j E.
+struct terms {
+  tensor<double> q, k, v;
+};
+terms softmax_terms(tensor<float> const& q, tensor<float> const& k, tensor<float> const& v, tensor<float> const& dout,
+                    cuda::attention_spec const& spec) {
+  double const scale = spec.scale;
+  bool const causal = spec.causal, normalized = spec.normalized, mask_scores = spec.mask_scores && !causal;
+  auto const sh = q.shape(), sv = v.shape();
+  std::size_t const n = sh[2], d = sh[3], m = sv[3];
+  terms t{tensor<double>(sh), tensor<double>(sh), tensor<double>(sv)};
+  for (std::size_t b = 0; b < sh[0]; ++b)
+    for (std::size_t h = 0; h < sh[1]; ++h)
+      for (std::size_t i = 0; i < n; ++i) {
+        std::vector<double> e(n, 0.0);
+        double den = 0;
+        for (std::size_t j = 0; j < n && (!causal || j <= i); ++j) {
+          double x = 0;  // (the mask before exp: a key after the row has score 0)
+          for (std::size_t c = 0; c < d && !(mask_scores && j > i); ++c) x += double(q(b, h, i, c)) * k(b, h, j, c);
+          den += e[j] = std::exp(scale * x);
+        }
+        double const norm = normalized ? den + 1e-6 : 1.0;
+        std::vector<double> y(m, 0.0);
+        for (std::size_t j = 0; j < n; ++j)
+          for (std::size_t c = 0; c < m; ++c) y[c] += e[j] / norm * v(b, h, j, c);
+        double gy = 0;
+        if (normalized)
+          for (std::size_t c = 0; c < m; ++c) gy += double(dout(b, h, i, c)) * y[c];
+        for (std::size_t j = 0; j < n; ++j) {
+          double gv = 0;
+          for (std::size_t c = 0; c < m; ++c) gv += double(dout(b, h, i, c)) * v(b, h, j, c);
+          double const ds = mask_scores && j > i ? 0.0 : std::abs(scale * e[j] / norm * (gv - gy));
+          for (std::size_t c = 0; c < d; ++c) {
+            t.q(b, h, i, c) += ds * std::abs(double(k(b, h, j, c)));
+            t.k(b, h, j, c) += ds * std::abs(double(q(b, h, i, c)));
+          }
+          for (std::size_t c = 0; c < m; ++c) t.v(b, h, j, c) += e[j] / norm * std::abs(double(dout(b, h, i, c)));
+        }
+      }
+  return t;
+}
+// ‖terms‖ / ‖result‖ (RMS): how far a relative error per term moves the result.
+double amplification(tensor<double> const& terms, tensor<double> const& exact) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < terms.size(); ++i) num += terms.data()[i] * terms.data()[i];
+  for (std::size_t i = 0; i < exact.size(); ++i) den += exact.data()[i] * exact.data()[i];
+  return den == 0 ? 0.0 : std::sqrt(num / den);
+}
+
+template <class Expr>
+void check_softmax_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, bool positive = false) {
+  auto const plan = compile(expr);
+  auto const spec0 = cuda::spec_of(plan);
+  bool const identity = spec0.map_q == cuda::feature_map::identity;
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
+    double worst = 0, worst_mma = 0;
+    for (shape const& s : cases) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      auto [q, k, v] = random_inputs(s, dt, r, positive);
+      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      auto cpu = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+      auto exact = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
+      auto g = cuda::emulate_gradient(plan, {dt, dt, true}, dout, Q = q, K = k, V = v);
+      bool const fast = dt != cuda::dtype::f32 && identity;
+      decltype(g) mma;
+      terms t;
+      if (fast) {
+        mma = cuda::emulate_gradient(plan, {dt, dt}, dout, Q = q, K = k, V = v);
+        t = softmax_terms(q, k, v, dout, spec0);
+      }
+      auto one = [&](auto const& x, std::string const& name, tensor<double> const& term) {
+        CAPTURE(name);
+        if (spec0.normalized && s.n == 1 && name != "∂V") {
+          // One token: its row is v·E/(E + eps), which depends on q and k through
+          // eps alone: the gradient is cancellation noise; its size is the property.
+          double size = 0, total = 0;
+          for (std::size_t i = 0; i < g[x].size(); ++i) size += double(g[x].data()[i]) * g[x].data()[i];
+          for (std::size_t i = 0; i < dout.size(); ++i) total += double(dout.data()[i]) * dout.data()[i];
+          CHECK(std::sqrt(size) <= 1e-4 * std::sqrt(total));
+          return;
+        }
+        double const e1 = relative_rms(g[x], cpu[x]), e2 = relative_rms(g[x], as_float(exact[x]));
+        CHECK(e1 <= tolerance(dt));
+        CHECK(e2 <= tolerance(dt));
+        worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
+        if (!fast) return;
+        // A term of ∂Q or ∂K carries E, ĝ (or ∂out) and ∂S rounded as operands,
+        // and ĝ divides by the recomputed rows (E rounded): 4u; of ∂V, E and ĝ: 2u.
+        double const bound = tolerance(dt) + (name == "∂V" ? 2 : 4) * operand_roundoff(dt) * amplification(term, exact[x]);
+        CAPTURE(bound);
+        double const e3 = relative_rms(mma[x], as_float(exact[x]));
+        CHECK(e3 <= bound);
+        worst_mma = std::max(worst_mma, e3 / bound);
+      };
+      one(Q, "∂Q", t.q);
+      one(K, "∂K", t.k);
+      one(V, "∂V", t.v);
+      // The kernels a launch uses compile: fp32 at the first shape, bf16 at the largest (T = 32).
+      if ((&s == &cases.front() && dt == cuda::dtype::f32) || (s.d == 128 && dt == cuda::dtype::bf16)) {
+        auto spec = cuda::spec_of(plan, {dt, dt});
+        spec.d = s.d, spec.m = s.m;
+        for (auto const& p : cuda::backward_programs_of(spec)) check_compiles(p);
+      }
+    }
+    MESSAGE(cuda::name_of(dt) << " " << spec0.description << " backward: largest error / tolerance: " << worst
+                              << "; tensor-core products, error / bound: " << worst_mma);
+  }
+}
+}  // namespace
+
+TEST_CASE("backward: softmax (two quadratic launches) = cpu::gradient = the expression's") {
+  std::vector<shape> cases = {{1, 1, 0, 5, 3}, {1, 2, 1, 7, 4}, {2, 1, 63, 16, 9}, {1, 1, 65, 24, 40}, {1, 1, 130, 128, 128}};
+  test::rng r{95};
+  add_random_shapes(cases, r, 2, 2, 200);
+  check_softmax_backward(normalize(causal(exp(Q * transpose(K) * 0.25))) * V, 95, cases);
+  check_softmax_backward(normalize(exp(Q * transpose(K) / 4.0)) * V, 96, cases);
+  check_softmax_backward(causal(exp(0.125 * (Q * transpose(K)))) * V, 97, cases);
+  check_softmax_backward(normalize(exp(causal(Q * transpose(K)) * 0.25)) * V, 98, cases);
+  check_softmax_backward(normalize(causal(exp(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)) * 0.03))) * V, 99,
+                         {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}});
+  check_softmax_backward(normalize(exp(phi<poly2>(Q) * transpose(phi<poly2>(K)) * 0.05)) * V, 100,
+                         {{1, 2, 9, 6, 5}, {1, 1, 70, 8, 20}}, true);
+}
+
+// A plan that reads one input twice (K as V, Q as K, all three as one): one
+// gradient, the sum of its shares — the later shares' stores add to what the
+// first stored (program.hpp, backward_programs_of). Against cpu::gradient of
+// the plan and of the expression in double; linear causal and not, softmax.
+namespace {
+template <bool ReadsK, bool ReadsV, class Expr>
+void check_tied(Expr const& expr, std::uint64_t seed) {
+  auto const plan = plan_of(expr);
+  auto spec = cuda::spec_of(plan);
+  spec.d = spec.m = 16;
+  std::string listings;
+  for (auto const& p : cuda::backward_programs_of(spec)) {
+    CHECK(p.kernel_name.find("_same_") != std::string::npos);  // not the untied kernel's source under its name
+    listings += cuda::listing(p);
+    check_compiles(p);
+  }
+  CHECK(listings.find("added to what is there") != std::string::npos);
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    for (shape s : {shape{1, 2, 1, 8, 8}, shape{2, 1, 70, 16, 16}, shape{1, 1, 130, 24, 24}}) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d);
+      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, r.next()), dt);
+      auto const wd = widened(dout);
+      auto got = on_inputs_of(plan, [&](auto const& p, auto const&... b) { return cuda::emulate_gradient(p, {dt, dt, true}, dout, b...); },
+                              Q = q, K = k, V = v);
+      auto cpu = on_inputs_of(plan, [&](auto const& p, auto const&... b) { return cpu::gradient(p, dout, b...); }, Q = q, K = k, V = v);
+      auto exact = on_inputs_of(expr, [&](auto const& p, auto const&... b) { return cpu::gradient(p, wd, b...); },
+                                Q = widened(q), K = widened(k), V = widened(v));
+      auto one = [&](auto const& x) {
+        CHECK(relative_rms(got[x], cpu[x]) <= tolerance(dt));
+        CHECK(relative_rms(got[x], as_float(exact[x])) <= tolerance(dt));
+      };
+      if (s.n > 1 || !spec.normalized) {  // (one token of a normalised plan: ∂Q, ∂K are eps-sized)
+        one(Q);
+        if constexpr (ReadsK) one(K);
+      }
+      if constexpr (ReadsV) one(V);
+    }
+}
+}  // namespace
+
+TEST_CASE("backward: a plan that reads one input twice gets one gradient, the sum of its shares") {
+  check_tied<true, false>(causal(Q * transpose(K)) * K, 101);                                                 // K as V
+  check_tied<true, false>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * K, 102);
+  check_tied<false, true>(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Q))) * V, 103);       // Q as K
+  check_tied<true, false>(normalize(causal(exp(Q * transpose(K) * 0.25))) * K, 104);                        // softmax, K as V
+  check_tied<false, false>(normalize(exp(Q * transpose(Q) * 0.25)) * Q, 105);                               // all three one
+}
+
+// A few small cases against central finite differences of the expression in
+// double (the references above are cpu::gradient, itself checked so in the CPU suite).
+// A user-defined element-wise map lowers with its CUDA formulas (cuda_apply,
+// cuda_derivative: a struct at the top of the kernel source; the emulation
+// calls its value<float> and derivative<float>): forward causal and not, φ(Q)
+// and φ(K) with two different maps (user0, user1), softmax, the backward.
+struct square_plus_one {
+  static constexpr std::string_view name = "x²+1";
+  template <class T> static T value(T x) { return x * x + 1; }
+  template <class T> static T derivative(T x) { return 2 * x; }
+  static constexpr std::string_view cuda_apply = "fmaf(x, x, 1.0f)";
+  static constexpr std::string_view cuda_derivative = "2.0f * x";
+};
+TEST_CASE("user-defined feature maps lower with their CUDA formulas: forward and backward") {
+  using test::softplus;
+  std::vector<shape> cases = {{1, 2, 1, 7, 4}, {2, 1, 65, 16, 9}, {1, 1, 130, 48, 24}};
+  test::rng r{91};
+  add_random_shapes(cases, r, 1, 0, 200);
+  check_forward(normalize(causal(phi<softplus>(Q) * transpose(phi<softplus>(K)))) * V, 91, cases, false, 1);
+  check_forward(normalize(phi<softplus>(Q) * transpose(phi<square_plus_one>(K))) * V, 92, cases, false, 1);
+  check_forward(normalize(causal(exp(phi<softplus>(Q) * transpose(phi<softplus>(K)) * 0.05))) * V, 93, cases, false, 0);
+  check_backward(normalize(causal(phi<softplus>(Q) * transpose(phi<softplus>(K)))) * V, 94, {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}});
+  check_backward(phi<softplus>(Q) * transpose(phi<square_plus_one>(K)) * V, 95, {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}});
+  // The source defines each map once, named in the kernel and the plan's text.
+  constexpr auto two = compile<order::linear>(normalize(causal(phi<softplus>(Q) * transpose(phi<square_plus_one>(K)))) * V);
+  auto const spec = cuda::spec_of(two);
+  CHECK(spec.map_q == cuda::feature_map::user0);
+  CHECK(spec.map_k == cuda::feature_map::user1);
+  CHECK(cuda::plan_text(spec) == fmt::format("{}", two));
+  auto const p = cuda::program_of(two, {}, D = 16, M = 8);
+  CHECK(p.kernel_name.find("usoftplus_ux1") != std::string::npos);
+  std::string const src = cuda::emit(p);
+  CHECK(src.find("return log1pf(expf(x));") != std::string::npos);
+  CHECK(src.find("return fmaf(x, x, 1.0f);") != std::string::npos);
+  check_compiles(p);
+  auto sized = spec;
+  sized.d = 16, sized.m = 8;
+  check_compiles(cuda::backward_program_of(sized));
+  // A spec whose user map lacks its formulas is refused before anything is generated.
+  auto bad = sized;
+  bad.user[1].cuda_apply.clear();
+  CHECK_THROWS_WITH_AS(cuda::program_of(bad), doctest::Contains("x²+1"), std::invalid_argument);
+}
+
+// favor and random Fourier features: the backward reloads x, z = x·W, turns z
+// into ∂z (map_grad), ∂X = ∂z·Wᵀ (− s·x·Σ∂z for favor's norm: param_grad), and
+// sums xᵀ·∂z over Q's and K's rows into ∂W per (batch, head), stored once at
+// the end. Against cpu::gradient of the plan and of the expression in double
+// (exact products: the per-dtype tolerance), one W and a W for each side.
+template <class Expr, class... W>
+void check_parametric_backward(Expr const& expr, std::uint64_t seed, W const&... ws) {
+  auto const plan = compile<order::linear>(expr);
+  test::rng r{seed};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    double worst = 0;
+    for (shape const s : {shape{1, 2, 9, 6, 5}, shape{2, 1, 70, 12, 20}, shape{1, 1, 130, 20, 7}}) {
+      std::size_t const f = r.in(2, 24);  // (F = 1 leaves a normalised favor row φ(q)-free but for eps: ∂Q is noise)
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
+      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      std::vector<tensor<float>> proj;  // one projection per W symbol, shared by batch and heads
+      for (std::size_t i = 0; i < sizeof...(W); ++i) proj.push_back(rounded(gaussian_projection<float>(s.d, f, r.next()), dt));
+      std::vector<tensor<double>> projd;
+      for (auto const& x : proj) projd.push_back(widened(x));
+      auto const [wb, wd] = [&]<std::size_t... I>(std::index_sequence<I...>) {
+        return std::pair{std::tuple{(ws = broadcast(proj[I], s.b, s.h))...}, std::tuple{(ws = broadcast(projd[I], s.b, s.h))...}};
+      }(std::index_sequence_for<W...>{});
+      cuda::options const opt{dt, dt, true};
+      auto g = std::apply([&](auto const&... w) { return cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v, w...); }, wb);
+      auto cpu = std::apply([&](auto const&... w) { return cpu::gradient(plan, dout, Q = q, K = k, V = v, w...); }, wb);
+      auto exact = std::apply(
+          [&](auto const&... w) { return cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v), w...); }, wd);
+      auto one = [&](auto const& x, std::string const& name) {
+        CAPTURE(name);
+        REQUIRE(g[x].shape() == cpu[x].shape());
+        // (the CPU lays out the gradient of a broadcast W by its strides: compare elements, not memory)
+        double const e1 = relative_rms(g[x], dense(cpu[x])), e2 = relative_rms(g[x], as_float(dense(exact[x])));
+        CHECK(e1 <= tolerance(dt));
+        CHECK(e2 <= tolerance(dt));
+        worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
+      };
+      one(Q, "∂Q");
+      one(K, "∂K");
+      one(V, "∂V");
+      (one(ws, "∂W"), ...);
+      auto spec = cuda::spec_of(plan, opt);
+      spec.d = s.d, spec.m = s.m, spec.f = f;
+      if (s.n == 70 && dt == cuda::dtype::f32) check_compiles(cuda::backward_program_of(spec));
+    }
+    MESSAGE(cuda::name_of(dt) << " " << cuda::spec_of(plan).description << " backward: largest error / tolerance: " << worst);
+  }
+}
+
+TEST_CASE("backward: favor and random Fourier features (∂W per batch and head) = cpu::gradient = the expression's") {
+  constexpr auto W2 = input<"W2">(D, Fw);
+  check_parametric_backward(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 101, W);
+  check_parametric_backward(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W)) * V, 102, W);
+  check_parametric_backward(normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W2))) * V, 103, W, W2);
+  check_parametric_backward(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2))) * V, 104, W, W2);
+  // Chained: two blocks differentiated last first; their ∂W add up to the one pass's.
+  constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+  std::size_t const b = 2, h = 2, n = 100, d = 12, m = 9, f = 16, cut = 37;
+  auto q = tensor<float>::random({b, h, n, d}, 105), k = tensor<float>::random({b, h, n, d}, 106),
+       v = tensor<float>::random({b, h, n, m}, 107), dout = tensor<float>::random({b, h, n, m}, 108);
+  auto const w = gaussian_projection<float>(d, f, 109);
+  auto const wb = broadcast(w, b, h);
+  auto whole = cuda::emulate_gradient(plan, {}, dout, Q = q, K = k, V = v, W = wb);
+  auto first = [&](tensor<float> const& x) { return test::tokens(x, 0, cut); };
+  auto second = [&](tensor<float> const& x) { return test::tokens(x, cut, n); };
+  cuda::state s1(plan, b, h, cuda::memory::host), none(cuda::memory::host);
+  cuda::emulate(plan, {}, s1, Q = first(q), K = first(k), V = first(v), W = wb);
+  auto [g2, d1] = cuda::emulate_gradient(plan, {}, second(dout), s1, none, Q = second(q), K = second(k), V = second(v), W = wb);
+  auto [g1, d0] = cuda::emulate_gradient(plan, {}, first(dout), none, d1, Q = first(q), K = first(k), V = first(v), W = wb);
+  tensor<float> dw(whole[W].shape()), dq(whole[Q].shape());
+  for (std::size_t i = 0; i < dw.size(); ++i) dw.data()[i] = g1[W].data()[i] + g2[W].data()[i];
+  for (std::size_t i = 0; i < b; ++i)
+    for (std::size_t j = 0; j < h; ++j)
+      for (std::size_t t = 0; t < n; ++t)
+        for (std::size_t c = 0; c < d; ++c) dq(i, j, t, c) = t < cut ? g1[Q](i, j, t, c) : g2[Q](i, j, t - cut, c);
+  CHECK(relative_rms(dw, whole[W]) <= tolerance(cuda::dtype::f32));
+  CHECK(relative_rms(dq, whole[Q]) <= tolerance(cuda::dtype::f32));
+}
+
+TEST_CASE("backward: emulated gradients = finite differences in double, small cases") {
+  auto check_fd = [](auto const& expr, shape s, std::uint64_t seed) {
+    CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto const plan = plan_of(expr);
+    auto q = tensor<float>::random({s.b, s.h, s.n, s.d}, seed), k = tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1);
+    auto v = tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dout = tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 3);
+    auto g = cuda::emulate_gradient(plan, {cuda::dtype::f32, cuda::dtype::f32, true}, dout, Q = q, K = k, V = v);
+    auto wq = widened(q), wk = widened(k), wv = widened(v), wd = widened(dout);
+    auto loss = [&] {  // Σ dout ∘ f(q, k, v), in double
+      auto y = cpu::evaluate(expr, Q = wq, K = wk, V = wv);
+      double l = 0;
+      for (std::size_t i = 0; i < y.size(); ++i) l += y.data()[i] * wd.data()[i];
+      return l;
+    };
+    auto fd = [&](tensor<double>& x, tensor<float> const& got) {
+      double num = 0, den = 0;
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        double const keep = x.data()[i], h = 1e-6;
+        x.data()[i] = keep + h;
+        double const up = loss();
+        x.data()[i] = keep - h;
+        double const down = loss();
+        x.data()[i] = keep;
+        double const want = (up - down) / (2 * h);
+        num += (got.data()[i] - want) * (got.data()[i] - want);
+        den += want * want;
+      }
+      return std::sqrt(num / den);
+    };
+    CHECK(fd(wq, g[Q]) <= 1e-5);
+    CHECK(fd(wk, g[K]) <= 1e-5);
+    CHECK(fd(wv, g[V]) <= 1e-5);
+  };
+  check_fd(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, {1, 2, 7, 3, 2}, 91);
+  check_fd(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, {2, 1, 5, 4, 3}, 92);
+  check_fd(causal(Q * transpose(K)) * V, {1, 1, 70, 3, 2}, 93);  // two chunks
+  check_fd(normalize(causal(exp(Q * transpose(K) * 0.5))) * V, {1, 2, 7, 3, 2}, 94);  // softmax: two launches
+  check_fd(normalize(exp(causal(Q * transpose(K)))) * V, {1, 1, 70, 3, 2}, 95);       // the mask before exp, two chunks
+  check_fd(exp(Q * transpose(K)) * V, {2, 1, 5, 4, 3}, 96);
+}
+
+// A sequence evaluated in two chained blocks is differentiated last block
+// first: the second block's backward starts its forward walk from the state
+// the first left and hands back the gradient of that state, which the first
+// block's backward starts its reverse walk from. Together they give the
+// one-pass gradients; for an unnormalised plan the gradient of the very first
+// state is Σ_i φ(q_i)·dout_iᵀ over the whole sequence (the output is linear
+// in it), checked in double.
+TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂state = one pass") {
+  auto check = [](auto const& expr, std::uint64_t seed) {
+    auto const plan = compile<order::linear>(expr);
+    auto const spec = cuda::spec_of(plan);
+    test::rng r{seed};
+    for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+      for (shape const& s : {shape{2, 2, 100, 12, 9}, shape{1, 1, 65, 7, 20}, shape{1, 2, 1, 5, 3}}) {
+        std::size_t const cut = s.n < 2 ? 0 : r.in(1, s.n - 1);
+        CAPTURE(spec.description); CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(cut);
+        auto [q, k, v] = random_inputs(s, dt, r, false);
+        auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+        cuda::options const opt{dt, dt, true};
+        auto whole = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+        auto first = [&](tensor<float> const& x) { return test::tokens(x, 0, cut); };
+        auto second = [&](tensor<float> const& x) { return test::tokens(x, cut, s.n); };
+        cuda::state s1(plan, s.b, s.h, cuda::memory::host), none(cuda::memory::host);
+        cuda::emulate(plan, opt, s1, Q = first(q), K = first(k), V = first(v));  // s1: the sums after block 1
+        auto [g2, d1] = cuda::emulate_gradient(plan, opt, second(dout), s1, none, Q = second(q), K = second(k), V = second(v));
+        auto [g1, d0] = cuda::emulate_gradient(plan, opt, first(dout), none, d1, Q = first(q), K = first(k), V = first(v));
+        for (auto const& [name, w, a, b] : {std::tuple{"∂Q", &whole[Q], &g1[Q], &g2[Q]}, std::tuple{"∂K", &whole[K], &g1[K], &g2[K]},
+                                            std::tuple{"∂V", &whole[V], &g1[V], &g2[V]}}) {
+          CAPTURE(name);
+          tensor<float> joined(w->shape());
+          for (std::size_t i = 0; i < s.b; ++i)
+            for (std::size_t j = 0; j < s.h; ++j)
+              for (std::size_t t = 0; t < s.n; ++t)
+                for (std::size_t c = 0; c < w->shape()[3]; ++c) joined(i, j, t, c) = t < cut ? (*a)(i, j, t, c) : (*b)(i, j, t - cut, c);
+          CHECK(relative_rms(joined, *w) <= tolerance(dt));
+        }
+        REQUIRE(d0.shape() == s1.shape());
+        if (!spec.normalized) {  // ∂S0 = Σ_i φ(q_i)·dout_iᵀ
+          tensor<float> want(d0.shape());
+          for (std::size_t i = 0; i < s.b; ++i)
+            for (std::size_t j = 0; j < s.h; ++j)
+              for (std::size_t a = 0; a < s.d; ++a)
+                for (std::size_t c = 0; c < s.m; ++c) {
+                  double sum = 0;
+                  for (std::size_t t = 0; t < s.n; ++t) sum += double(q(i, j, t, a)) * double(dout(i, j, t, c));
+                  want(i, j, a, c) = static_cast<float>(sum);
+                }
+          CHECK(relative_rms(sums_of(d0), want) <= 1e-5);
+        }
+      }
+    auto chained = cuda::spec_of(plan);
+    chained.d = 12, chained.m = 9, chained.chained = true;
+    check_compiles(cuda::backward_program_of(chained));
+  };
+  check(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 81);
+  check(causal(Q * transpose(K)) * V, 82);
+  check(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 83);
+  // States elsewhere than the emulation's memory, or of another plan, are refused.
+  constexpr auto plan = compile<order::linear>(causal(Q * transpose(K)) * V);
+  auto x = tensor<float>::random({1, 1, 4, 4}, 1);
+  cuda::state on_device(cuda::memory::device), none(cuda::memory::host);
+  CHECK_THROWS_AS(cuda::emulate_gradient(plan, {}, x, on_device, none, Q = x, K = x, V = x), std::invalid_argument);
+  cuda::state other(compile<order::linear>(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V), 1, 1, cuda::memory::host);
+  CHECK_THROWS_AS(cuda::emulate_gradient(plan, {}, x, other, none, Q = x, K = x, V = x), state_error);
+  auto spec = cuda::spec_of(compile<order::linear>(Q * transpose(K) * V));
+  spec.d = spec.m = 4, spec.chained = true;
+  CHECK_THROWS_AS(cuda::backward_program_of(spec), std::invalid_argument);  // non-causal: no state
+}
+
+TEST_CASE("backward: bad input is refused before anything runs") {
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  auto q = tensor<float>::random({1, 2, 10, 4}, 1), v = tensor<float>::random({1, 2, 10, 3}, 2);
+  auto wrong = tensor<float>::random({1, 2, 10, 4}, 3);  // M = 3, not 4
+  CHECK_THROWS_WITH_AS(cuda::emulate_gradient(plan, {}, wrong, Q = q, K = q, V = v), doctest::Contains("dout"), shape_error);
+  auto short_dout = tensor<float>::random({1, 2, 9, 3}, 4);
+  CHECK_THROWS_AS(cuda::emulate_gradient(plan, {}, short_dout, Q = q, K = q, V = v), shape_error);
+  // Too large for one block per (batch, head): a clear error.
+  auto spec = cuda::spec_of(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V));
+  spec.d = spec.m = 256;
+  CHECK_THROWS_WITH_AS(cuda::backward_program_of(spec), doctest::Contains("too large for the backward kernel"),
+                       std::invalid_argument);
+  spec.d = spec.m = 8;
+  spec.chained = spec.step = true;  // a decoding step's kernel has no backward
+  CHECK_THROWS_AS(cuda::backward_program_of(spec), std::invalid_argument);
+  // On the device: without one, cuda_error naming the call; host memory is refused at compile time.
+  if (!cuda::probe_device().available) {
+    std::vector<float> fake(80);
+    cuda::device_view<float const> dq(fake.data(), {1, 2, 10, 4}), dv(fake.data(), {1, 2, 10, 3});
+    try {
+      (void)cuda::gradient(plan, dv, nullptr, Q = dq, K = dq, V = dv);
+      FAIL("no cuda_error");
+    } catch (cuda::cuda_error const& e) {
+      CHECK(e.call() == "cuda::gradient");
+    }
+    CHECK_THROWS_AS((void)cuda::gradient(plan, dq, nullptr, Q = dq, K = dq, V = dv), shape_error);  // dout of Q's shape
+  }
+}
+
+// The backward kernels launched on the device = their emulation.
+TEST_CASE("device: gradients = their emulation") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  auto run = [&]<class E>(auto const& plan, shape s, std::uint64_t seed) {
+    cuda::dtype const dt = dtype_for<E>();
+    CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
+    auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
+    auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
+    auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 3), dt);
+    auto want = cuda::emulate_gradient(plan, {dt, dt}, dout, Q = q, K = k, V = v);
+    auto dq = cuda::to_device<E>(q), dk = cuda::to_device<E>(k), dv = cuda::to_device<E>(v), dd = cuda::to_device<E>(dout);
+    auto got = cuda::gradient(plan, dd, nullptr, Q = dq, K = dk, V = dv);
+    // fp32: the same fma chains, but expf differs from the host's exp by ulps;
+    // 16-bit: the tensor cores sum in their own order.
+    double const tol = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt) / 2;
+    CHECK(relative_rms(cuda::to_host(got[Q]), want[Q]) <= tol);
+    CHECK(relative_rms(cuda::to_host(got[K]), want[K]) <= tol);
+    CHECK(relative_rms(cuda::to_host(got[V]), want[V]) <= tol);
+  };
+  constexpr auto causal_plan = compile<order::linear>(causal_expr);
+  constexpr auto full_plan = compile<order::linear>(full_expr);
+  constexpr auto softmax_plan = compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V);  // two launches
+  for (shape s : {shape{2, 3, 40, 16, 8}, shape{1, 2, 150, 64, 64}, shape{1, 1, 70, 128, 128}}) {
+    run.template operator()<float>(causal_plan, s, 900);
+    run.template operator()<cuda::bf16>(causal_plan, s, 910);
+    run.template operator()<cuda::bf16>(full_plan, s, 920);
+    run.template operator()<float>(softmax_plan, s, 940);
+    run.template operator()<cuda::bf16>(softmax_plan, s, 950);
+  }
+  {  // favor: ∂W per (batch, head) too, W one device matrix shown to every (batch, head) (zero strides)
+    constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+    std::size_t const b = 2, h = 2, n = 100, d = 32, m = 16, f = 24;
+    auto q = tensor<float>::random({b, h, n, d}, 930), k = tensor<float>::random({b, h, n, d}, 931),
+         v = tensor<float>::random({b, h, n, m}, 932), dout = tensor<float>::random({b, h, n, m}, 933);
+    auto w = gaussian_projection<float>(d, f, 934);
+    auto want = cuda::emulate_gradient(plan, {}, dout, Q = q, K = k, V = v, W = broadcast(w, b, h));
+    auto dw = cuda::to_device(w);
+    cuda::device_view<float const> const wv(dw.data(), {b, h, d, f}, {0, 0, static_cast<std::ptrdiff_t>(f), 1});
+    auto got = cuda::gradient(plan, cuda::to_device(dout), nullptr, Q = cuda::to_device(q), K = cuda::to_device(k),
+                              V = cuda::to_device(v), W = wv);
+    for (auto [x, y] : {std::pair{cuda::to_host(got[Q]), want[Q]}, {cuda::to_host(got[K]), want[K]},
+                        {cuda::to_host(got[V]), want[V]}, {cuda::to_host(got[W]), want[W]}})
+      CHECK(relative_rms(x, y) <= 1e-5);
+  }
+}
