@@ -317,6 +317,14 @@ TEST_CASE("favor and random Fourier features with a W for φ(Q) and another for 
   CHECK(spec.w_name == "W");
   CHECK(spec.w_k_name == "W2");
   CHECK(cuda::plan_text(spec) == fmt::format("{}", plan));
+  {  // (the DSL lowers a W per side only for one parametric map on both; a spec built by hand is refused)
+    auto mixed = spec;
+    mixed.d = mixed.m = mixed.f = 8;  // (as many features: F = D)
+    mixed.map_k = cuda::feature_map::elu_plus_one;
+    CHECK_THROWS_WITH_AS(cuda::program_of(mixed), doctest::Contains("one parametric map"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(cuda::program_of(mixed), doctest::Contains("one parametric map"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(cuda::backward_program_of(mixed), doctest::Contains("one parametric map"), std::invalid_argument);
+  }
   test::rng r{65};
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (shape const s : {shape{1, 2, 1, 7, 4}, shape{2, 1, 70, 16, 9}, shape{1, 2, 130, 24, 33}}) {
@@ -389,6 +397,10 @@ void check_cross(Expr const& expr, std::uint64_t seed, std::size_t max_d = 40) {
       auto exact = cpu::evaluate(expr, Q = widened(q), Kx = widened(k), Vx = widened(v));
       CHECK(relative_rms(got, cpu::evaluate(plan, Q = q, Kx = k, Vx = v)) <= tolerance(dt));
       CHECK(relative_rms(got, exact) <= tolerance(dt));
+      // The chunk-parallel form (linear plans): groups of K's rows for the sums, of Q's for the rows.
+      cuda::options split = opt;
+      split.split_rows = 64;
+      CHECK(relative_rms(cuda::emulate(plan, split, Q = q, Kx = k, Vx = v), got) <= tolerance(dt));
       // (softmax: the key-major launch's blocks divide K's rows, its passes walk Q's)
       auto dout = rounded(tensor<float>::random({b, h, n, m}, r.next()), dt);
       auto g = cuda::emulate_gradient(plan, opt, dout, Q = q, Kx = k, Vx = v);
@@ -1511,6 +1523,9 @@ TEST_CASE("split: the chunk-parallel form (groups of rows, two launches) = one p
   check_split(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 71, cases);
   check_split(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 72, {{2, 1, 300, 16, 8}, {1, 2, 150, 9, 70}});
   check_split(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 73, {{1, 2, 150, 6, 5}}, true);
+  // Non-causal: the partials over groups of K's rows, every group of Q's rows starting from all of them.
+  check_split(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 78, cases);
+  check_split(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 79, {{2, 1, 300, 16, 8}});
   // When to split: only when the unsplit blocks leave SMs idle and N has chunks to share.
   CHECK(cuda::split_rows(192, 8192, 64, 132) == 0);   // enough blocks
   CHECK(cuda::split_rows(16, 100, 64, 132) == 0);     // two chunks
@@ -1571,6 +1586,21 @@ TEST_CASE("device: the chunk-parallel form = its emulation") {
   auto dev = cuda::probe_device();
   if (skipped_without(dev)) return;
   constexpr auto plan = compile<order::linear>(causal_expr);
+  {  // non-causal: the partials over groups of K's rows
+    constexpr auto full = compile<order::linear>(full_expr);
+    shape const s{1, 1, 1000, 64, 64};
+    auto spec = cuda::spec_of(full, {});
+    spec.d = s.d, spec.m = s.m;
+    std::int64_t const rows = cuda::split_rows(cuda::program_of(spec).m_tiles, 1000, cuda::program_of(spec).tiles.chunk, dev.sms);
+    REQUIRE(rows > 0);
+    auto q = tensor<float>::random({1, 1, 1000, 64}, 4), k = tensor<float>::random({1, 1, 1000, 64}, 5),
+         v = tensor<float>::random({1, 1, 1000, 64}, 6);
+    cuda::options opt{};
+    opt.split_rows = rows;
+    auto want = cuda::emulate(full, opt, Q = q, K = k, V = v);
+    auto got = cuda::to_host(cuda::evaluate(full, nullptr, Q = cuda::to_device(q), K = cuda::to_device(k), V = cuda::to_device(v)));
+    CHECK(relative_rms(got, want) <= 1e-6);
+  }
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (shape s : {shape{1, 1, 1000, 64, 64}, shape{1, 2, 777, 128, 128}, shape{2, 1, 300, 16, 8}}) {
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d);

@@ -181,7 +181,7 @@ void launch_split(split_programs const& sp, forward_args args, std::int64_t grou
     throw std::invalid_argument(fmt::format("lina::cuda: kernel {} needs rows per group that are a positive multiple of {}",
                                             name, sp.scan.tiles.chunk));
   args.group_rows = group_rows;
-  std::int64_t const groups = (args.n + group_rows - 1) / group_rows;
+  std::int64_t const groups = groups_of(sp.partials, args);  // (non-causal: of K's rows)
   std::int64_t const c = static_cast<std::int64_t>(features(sp.scan.spec.map_q, sp.scan.spec.d, sp.scan.spec.f));
   std::int64_t const w = static_cast<std::int64_t>(sp.scan.spec.m) + (sp.scan.spec.normalized ? 1 : 0);
   std::size_t const bytes = static_cast<std::size_t>(args.batch * args.heads * groups * c * w) * sizeof(float);

@@ -213,9 +213,10 @@ struct emitter {
         line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.extra[0], extra0_base + group * {} * args.extra[0].stride[2], m0, {});",
              rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, rows(i.dst), width(i));
         break;
-      case opcode::add_partials:  // the sums of the groups before this one, in increasing order
-        line(ind, "tl::add_partials<{}, {}, {}, {}>({}, args.extra[0], extra0_base, {} * args.extra[0].stride[2], group, m0, {});",
-             rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, rows(i.dst), width(i));
+      case opcode::add_partials:  // the sums of the groups before this one (non-causal: of every group of K's rows)
+        line(ind, "tl::add_partials<{}, {}, {}, {}>({}, args.extra[0], extra0_base, {} * args.extra[0].stride[2], {}, m0, {});",
+             rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, rows(i.dst),
+             p.spec.causal ? "group" : "(keys_n + args.group_rows - 1) / args.group_rows", width(i));
         break;
     }
   }
@@ -307,19 +308,20 @@ struct emitter {
       line(2, "{}* const {} = reinterpret_cast<{}*>(shared + {});", type, p.registers[r].name, type,
            p.offset_of(static_cast<int>(r)));
     }
+    bool walks_keys = p.quadratic || (p.split && !p.spec.causal);  // K's and V's rows, which may not be Q's
+    for (auto const& pass : p.passes) walks_keys = walks_keys || (pass.keys && !p.spec.causal);
+    if (walks_keys) line(2, "const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V");
     if (p.split) {  // blocks per group of rows too: x = (slice · m_tiles + m_tile) · groups + group
-      line(2, "const long long groups = (args.n + args.group_rows - 1) / args.group_rows;");
+      std::string_view const n = p.key_major ? "keys_n" : "args.n";  // (key-major: groups of K's rows)
+      line(2, "const long long groups = ({} + args.group_rows - 1) / args.group_rows;", n);
       line(2, "const long long group = blockIdx.x % groups, tile = blockIdx.x / groups;");
       bool partials = false;
       for (auto const& i : p.epilogue) partials = partials || i.op == opcode::store_partial;
-      if (partials) line(2, "if (group == groups - 1) return;  // nobody reads the last group's sums");
+      if (partials && p.spec.causal) line(2, "if (group == groups - 1) return;  // nobody reads the last group's sums");
       line(2, "const long long row_begin = group * args.group_rows;");
-      line(2, "const long long row_end = args.n - row_begin < args.group_rows ? args.n : row_begin + args.group_rows;");
+      line(2, "const long long row_end = {} - row_begin < args.group_rows ? {} : row_begin + args.group_rows;", n, n);
     }
-    bool walks_keys = false;  // a pass over the rows of K and V, which may not be Q's (cross-attention)
-    for (auto const& pass : p.passes) walks_keys = walks_keys || (pass.keys && !p.spec.causal);
-    if (walks_keys || p.quadratic) line(2, "const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V");
-    if (p.key_major) {  // blocks per chunk of key rows too: x = (slice · m_tiles + m_tile) · k_chunks + kc
+    if (p.quadratic && p.key_major) {  // blocks per chunk of key rows too: x = (slice · m_tiles + m_tile) · k_chunks + kc
       line(2, "const long long k_chunks = (keys_n + chunk - 1) / chunk;");
       line(2, "const long long tile = blockIdx.x / k_chunks;");
       line(2, "const long long key0 = blockIdx.x % k_chunks * chunk;  // this block's key rows: key0 … + keys");

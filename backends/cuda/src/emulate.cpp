@@ -227,7 +227,9 @@ struct block {
         operand const& s = a.extra[0];
         auto const* data = static_cast<float const*>(s.data);
         std::int64_t const c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
-        for (std::int64_t g = 0; g < group; ++g) {
+        // causal: the groups before this one; else every group of K's rows
+        std::int64_t const upto = p.spec.causal ? group : (keys_of(a) + a.group_rows - 1) / a.group_rows;
+        for (std::int64_t g = 0; g < upto; ++g) {
           std::int64_t const base = slice_offset(s) + g * t.rows * s.stride[2];
           for (int r = 0; r < t.rows; ++r)
             for (int c = 0; c < t.cols; ++c) {
@@ -396,9 +398,9 @@ struct block {
     run(i, r0, rows);
     settle(i);
   }
-  // A partials program's blocks of the last group do nothing (program.hpp).
+  // A causal partials program's blocks of the last group do nothing (program.hpp).
   bool idle() const {
-    if (!p.split || group + 1 < groups) return false;
+    if (!p.split || !p.spec.causal || group + 1 < groups) return false;
     for (auto const& i : p.epilogue)
       if (i.op == opcode::store_partial) return true;
     return false;
@@ -420,7 +422,9 @@ struct block {
       // quadratic program the other side's chunks (causal: up to the diagonal).
       std::int64_t first = pass.keys ? 0 : row_begin;
       std::int64_t last = pass.keys && !p.spec.causal ? keys_of(a) : row_end;
-      if (p.key_major)
+      if (p.split)  // (its group of rows)
+        first = row_begin, last = row_end;
+      else if (p.key_major)
         first = p.spec.causal ? row_begin : 0, last = a.n;
       else if (p.quadratic)
         first = 0, last = p.spec.causal ? row_end : keys_of(a);

@@ -774,8 +774,9 @@ program backward_program_of(attention_spec const& s) {
 }
 
 split_programs split_programs_of(attention_spec const& s) {
-  if (!s.causal || s.softmax)
-    throw std::invalid_argument("lina::cuda: the chunk-parallel form is for causal linear forwards");
+  if (s.softmax) throw std::invalid_argument("lina::cuda: the chunk-parallel form is for linear forwards");
+  if (s.chained && !s.causal)
+    throw std::invalid_argument("lina::cuda: only a causal attention carries a state, so only its split form takes one");
   // The partials never see the state: a chained spec's are the unchained one's (one kernel for both).
   attention_spec unchained = s;
   unchained.chained = false;
@@ -784,26 +785,34 @@ split_programs split_programs_of(attention_spec const& s) {
   auto reg = [&](char const* name) {
     for (std::size_t r = 0; r < scan.registers.size(); ++r)
       if (scan.registers[r].name == name) return static_cast<int>(r);
-    throw std::logic_error(std::string("lina::cuda: a causal program without a register ") + name);
+    throw std::logic_error(std::string("lina::cuda: a linear program without a register ") + name);
   };
   int const st = reg("state"), k = reg("k");
   instruction const partial_op{.op = opcode::store_partial, .dst = st, .width = scan.tiles.tile_m, .by_m_tile = true,
                                .z_column = s.normalized};
   instruction const add_op{.op = opcode::add_partials, .dst = st, .width = scan.tiles.tile_m, .by_m_tile = true,
                            .z_column = s.normalized};
-  // partials: the group's Σ φ(K)ᵀ[V|1] — the scan's loads of K and V and its state update.
-  // K's block runs from its load to the instruction that writes φ(K) into k
-  // (a load, or a map — after x·W for a parametric map).
-  std::vector<instruction> sum;
-  bool in_k = false;
-  for (auto const& i : scan.passes.at(0)) {
-    in_k = in_k || (i.op == opcode::load && i.slot == 1);
-    bool const v = (i.op == opcode::load && i.slot == 2) || i.op == opcode::ones_column;
-    bool const maps_k = i.op == opcode::map && i.dst == k;  // (an element-wise map after the load of k)
-    if (in_k || v || maps_k || (i.op == opcode::product && i.dst == st)) sum.push_back(i);
-    if (in_k && (i.op == opcode::load || i.op == opcode::map) && i.dst == k) in_k = false;
+  if (s.causal) {
+    // partials: the group's Σ φ(K)ᵀ[V|1] — the scan's loads of K and V and its state update.
+    // K's block runs from its load to the instruction that writes φ(K) into k
+    // (a load, or a map — after x·W for a parametric map).
+    std::vector<instruction> sum;
+    bool in_k = false;
+    for (auto const& i : scan.passes.at(0)) {
+      in_k = in_k || (i.op == opcode::load && i.slot == 1);
+      bool const v = (i.op == opcode::load && i.slot == 2) || i.op == opcode::ones_column;
+      bool const maps_k = i.op == opcode::map && i.dst == k;  // (an element-wise map after the load of k)
+      if (in_k || v || maps_k || (i.op == opcode::product && i.dst == st)) sum.push_back(i);
+      if (in_k && (i.op == opcode::load || i.op == opcode::map) && i.dst == k) in_k = false;
+    }
+    partials.passes = {pass(std::move(sum))};
+  } else {
+    // The non-causal program's passes already are the two halves: Σ φ(K)ᵀ[V|1]
+    // over K's rows, then the rows of Q against it.
+    partials.passes.resize(1);
+    partials.key_major = true;  // groups of K's rows
+    scan.passes.erase(scan.passes.begin());
   }
-  partials.passes = {pass(std::move(sum))};
   partials.epilogue = {partial_op};
   partials.split = true;
   partials.kernel_name += "_partials";
@@ -813,9 +822,11 @@ split_programs split_programs_of(attention_spec const& s) {
   scan.prologue.push_back(add_op);  // after load_state, when chained: S0 + the groups before
   scan.split = true;
   scan.kernel_name += "_split";
-  scan.description += s.chained ? " (chunk-parallel: each group of rows starts from the state in and the sums of the "
-                                  "groups before it; the last group stores the state out)"
-                                : " (chunk-parallel: each group of rows starts from the sums of the groups before it)";
+  scan.description += !s.causal ? " (chunk-parallel: each group of rows starts from the sums of every group of K's rows)"
+                      : s.chained
+                          ? " (chunk-parallel: each group of rows starts from the state in and the sums of the groups "
+                            "before it; the last group stores the state out)"
+                          : " (chunk-parallel: each group of rows starts from the sums of the groups before it)";
   scan.extras = partials.extras;
   return {std::move(partials), std::move(scan)};
 }

@@ -68,8 +68,8 @@ struct options {
   // every product an exact fp32 FMA chain instead — slower, for checking.
   bool exact_products = false;
   // The emulation of the chunk-parallel form (split_programs_of): groups of
-  // this many rows (a multiple of the chunk; 0: one pass) for causal linear
-  // plans, chained or not. Launches choose it from the device (split_rows).
+  // this many rows (a multiple of the chunk; 0: one pass) for linear plans,
+  // causal (chained or not) or not. Launches choose it from the device (split_rows).
   std::int64_t split_rows = 0;
 };
 
@@ -894,11 +894,12 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
     }
-    // The chunk-parallel form: partials, then the scan (N = 0 has no group to store a state).
-    if (opt.split_rows > 0 && a.n > 0 && s.causal && !s.softmax && !step) {
+    // The chunk-parallel form: partials, then the scan (N = 0 has no group to
+    // store a state; without keys there are no sums to split).
+    if (opt.split_rows > 0 && a.n > 0 && keys_of(a) > 0 && !s.softmax && !step) {
       split_programs const sp = split_programs_of(s);
       a.group_rows = opt.split_rows;
-      std::int64_t const groups = (a.n + a.group_rows - 1) / a.group_rows;
+      std::int64_t const groups = groups_of(sp.partials, a);
       std::int64_t const c = static_cast<std::int64_t>(features(s.map_q, s.d, s.f)), w = static_cast<std::int64_t>(s.m) + s.normalized;
       std::vector<float> partials(static_cast<std::size_t>(a.batch * a.heads * groups * c * w));
       a.extra[0] = dense_operand(partials.data(), {in.batch, in.heads, static_cast<std::size_t>(groups * c),
@@ -1128,7 +1129,7 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* 
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
     }
-    std::int64_t const rows = s.causal && !s.softmax ? split_rows(blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
+    std::int64_t const rows = !s.softmax && keys_of(a) > 0 ? split_rows(blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
     if (rows > 0)  // too few (batch, head, M tile) blocks for the device: split N too
       launch_split(split_programs_of(s), a, rows, stream);
     else
@@ -1401,7 +1402,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
       }
     }
     state s0, d_final;
-    if constexpr (chained) {  // S0 in, ∂(state out) in the last extra buffer, ∂S0 out
+    if constexpr (chained) {  // S0 in, ∂(state out) in its extra buffer, ∂S0 out
       char const* call = "cuda::emulate_gradient";
       s0 = chain_operand(*chain->initial, plan, in, memory::host, nullptr, call);
       d_final = chain_operand(*chain->d_final, plan, in, memory::host, nullptr, call);
@@ -1410,7 +1411,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
       r.prepare(plan, in, nullptr, call);
       a.state_in = s0.kernel_in();
       a.state_out = r.kernel_out();
-      a.extra[p.extras.size() - 1] = d_final.kernel_in();
+      a.extra[extra_named(p, "∂state out")] = d_final.kernel_in();
     }
     for (program const& x : ps) emulate(x, a);
     if constexpr (chained) chain->d_initial->flip();
@@ -1516,7 +1517,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
       }
     }
     state s0, d_final;
-    if constexpr (chained) {  // S0 in, ∂(state out) in the last extra buffer, ∂S0 out
+    if constexpr (chained) {  // S0 in, ∂(state out) in its extra buffer, ∂S0 out
       s0 = chain_operand(*chain->initial, plan, in, memory::device, stream, call);
       d_final = chain_operand(*chain->d_final, plan, in, memory::device, stream, call);
       state& r = *chain->d_initial;
@@ -1524,7 +1525,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
       r.prepare(plan, in, stream, call);
       a.state_in = s0.kernel_in();
       a.state_out = r.kernel_out();
-      a.extra[p.extras.size() - 1] = d_final.kernel_in();
+      a.extra[extra_named(p, "∂state out")] = d_final.kernel_in();
     }
     for (program const& x : ps) launch(x, a, stream);  // in order on the stream: softmax's second reads the first's scratch
     if constexpr (chained) chain->d_initial->flip();

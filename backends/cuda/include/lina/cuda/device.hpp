@@ -54,7 +54,7 @@ device_status require_device(std::string const& call);
 // the program is chained (then the kernel copies state_in to state_out).
 void launch(program const& p, forward_args const& args, void* stream = nullptr);
 
-// The chunk-parallel form of a causal forward (split_programs_of): the
+// The chunk-parallel form of a linear forward (split_programs_of): the
 // partials launch, then the scan, on `stream`, over groups of `group_rows`
 // rows (split_rows), the groups' sums in stream-ordered scratch memory
 // (cudaMallocAsync, freed on the stream: nothing waits). args.extra[0] and

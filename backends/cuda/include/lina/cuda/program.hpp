@@ -9,7 +9,8 @@
 // slice and one tile of the output's columns (m_tile = x % m_tiles) — or, in a
 // split program (the chunk-parallel form), on one group of rows too: x =
 // (slice · m_tiles + m_tile) · groups + group, groups = ⌈n / group_rows⌉, and
-// its passes walk rows [group · group_rows, min(n, (group + 1) · group_rows)):
+// its passes walk rows [group · group_rows, min(n, (group + 1) · group_rows))
+// (a key-major split program: of K's and V's rows, n_keys for n):
 //
 //   prologue                      once
 //   for each pass:                every pass walks the chunks of the sequence,
@@ -140,12 +141,13 @@
 //                          t[i][j] = t[i][j] / d for j < W−1; rows ≥ rows stay as they are
 //   store_partial t        (a partials program) extra[0](group·C + i, c0 + j) = t[i][j]
 //                          for the columns store_state writes, the z column from
-//                          m_tile 0 alone: this group's sums; blocks of the last
-//                          group do nothing at all (nobody reads their sums)
+//                          m_tile 0 alone: this group's sums; causal, blocks of the
+//                          last group do nothing at all (nobody reads their sums)
 //   add_partials t         (a split scan) t[i][j] += extra[0](g·C + i, c0 + j) for
-//                          g = 0 … group − 1 in increasing g, for the columns
-//                          load_state reads (z column included): the sums of the
-//                          rows before this block's group
+//                          g = 0 … group − 1 in increasing g (non-causal: every
+//                          group of K's rows, g < ⌈n_keys / group_rows⌉), for the
+//                          columns load_state reads (z column included): the sums
+//                          of the rows before this block's group (of all rows)
 //   store_state t          state_out(i, c0 + j) = t[i][j] for the same (i, j); the z
 //                          column (z_column) only from the block with m_tile = 0 —
 //                          every block of a (batch, head) holds the same z. In a
@@ -343,7 +345,8 @@ struct program {
   std::string out_name = "out";                     // what `out` holds (a backward kernel: ∂Q)
   bool split = false;                               // blocks per group of rows too (forward_args::group_rows)
   bool quadratic = false;                           // blocks per chunk of query rows too (see the top)
-  bool key_major = false;                           // quadratic: blocks per chunk of key rows, passes over queries
+  bool key_major = false;                           // quadratic: blocks per chunk of key rows, passes over queries;
+                                                    // split: groups of K's rows (n_keys)
 
   // Registers lie one after another in shared memory (rows × pitch elements),
   // each starting at a multiple of 16 bytes (ready for vector accesses).
@@ -410,14 +413,16 @@ program backward_program_of(attention_spec const& s);
 // ∂V, then ∂K, each row's shares stored by one block or by launches in order.
 std::vector<program> backward_programs_of(attention_spec const& s);
 
-// The chunk-parallel form of a causal forward (splitting N when B·H·m_tiles
+// The chunk-parallel form of a linear forward (splitting N when B·H·m_tiles
 // blocks cannot fill the device): two launches over groups of group_rows rows
 // (a multiple of the chunk). `partials` sums φ(K)ᵀ[V|1] over each group into
-// extra[0] (fp32 [B, H, groups·C, W]); `scan` starts each group from the sums
-// of the groups before it (add_partials; chained: added to the state in) and
-// runs the chunked scan over its rows; chained, the last group stores the
-// state out. Same tiles as program_of(s); the results equal it up to the
-// order of the state's sums.
+// extra[0] (fp32 [B, H, groups·C, W]); causal, `scan` starts each group from
+// the sums of the groups before it (add_partials; chained: added to the state
+// in) and runs the chunked scan over its rows; chained, the last group stores
+// the state out. Non-causal, the partials' groups are of K's rows (key-major)
+// and `scan` starts every group of Q's rows from all of them, then computes
+// its rows. Same tiles as program_of(s); the results equal it up to the order
+// of the state's sums.
 struct split_programs {
   program partials, scan;
 };
@@ -474,8 +479,9 @@ bool overlap(operand const& x, operand const& y, std::int64_t batch, std::int64_
 
 // Blocks to launch for a program on these arguments.
 inline std::int64_t groups_of(program const& p, forward_args const& a) {
-  if (p.quadratic) return ((p.key_major ? keys_of(a) : a.n) + p.tiles.chunk - 1) / p.tiles.chunk;  // chunks of rows
-  return !p.split ? 1 : a.group_rows <= 0 ? 0 : (a.n + a.group_rows - 1) / a.group_rows;
+  std::int64_t const n = p.key_major ? keys_of(a) : a.n;  // the rows blocks divide
+  if (p.quadratic) return (n + p.tiles.chunk - 1) / p.tiles.chunk;  // chunks of rows
+  return !p.split ? 1 : a.group_rows <= 0 ? 0 : (n + a.group_rows - 1) / a.group_rows;
 }
 inline std::int64_t blocks_of(program const& p, forward_args const& a) {
   return a.batch * a.heads * p.m_tiles * groups_of(p, a);
