@@ -7,6 +7,18 @@
 // ---- gradients: the backward kernels -----------------------------------------------------
 namespace {
 
+// One backward case: the inputs and ∂out as a kernel reading dt sees them, and
+// the two references — cpu::gradient of the plan (fp32, the same inputs) and
+// of the expression in double.
+template <class Plan, class Expr>
+auto backward_case(Plan const& plan, Expr const& expr, shape const& s, cuda::dtype dt, test::rng& r, bool positive) {
+  auto [q, k, v] = random_inputs(s, dt, r, positive);
+  auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+  auto cpu = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  auto exact = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
+  return std::tuple{std::move(q), std::move(k), std::move(v), std::move(dout), std::move(cpu), std::move(exact)};
+}
+
 // The emulated backward kernel of compile<order::linear>(expr) against
 // cpu::gradient of the same plan (fp32, the same rounded inputs) and against
 // the expression's gradient in double, for ∂Q, ∂K, ∂V.
@@ -19,10 +31,7 @@ void check_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> con
     double worst = 0, worst_mma = 0;
     for (shape const& s : cases) {
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
-      auto [q, k, v] = random_inputs(s, dt, r, positive);
-      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
-      auto cpu = cpu::gradient(plan, dout, Q = q, K = k, V = v);
-      auto exact = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
+      auto [q, k, v, dout, cpu, exact] = backward_case(plan, expr, s, dt, r, positive);
       for (bool exact_products : {true, false}) {
         if (!exact_products && dt == cuda::dtype::f32) continue;
         cuda::options opt{dt, dt, exact_products};
@@ -171,10 +180,7 @@ void check_softmax_backward(Expr const& expr, std::uint64_t seed, std::vector<sh
     double worst = 0, worst_mma = 0;
     for (shape const& s : cases) {
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
-      auto [q, k, v] = random_inputs(s, dt, r, positive);
-      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
-      auto cpu = cpu::gradient(plan, dout, Q = q, K = k, V = v);
-      auto exact = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
+      auto [q, k, v, dout, cpu, exact] = backward_case(plan, expr, s, dt, r, positive);
       auto g = cuda::emulate_gradient(plan, {dt, dt, true}, dout, Q = q, K = k, V = v);
       bool const fast = dt != cuda::dtype::f32 && identity;
       decltype(g) mma;
