@@ -209,6 +209,11 @@ struct builder {
   }
   static instruction map(int t, feature_map m, int from = -1) { return {.op = opcode::map, .dst = t, .a = from, .map = m}; }
   static instruction ones(int t) { return {.op = opcode::ones_column, .dst = t}; }
+  // [V|1] (V when unnormalised) into v: `width` columns of V from this block's M tile (by_m) or column 0.
+  void load_values(std::vector<instruction>& body, int v, int width, bool by_m) const {
+    body.push_back(load(v, 2, width, by_m));
+    if (p.spec.normalized) body.push_back(ones(v));
+  }
   precision prec = precision::fma_f32;  // of every product
   instruction product(int t, int a, bool ta, int b, bool tb, bool acc) const {
     return {.op = opcode::product, .dst = t, .a = a, .b = b, .transpose_a = ta, .transpose_b = tb, .accumulate = acc,
@@ -318,8 +323,7 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   if (mx >= 0) p.prologue.push_back(builder::zero(mx));
   std::vector<instruction> keys;
   b.load_mapped(keys, k, 1, s.map_k);
-  keys.push_back(builder::load(v, 2, tm, true));
-  if (s.normalized) keys.push_back(builder::ones(v));
+  b.load_values(keys, v, tm, true);
   keys.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
   keys.push_back({.op = opcode::exp_rows, .dst = a, .a = o, .b = mx, .scale = static_cast<float>(s.scale),
                   .causal = s.causal, .mask_scores = mask_scores});  // a = exp(scale·a − shift), o rescaled
@@ -369,8 +373,7 @@ program lay_out(attention_spec const& s, tile_config tiles) {
   auto load_q = [&](std::vector<instruction>& body) { b.load_mapped(body, q, 0, s.map_q); };
   auto load_kv = [&](std::vector<instruction>& body) {
     b.load_mapped(body, k, 1, s.map_k);
-    body.push_back(builder::load(v, 2, tm, true));
-    if (s.normalized) body.push_back(builder::ones(v));
+    b.load_values(body, v, tm, true);
   };
   auto finish = [&](std::vector<instruction>& body) {
     if (s.normalized) body.push_back(builder::divide(o, eps));
@@ -482,10 +485,6 @@ program lay_out_backward(attention_spec const& s, int t) {
   int const st = b.reg("state", c, w, "S = Σ φ(K)ᵀ" + v1 + " (forward), then R = Σ φ(Q)ᵀĝ (reverse), fp32 (" + cdim + ", W)");
   float const eps = static_cast<float>(s.eps);
 
-  auto load_v = [&](std::vector<instruction>& body) {
-    body.push_back(builder::load(v, 2, m));
-    if (s.normalized) body.push_back(builder::ones(v));
-  };
   // ĝ: ∂out, through rowdiv's adjoint when normalised (o holds the rows), kept in scratch.
   auto adjoint_rows = [&](std::vector<instruction>& body) {
     body.push_back(builder::load(g, 3, m));
@@ -517,7 +516,7 @@ program lay_out_backward(attention_spec const& s, int t) {
     std::vector<instruction> fwd, rev;
     b.load_mapped(fwd, q, 0, s.map_q);
     b.load_mapped(fwd, k, 1, s.map_k);
-    load_v(fwd);
+    b.load_values(fwd, v, m, false);
     if (s.normalized) {  // the rows again: o = causal(φQ·φKᵀ)·[V|1] + φQ·S
       fwd.push_back(b.product(a, q, false, k, true, false));
       fwd.push_back(builder::mask(a));
@@ -534,7 +533,7 @@ program lay_out_backward(attention_spec const& s, int t) {
 
     b.load_mapped(rev, q, 0, s.map_q);
     b.load_mapped(rev, k, 1, s.map_k);
-    load_v(rev);
+    b.load_values(rev, v, m, false);
     reload_adjoint(rev);
     rev.push_back(b.product(a, v, false, g, true, false));   // a[j][i] = [v|1]_j·ĝ_i
     rev.push_back(builder::mask_upper(a));                    // i ≥ j
@@ -552,7 +551,7 @@ program lay_out_backward(attention_spec const& s, int t) {
   } else {
     std::vector<instruction> sum, rows, adj, kv;
     b.load_mapped(sum, k, 1, s.map_k);  // S = Σ φKᵀ·[V|1]
-    load_v(sum);
+    b.load_values(sum, v, m, false);
     sum.push_back(b.product(st, k, true, v, false, true));
     b.load_mapped(rows, q, 0, s.map_q);  // the rows, their adjoint, ∂φQ = ĝ·Sᵀ
     if (s.normalized) rows.push_back(b.product(o, q, false, st, false, false));
@@ -563,7 +562,7 @@ program lay_out_backward(attention_spec const& s, int t) {
     reload_adjoint(adj);
     adj.push_back(b.product(st, q, true, g, false, true));
     b.load_mapped(kv, k, 1, s.map_k);  // ∂φK = [V|1]·Rᵀ, ∂[V|1] = φK·R
-    load_v(kv);
+    b.load_values(kv, v, m, false);
     kv.push_back(b.product(dx, v, false, st, true, false));
     kv.push_back(b.product(o, k, false, st, false, false));
     kv.push_back(builder::store_to(o, 1, m));
@@ -631,10 +630,6 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   int const dv = key_side ? b.reg("dv", t, w, "∂" + v1 + " of " + mine + " (T, W)") : -1;
   int const gx = row_map ? b.reg("gx", t, d, "∂Q or ∂K rows through the row map (T, D)") : -1;
 
-  auto load_v = [&](std::vector<instruction>& body) {
-    body.push_back(builder::load(v, 2, m));
-    if (s.normalized) body.push_back(builder::ones(v));
-  };
   instruction exp_fixed{.op = opcode::exp_rows, .dst = a, .b = mx, .scale = scale, .causal = s.causal,
                         .mask_scores = mask_scores};  // a = E, with the forward's final shift
   instruction const exp_grad{.op = opcode::exp_grad, .dst = ds, .a = a, .scale = scale, .causal = s.causal,
@@ -644,7 +639,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
     p.prologue.push_back(builder::zero(dx));
     std::vector<instruction> keys;  // ∂φQ = Σ ∂S·φK over the key chunks
     b.load_mapped(keys, k, 1, s.map_k);
-    load_v(keys);
+    b.load_values(keys, v, m, false);
     keys.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
     keys.push_back(exp_fixed);                                 // a = E
     keys.push_back(b.product(ds, g, false, v, true, false));  // ds = ĝ·[V|1]ᵀ
@@ -655,7 +650,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
       p.prologue.push_back(builder::zero(mx));
       std::vector<instruction> rows;
       b.load_mapped(rows, k, 1, s.map_k);
-      load_v(rows);
+      b.load_values(rows, v, m, false);
       rows.push_back(b.product(a, q, false, k, true, false));
       instruction running = exp_fixed;
       running.a = o;  // the running max, o rescaled
@@ -675,7 +670,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
     b.finish_grad(p.epilogue, dx, gx, 0, s.map_q, -1);
   } else {
     b.load_mapped(p.prologue, k, 1, s.map_k);
-    load_v(p.prologue);
+    b.load_values(p.prologue, v, m, false);
     p.prologue.push_back(builder::zero(dx));
     p.prologue.push_back(builder::zero(dv));
     std::vector<instruction> queries;
