@@ -211,7 +211,10 @@ TEST_CASE("softmax: the quadratic program, its source, and what it does not do")
   CHECK(cuda::listing(backward[1]).find("for each chunk of queries from this block's key rows on") != std::string::npos);
   spec.map_q = spec.map_k = cuda::feature_map::favor;
   spec.f = 16;
-  CHECK_THROWS_WITH_AS(cuda::backward_programs_of(spec), doctest::Contains("favor or random_fourier"), std::invalid_argument);
+  auto const three = cuda::backward_programs_of(spec);  // favor inside exp: a third launch for ∂Q, ∂K and ∂W
+  REQUIRE(three.size() == 3);
+  CHECK((!three[2].quadratic && three[2].extras == three[0].extras && three[1].extras == three[0].extras));
+  CHECK(cuda::blocks_of(three[2], a) == 2 * 3);  // a block per (batch, head): ∂W sums over every row
   spec.map_q = spec.map_k = cuda::feature_map::identity;
   CHECK_THROWS_AS(cuda::split_programs_of(spec), std::invalid_argument);
   // options.split_rows (the linear plans' chunk-parallel form) does not apply

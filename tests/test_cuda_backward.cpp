@@ -22,8 +22,11 @@ auto backward_case(Plan const& plan, Expr const& expr, shape const& s, cuda::dty
 // The emulated backward kernel of compile<order::linear>(expr) against
 // cpu::gradient of the same plan (fp32, the same rounded inputs) and against
 // the expression's gradient in double, for ∂Q, ∂K, ∂V.
+// The kernels a launch uses compile (unless `compiles` is false: a caller
+// that compiles its own) at the first shape and at D = 128.
 template <class Expr>
-void check_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, bool positive = false) {
+void check_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, bool positive = false,
+                    bool compiles = true) {
   auto const plan = compile<order::linear>(expr);
   bool const normalized = cuda::spec_of(plan).normalized;
   test::rng r{seed};
@@ -74,11 +77,10 @@ void check_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> con
         one(Q, "∂Q");
         one(K, "∂K");
         one(V, "∂V");
-        // The kernels a launch uses compile: at the first shape and at the largest.
         auto spec = cuda::spec_of(plan, opt);
         spec.d = s.d, spec.m = s.m;
-        if ((&s == &cases.front() || s.d == 128) && (!exact_products || dt == cuda::dtype::f32))
-          check_compiles(cuda::backward_program_of(spec));
+        if (compiles && (&s == &cases.front() || s.d == 128) && (!exact_products || dt == cuda::dtype::f32))
+          for (auto const& p : cuda::backward_programs_of(spec)) check_compiles(p);
       }
     }
     MESSAGE(cuda::name_of(dt) << " backward: largest error / tolerance: " << worst << "; tensor-core products, error / bound: "
@@ -293,6 +295,39 @@ TEST_CASE("backward: a plan that reads one input twice gets one gradient, the su
   check_tied<false, false>(normalize(exp(Q * transpose(Q) * 0.25)) * Q, 105);                               // all three one
 }
 
+// A C × (M+1) fp32 state past one block's shared memory (D = M = 256): one
+// launch per slice of M's columns, each the backward of an M' spec on its
+// columns of V, ∂out and ∂V, the later ones adding their shares of ∂Q and ∂K
+// (program.hpp, backward_programs_of). Against cpu::gradient and the
+// expression in double, causal and not, normalised and not, N = 0 and 1.
+TEST_CASE("backward: a state too large for one block is split over M's columns (D = M = 256)") {
+  auto spec = cuda::spec_of(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V));
+  spec.d = spec.m = 256;
+  auto const ps = cuda::backward_programs_of(spec);
+  REQUIRE(ps.size() >= 2);
+  std::size_t const width = ps[0].spec.m;
+  CHECK((ps.size() * width >= 256 && (ps.size() - 1) * width < 256));  // the fewest slices of ⌈M / P⌉ columns
+  for (std::size_t t = 0; t < ps.size(); ++t) {
+    CAPTURE(t);
+    CHECK(ps[t].v_offset == t * width);
+    CHECK(ps[t].kernel_name.ends_with(t == 0 ? "_slice_first" : t + 1 == ps.size() ? "_slice_last" : "_slice_adding"));
+    CHECK(ps[t].shared_bytes() <= cuda::shared_memory_budget);
+    CHECK(ps[t].extras == ps[0].extras);  // one forward_args feeds every slice
+  }
+  CHECK(cuda::listing(ps[0]).find("→ ∂Q sums") != std::string::npos);      // the first slice's shares: fp32 sums
+  CHECK(cuda::listing(ps.back()).find("+= ∂Q sums") != std::string::npos);  // the last adds them, then stores ∂Q
+  for (auto const& p : ps) check_compiles(p);  // (the fp32 slices: their 16-bit variants differ in types only)
+  check_backward(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 87,
+                 {{1, 1, 70, 256, 256}, {1, 2, 1, 256, 256}, {1, 1, 0, 256, 256}}, false, false);
+  check_backward(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 88, {{2, 1, 40, 200, 250}}, false, false);
+  // Not split yet: a chained backward, a plan reading an input twice.
+  spec.chained = true;
+  CHECK_THROWS_WITH_AS(cuda::backward_programs_of(spec), doctest::Contains("chained"), std::invalid_argument);
+  auto tied = cuda::spec_of(compile<order::linear>(causal(Q * transpose(K)) * K));
+  tied.d = tied.m = 256;
+  CHECK_THROWS_WITH_AS(cuda::backward_programs_of(tied), doctest::Contains("twice"), std::invalid_argument);
+}
+
 // A few small cases against central finite differences of the expression in
 // double (the references above are cpu::gradient, itself checked so in the CPU suite).
 // A user-defined element-wise map lowers with its CUDA formulas (cuda_apply,
@@ -340,16 +375,21 @@ TEST_CASE("user-defined feature maps lower with their CUDA formulas: forward and
 // favor and random Fourier features: the backward reloads x, z = x·W, turns z
 // into ∂z (map_grad), ∂X = ∂z·Wᵀ (− s·x·Σ∂z for favor's norm: param_grad), and
 // sums xᵀ·∂z over Q's and K's rows into ∂W per (batch, head), stored once at
-// the end. Against cpu::gradient of the plan and of the expression in double
-// (exact products: the per-dtype tolerance), one W and a W for each side.
+// the end (inside softmax: by a third launch, from the ∂φ rows the two
+// quadratic ones stored). Against cpu::gradient of the plan and of the
+// expression in double (exact products: the per-dtype tolerance), one W and a
+// W for each side.
+std::vector<shape> const parametric_shapes = {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}, {1, 1, 130, 20, 7}};
 template <class Expr, class... W>
-void check_parametric_backward(Expr const& expr, std::uint64_t seed, W const&... ws) {
-  auto const plan = compile<order::linear>(expr);
+void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, std::size_t features,
+                               bool compiles, W const&... ws) {
+  auto const plan = plan_of(expr);
   test::rng r{seed};
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
     double worst = 0;
-    for (shape const s : {shape{1, 2, 9, 6, 5}, shape{2, 1, 70, 12, 20}, shape{1, 1, 130, 20, 7}}) {
-      std::size_t const f = r.in(2, 24);  // (F = 1 leaves a normalised favor row φ(q)-free but for eps: ∂Q is noise)
+    for (shape const s : cases) {
+      // F: given, or drawn (F = 1 leaves a normalised favor row φ(q)-free but for eps: ∂Q is noise)
+      std::size_t const f = features ? features : r.in(2, 24);
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
       auto [q, k, v] = random_inputs(s, dt, r, false);
       auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
@@ -380,7 +420,8 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, W const&...
       (one(ws, "∂W"), ...);
       auto spec = cuda::spec_of(plan, opt);
       spec.d = s.d, spec.m = s.m, spec.f = f;
-      if (s.n == 70 && dt == cuda::dtype::f32) check_compiles(cuda::backward_program_of(spec));
+      if (compiles && s.n == 70 && dt == cuda::dtype::f32)
+        for (auto const& p : cuda::backward_programs_of(spec)) check_compiles(p);
     }
     MESSAGE(cuda::name_of(dt) << " " << cuda::spec_of(plan).description << " backward: largest error / tolerance: " << worst);
   }
@@ -388,10 +429,43 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, W const&...
 
 TEST_CASE("backward: favor and random Fourier features (∂W per batch and head) = cpu::gradient = the expression's") {
   constexpr auto W2 = input<"W2">(D, Fw);
-  check_parametric_backward(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 101, W);
-  check_parametric_backward(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W)) * V, 102, W);
-  check_parametric_backward(normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W2))) * V, 103, W, W2);
-  check_parametric_backward(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2))) * V, 104, W, W2);
+  check_parametric_backward(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 101, parametric_shapes, 0, true, W);
+  check_parametric_backward(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W)) * V, 102, parametric_shapes, 0, true, W);
+  check_parametric_backward(normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W2))) * V, 103, parametric_shapes, 0, true, W, W2);
+  check_parametric_backward(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2))) * V, 104, parametric_shapes, 0, true, W, W2);
+  // Inside softmax's exp: causal and not, normalised and not, one W and two.
+  check_parametric_backward(normalize(causal(exp(phi<favor>(Q, W) * transpose(phi<favor>(K, W)) * 0.5))) * V, 110, parametric_shapes, 0, true, W);
+  check_parametric_backward(normalize(exp(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2)))) * V, 111, parametric_shapes, 0, true, W, W2);
+  check_parametric_backward(exp(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)) * 0.25) * V, 112, parametric_shapes, 0, true, W, W2);
+  // A C × (M+1) state too large for one block (F = M = 256): launches over
+  // slices of M's columns, each adding its share of ∂W (and of ∂Q, ∂K).
+  check_parametric_backward(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 114, {{1, 1, 70, 8, 256}},
+                            256, true, W);
+  check_parametric_backward(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2)) * V, 115, {{2, 1, 70, 8, 200}},
+                            128, false, W, W2);  // (kernels like the one above: not compiled again)
+  {  // Cross-attention inside exp: the third launch walks K's N_keys rows (N_keys ≠ N, either zero).
+    constexpr auto S = dim<"S">;
+    constexpr auto Kc = input<"K">(S, D);
+    constexpr auto Vc = input<"V">(S, M);
+    auto const expr = normalize(exp(phi<favor>(Q, W) * transpose(phi<favor>(Kc, W)) * 0.5)) * Vc;
+    auto const plan = compile(expr);
+    test::rng r{113};
+    for (auto [n, s] : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}}) {
+      std::size_t const b = 2, h = 1, d = 12, m = 9, f = 16;
+      CAPTURE(n); CAPTURE(s);
+      auto q = tensor<float>::random({b, h, n, d}, r.next()), k = tensor<float>::random({b, h, s, d}, r.next());
+      auto v = tensor<float>::random({b, h, s, m}, r.next()), dout = tensor<float>::random({b, h, n, m}, r.next());
+      auto const w = gaussian_projection<float>(d, f, r.next());
+      auto g = cuda::emulate_gradient(plan, {cuda::dtype::f32, cuda::dtype::f32, true}, dout, Q = q, Kc = k, Vc = v,
+                                      W = broadcast(w, b, h));
+      auto want = cpu::gradient(expr, widened(dout), Q = widened(q), Kc = widened(k), Vc = widened(v),
+                                W = broadcast(widened(w), b, h));
+      CHECK(relative_rms(g[Q], as_float(want[Q])) <= tolerance(cuda::dtype::f32));
+      CHECK(relative_rms(g[Kc], as_float(want[Kc])) <= tolerance(cuda::dtype::f32));
+      CHECK(relative_rms(g[Vc], as_float(want[Vc])) <= tolerance(cuda::dtype::f32));
+      CHECK(relative_rms(g[W], as_float(dense(want[W]))) <= tolerance(cuda::dtype::f32));
+    }
+  }
   // Chained: two blocks differentiated last first; their ∂W add up to the one pass's.
   constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
   std::size_t const b = 2, h = 2, n = 100, d = 12, m = 9, f = 16, cut = 37;
@@ -537,7 +611,7 @@ TEST_CASE("backward: bad input is refused before anything runs") {
   auto spec = cuda::spec_of(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V));
   spec.d = spec.m = 256;
   CHECK_THROWS_WITH_AS(cuda::backward_program_of(spec), doctest::Contains("too large for the backward kernel"),
-                       std::invalid_argument);
+                       std::invalid_argument);  // (one program; backward_programs_of splits M: see above)
   spec.d = spec.m = 8;
   spec.chained = spec.step = true;  // a decoding step's kernel has no backward
   CHECK_THROWS_AS(cuda::backward_program_of(spec), std::invalid_argument);
@@ -586,9 +660,12 @@ TEST_CASE("device: gradients = their emulation") {
     run.template operator()<float>(softmax_plan, s, 940);
     run.template operator()<cuda::bf16>(softmax_plan, s, 950);
   }
-  {  // favor: ∂W per (batch, head) too, W one device matrix shown to every (batch, head) (zero strides)
-    constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
-    std::size_t const b = 2, h = 2, n = 100, d = 32, m = 16, f = 24;
+  run.template operator()<cuda::bf16>(causal_plan, shape{1, 2, 100, 256, 256}, 960);  // three slices of M's columns
+  // favor: ∂W per (batch, head) too, W one device matrix shown to every (batch, head)
+  // (zero strides); no rows: no launch runs, and ∂W is zeros; inside softmax: three launches.
+  auto favor_case = [&](auto const& plan, std::size_t n) {
+    CAPTURE(n);
+    std::size_t const b = 2, h = 2, d = 32, m = 16, f = 24;
     auto q = tensor<float>::random({b, h, n, d}, 930), k = tensor<float>::random({b, h, n, d}, 931),
          v = tensor<float>::random({b, h, n, m}, 932), dout = tensor<float>::random({b, h, n, m}, 933);
     auto w = gaussian_projection<float>(d, f, 934);
@@ -600,5 +677,8 @@ TEST_CASE("device: gradients = their emulation") {
     for (auto [x, y] : {std::pair{cuda::to_host(got[Q]), want[Q]}, {cuda::to_host(got[K]), want[K]},
                         {cuda::to_host(got[V]), want[V]}, {cuda::to_host(got[W]), want[W]}})
       CHECK(relative_rms(x, y) <= 1e-5);
-  }
+  };
+  favor_case(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V), 100);
+  favor_case(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V), 0);
+  favor_case(compile(normalize(causal(exp(phi<favor>(Q, W) * transpose(phi<favor>(K, W)) * 0.5))) * V), 100);
 }

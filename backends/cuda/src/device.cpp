@@ -13,7 +13,7 @@
 
 namespace lina::cuda {
 
-static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 15 * 48 + 40,
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 19 * 48 + 40,
               "forward_args must keep the layout of lina::tile::forward_args (tiles.cuh)");
 
 cuda_error::cuda_error(std::string call, std::string kernel, std::string status)

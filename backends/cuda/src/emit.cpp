@@ -93,7 +93,11 @@ struct emitter {
   void load(int ind, cuda::instruction const& i, std::string_view map) {
     std::string const& t = name(i.dst);
     memory const m = source(i.slot);
-    if (i.whole)  // all rows of the operand (W), once
+    if (i.accumulate)  // t += an fp32 buffer (a split backward's sums)
+      line(ind, "tl::load_add<{}, {}, {}>({}, {}, {}, {}, {}, {}, {});  // the earlier slices' sums added", rows(i.dst),
+           cols(i.dst), pitch(i.dst), t, m.operand, m.base, i.whole ? "0" : "r0", i.by_m_tile ? "m0" : "0",
+           i.whole ? rows(i.dst) : "rows", i.whole ? std::to_string(i.width) : width(i));
+    else if (i.whole)  // all rows of the operand (W), once
       line(ind, "tl::load<{}, {}, {}, {}>({}, {}, {}, 0, 0, {}, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst), t,
            m.operand, m.base, rows(i.dst), i.width);
     else if (map.empty())
@@ -155,8 +159,9 @@ struct emitter {
       case opcode::store: {
         memory const m = sink(i.slot);
         if (i.whole)  // all rows of the register (∂W), once
-          line(ind, "tl::store<{}, {}, {}, {}>({}, {}, {}, 0, 0, {}, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst),
-               t, m.operand, m.base, rows(i.dst), width(i));
+          line(ind, "tl::store<{}, {}, {}, {}{}>({}, {}, {}, 0, 0, {}, {});{}", m.type, rows(i.dst), cols(i.dst),
+               pitch(i.dst), i.accumulate ? ", true" : "", t, m.operand, m.base, rows(i.dst), width(i),
+               i.accumulate ? "  // added to what is there" : "");
         else
           line(ind, "tl::store<{}, {}, {}, {}{}>({}, {}, {}, r0, {}, rows, {});{}", m.type, rows(i.dst), cols(i.dst),
                pitch(i.dst), i.accumulate ? ", true" : "", t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i),
@@ -309,7 +314,7 @@ struct emitter {
            p.offset_of(static_cast<int>(r)));
     }
     bool walks_keys = p.quadratic || (p.split && !p.spec.causal);  // K's and V's rows, which may not be Q's
-    for (auto const& pass : p.passes) walks_keys = walks_keys || (pass.keys && !p.spec.causal);
+    for (auto const& pass : p.passes) walks_keys = walks_keys || pass.keys;
     if (walks_keys) line(2, "const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V");
     if (p.split) {  // blocks per group of rows too: x = (slice · m_tiles + m_tile) · groups + group
       std::string_view const n = p.key_major ? "keys_n" : "args.n";  // (key-major: groups of K's rows)
@@ -428,8 +433,10 @@ struct emitter {
       return std::move(out);
     }
     for (auto const& i : p.epilogue) {
-      if (i.op != opcode::store_state && i.op != opcode::store_partial && !(i.op == opcode::store && i.whole))
-        throw std::logic_error("lina::cuda::emit: an epilogue holds only store_state, store_partial and whole stores (∂W)");
+      bool const whole = (i.op == opcode::store || i.op == opcode::load) && i.whole;  // ∂W (a split's: += its sums)
+      if (i.op != opcode::store_state && i.op != opcode::store_partial && !whole)
+        throw std::logic_error(
+            "lina::cuda::emit: an epilogue holds only store_state, store_partial and whole loads and stores (∂W)");
       if (p.split && i.op == opcode::store_state) {  // the last group's sums cover every row
         line(2, "if (group == groups - 1) {{");
         instruction(4, i);

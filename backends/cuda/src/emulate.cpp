@@ -131,7 +131,8 @@ struct block {
         for (int r = 0; r < t.rows; ++r)
           for (int c = 0; c < t.cols; ++c) {
             bool inside = r < rows && c < i.width && c0 + c < o.cols;
-            t.at(r, c) = inside ? read(o.data, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], type) : 0.0f;
+            float const x = inside ? read(o.data, base + (r0 + r) * o.stride[2] + (c0 + c) * o.stride[3], type) : 0.0f;
+            t.at(r, c) = i.accumulate ? t.at(r, c) + x : x;  // (accumulate: a split backward's sums)
           }
         break;
       }

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <algorithm>
+#include <optional>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -456,13 +457,19 @@ program lay_out_backward(attention_spec const& s, int t) {
                               s.chained ? ", chained (∂ of the state out comes in, ∂ of the state in goes out)" : "", s.q_name, s.k_name, s.v_name, plan_text(s));
   p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}, {"∂out", "dout"}};
   p.out_name = "∂" + s.q_name;
-  p.extras = {{"∂" + s.k_name, s.out, "the gradient of " + s.k_name, true},
+  p.extras = {{.name = "∂" + s.k_name, .type = s.out, .comment = "the gradient of " + s.k_name, .keys = true, .sums_over_m = true},
               {"∂" + s.v_name, s.out, "the gradient of " + s.v_name, true}};
   int const scratch = max_inputs + 2;  // the load slot of extra[2]
-  if (s.normalized) p.extras.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the unnormalised rows [num | den], fp32"});
+  if (s.normalized)
+    p.extras.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the unnormalised rows [num | den], fp32", false, s.m + 1});
   int const dw_at = param ? static_cast<int>(p.extras.size()) : -1;  // ∂W, then φ(K)'s ∂W2
-  if (param) p.extras.push_back({"∂" + s.w_name, s.out, "the gradient of " + s.w_name + " per (batch, head) [B, H, D, F]"});
-  if (own_k) p.extras.push_back({"∂" + s.w_k_name, s.out, "the gradient of " + s.w_k_name + " per (batch, head) [B, H, D, F]"});
+  if (param)
+    p.extras.push_back({.name = "∂" + s.w_name, .type = s.out,
+                        .comment = "the gradient of " + s.w_name + " per (batch, head) [B, H, D, F]", .sums_over_m = true});
+  if (own_k)
+    p.extras.push_back(
+        {.name = "∂" + s.w_k_name, .type = s.out,
+         .comment = "the gradient of " + s.w_k_name + " per (batch, head) [B, H, D, F]", .sums_over_m = true});
   int const d_final = s.chained ? static_cast<int>(p.extras.size()) : -1;  // chained: ∂(the state it leaves), read
   if (s.chained)
     p.extras.push_back({"∂state out", dtype::f32, "the gradient of the state the block leaves, fp32 [B, H, C, W] (0: the end)"});
@@ -577,11 +584,35 @@ program lay_out_backward(attention_spec const& s, int t) {
   return p;
 }
 
+// The buffers every program of a softmax spec's backward reads or writes,
+// on one forward_args: ∂K, ∂V; normalised, the fp32 scratch ĝ and each row's
+// shift m; with a parametric map, ∂φ(Q) and ∂φ(K) as scratch, then ∂W (∂W2).
+std::vector<extra_buffer> softmax_backward_extras(attention_spec const& s) {
+  std::size_t const c = features(s.map_q, s.d, s.f);
+  std::vector<extra_buffer> e = {
+      {.name = "∂" + s.k_name, .type = s.out, .comment = "the gradient of " + s.k_name, .keys = true, .sums_over_m = true},
+      {"∂" + s.v_name, s.out, "the gradient of " + s.v_name, true}};
+  if (s.normalized) {
+    e.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the shifted rows [num | den], fp32 [B, H, N, M+1]", false, s.m + 1});
+    e.push_back({"shift", dtype::f32, "each query row's final shift m, fp32 [B, H, N, 1]", false, 1});
+  }
+  if (parametric(s.map_q)) e.push_back({"∂φ(" + s.q_name + ")", dtype::f32, "∂φ(Q) rows, fp32 [B, H, N, C]", false, c});
+  if (parametric(s.map_k)) e.push_back({"∂φ(" + s.k_name + ")", dtype::f32, "∂φ(K) rows, fp32 [B, H, N_keys, C]", true, c});
+  if (parametric(s.map_q) || parametric(s.map_k))
+    e.push_back({.name = "∂" + s.w_name, .type = s.out,
+                 .comment = "the gradient of " + s.w_name + " per (batch, head) [B, H, D, F]", .sums_over_m = true});
+  if (!s.w_k_name.empty())
+    e.push_back({.name = "∂" + s.w_k_name, .type = s.out,
+                 .comment = "the gradient of " + s.w_k_name + " per (batch, head) [B, H, D, F]", .sums_over_m = true});
+  return e;
+}
+
 // The two quadratic programs of a softmax spec's backward at chunk T
 // (program.hpp, backward_programs_of): key_side false, a block per chunk of
 // query rows giving ∂Q (and storing ĝ and the shift m); true, key-major, a
-// block per chunk of key rows giving ∂K and ∂V. Slots: Q, K, V, ∂out in 0–3;
-// extra[0] ∂K, extra[1] ∂V, then (normalised) extra[2] ĝ and extra[3] m.
+// block per chunk of key rows giving ∂K and ∂V. Slots: Q, K, V, ∂out in 0–3,
+// W (and φ(K)'s own) in 4 (5); extras: softmax_backward_extras. A parametric
+// side stores ∂φ rows for lay_out_softmax_param_grad instead of its gradient.
 program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) {
   builder b;
   program& p = b.p;
@@ -591,6 +622,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   int const d = static_cast<int>(s.d), m = static_cast<int>(s.m);
   int const c = static_cast<int>(features(s.map_q, s.d, s.f));
   bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;
+  bool const param = parametric(s.map_q) || parametric(s.map_k);
   int const w = m + (s.normalized ? 1 : 0);
   bool const mask_scores = s.mask_scores && !s.causal;
   float const eps = static_cast<float>(s.eps), scale = static_cast<float>(s.scale);
@@ -606,20 +638,17 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
                               plan_text(s));
   p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}, {"∂out", "dout"}};
   p.out_name = "∂" + s.q_name;
-  p.extras = {{"∂" + s.k_name, s.out, "the gradient of " + s.k_name, true},
-              {"∂" + s.v_name, s.out, "the gradient of " + s.v_name, true}};
-  if (s.normalized) {
-    p.extras.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the shifted rows [num | den], fp32 [B, H, N, M+1]"});
-    p.extras.push_back({"shift", dtype::f32, "each query row's final shift m, fp32 [B, H, N, 1]"});
-  }
+  p.extras = softmax_backward_extras(s);
   int const scratch = max_inputs + 2, shift = max_inputs + 3;  // their load slots
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
-  std::string const cdim = row_map ? "C" : "D";
+  std::string const cdim = row_map || param ? "C" : "D";
   std::string const mine = key_side ? "this block's key rows" : "this block's query rows";
   int const q = b.reg("q", t, c, "φ(Q) " + (key_side ? std::string("chunk") : mine) + " (T, " + cdim + ")");
   int const k = b.reg("k", t, c, "φ(K) " + (key_side ? mine : std::string("chunk")) + " (T, " + cdim + ")");
+  b.w_slot = 4;
   b.feature_registers(s, t, dtype::f32);
+  b.load_w(p.prologue);
   int const v = b.reg("v", t, w, v1 + (key_side ? " of " + mine : std::string(" chunk")) + " (T, W)");
   int const g = b.reg("g", t, w, s.normalized ? "ĝ: the adjoint of the shifted rows [num | den] (T, W)" : "∂out rows (T, M)");
   int const a = b.reg("a", t, t, "the scores, then E = exp(scale·score − m) (T queries × T keys)");
@@ -629,6 +658,13 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   int const dx = b.reg(key_side ? "dk" : "dq", t, c, (key_side ? "∂φ(K)" : "∂φ(Q)") + std::string(" of ") + mine + " (T, " + cdim + ")");
   int const dv = key_side ? b.reg("dv", t, w, "∂" + v1 + " of " + mine + " (T, W)") : -1;
   int const gx = row_map ? b.reg("gx", t, d, "∂Q or ∂K rows through the row map (T, D)") : -1;
+  // ∂φ rows → the gradient; a parametric map's go to scratch for the third program (∂W sums over every block).
+  auto finish = [&](std::vector<instruction>& list, int grad, int slot, feature_map mp, int to) {
+    if (parametric(mp))
+      list.push_back(builder::store_to(grad, static_cast<int>(extra_named(p, "∂φ(" + (slot == 1 ? s.k_name : s.q_name) + ")")), c));
+    else
+      b.finish_grad(list, grad, gx, slot, mp, to);
+  };
 
   instruction exp_fixed{.op = opcode::exp_rows, .dst = a, .b = mx, .scale = scale, .causal = s.causal,
                         .mask_scores = mask_scores};  // a = E, with the forward's final shift
@@ -667,7 +703,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
       p.prologue.push_back(builder::load(g, 3, m));  // ĝ = ∂out
       p.passes.emplace_back(std::move(keys));
     }
-    b.finish_grad(p.epilogue, dx, gx, 0, s.map_q, -1);
+    finish(p.epilogue, dx, 0, s.map_q, -1);
   } else {
     b.load_mapped(p.prologue, k, 1, s.map_k);
     b.load_values(p.prologue, v, m, false);
@@ -685,7 +721,51 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
     queries.push_back(b.product(dx, ds, true, q, false, true));   // ∂φK += ∂Sᵀ·φQ
     p.passes.emplace_back(std::move(queries));
     p.epilogue.push_back(builder::store_to(dv, 1, m));
-    b.finish_grad(p.epilogue, dx, gx, 1, s.map_k, 0);
+    finish(p.epilogue, dx, 1, s.map_k, 0);
+  }
+  return p;
+}
+
+// The third program of a softmax spec's backward with a parametric map inside
+// exp, at chunk T: a block per (batch, head) walks Q's rows, then K's, turning
+// the ∂φ rows the quadratic launches stored into ∂Q, ∂K and the sums ∂W (∂W2)
+// — builder::finish_grad, as the linear backward does per chunk.
+program lay_out_softmax_param_grad(attention_spec const& s, int t) {
+  builder b;
+  program& p = b.p;
+  b.start(s, {t, static_cast<int>(s.m), 256});
+  int const d = static_cast<int>(s.d), f = static_cast<int>(s.f);
+  int const c = static_cast<int>(features(s.map_q, s.d, s.f));
+  p.kernel_name = fmt::format("lina_softmax_{}_backward_w_{}_{}_d{}_m{}_f{}_t{}_{}_{}", s.causal ? "causal" : "full",
+                              map_id(s, s.map_q), k_id_of(s), s.d, s.m, s.f, t, name_of(s.in), name_of(s.out));
+  p.description = fmt::format("softmax attention, backward through the random features: ∂{}, ∂{}, ∂{}{} from the ∂φ "
+                              "rows of the quadratic launches, of: {}",
+                              s.q_name, s.k_name, s.w_name, s.w_k_name.empty() ? "" : ", ∂" + s.w_k_name, plan_text(s));
+  p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}, {"∂out", "dout"}};
+  p.out_name = "∂" + s.q_name;
+  p.extras = softmax_backward_extras(s);
+  b.w_slot = 4;
+  b.feature_registers(s, t, dtype::f32);
+  int const dx = b.reg("dx", t, c, "∂φ(Q) or ∂φ(K) rows (T, C)");
+  int const gx = b.reg("gx", t, d, "∂Q or ∂K rows through x·W (T, D)");
+  b.dw = b.reg("dw", d, f, "∂" + s.w_name + " = Σ xᵀ·∂z over the rows so far, fp32 (D, F)");
+  b.dwk = s.w_k_name.empty() ? -1 : b.reg("dwk", d, f, "∂" + s.w_k_name + " = Σ kᵀ·∂z over K's rows so far, fp32 (D, F)");
+  b.load_w(p.prologue);
+  for (int r : {b.dw, b.dwk})
+    if (r >= 0) {
+      p.prologue.push_back(builder::zero(r));
+      instruction out = builder::store_to(r, static_cast<int>(extra_named(p, r == b.dw ? "∂" + s.w_name : "∂" + s.w_k_name)), f);
+      out.whole = true;
+      p.epilogue.push_back(out);
+    }
+  for (bool keys : {false, true}) {
+    feature_map const mp = keys ? s.map_k : s.map_q;
+    if (!parametric(mp)) continue;
+    std::string const& x = keys ? s.k_name : s.q_name;
+    std::vector<instruction> rows{builder::load(dx, max_inputs + static_cast<int>(extra_named(p, "∂φ(" + x + ")")), c)};
+    b.finish_grad(rows, dx, gx, keys ? 1 : 0, mp, keys ? 0 : -1);
+    p.passes.emplace_back(std::move(rows));
+    p.passes.back().keys = keys;
   }
   return p;
 }
@@ -726,18 +806,116 @@ void tie_shares(std::vector<program>& ps) {
 }
 }  // namespace
 
+namespace {
+// The backward program of a linear spec at the longest chunk that fits, if any.
+std::optional<program> fitting_backward(attention_spec const& s) {
+  for (int t : {64, 32, 16}) {
+    std::vector<program> p{lay_out_backward(s, t)};
+    if (p[0].shared_bytes() > shared_memory_budget) continue;
+    tie_shares(p);
+    return std::move(p[0]);
+  }
+  return std::nullopt;
+}
+
+std::string too_large(attention_spec const& s, std::string_view why) {
+  return fmt::format("lina::cuda: D = {}, M = {} is too large for the backward kernel: one block holds the whole C × "
+                     "(M+1) state and, at T = 16, needs {} bytes of shared memory, more than the {} a block may use{}",
+                     s.d, s.m, lay_out_backward(s, 16).shared_bytes(), shared_memory_budget, why);
+}
+
+// A linear spec's backward over slices of M's columns (program.hpp,
+// backward_programs_of): everything after the rows is linear in ĝ, so each
+// slice's program — the backward of an M' = ⌈M / P⌉ spec on its columns of V,
+// ∂out and ∂V, with the ones column and rowdiv's adjoint on its own columns —
+// gives its share of ∂Q, ∂K and ∂W. The slices before the last store their
+// shares to fp32 sums (the first writes, the others add); the last adds the
+// sums to its own share and stores the gradient, rounded once.
+std::vector<program> sliced_backward(attention_spec const& s) {
+  bool const tied = s.q_name == s.k_name || s.q_name == s.v_name || s.k_name == s.v_name;
+  if (s.chained) throw std::invalid_argument(too_large(s, " (a chained backward is not split over M's columns yet)"));
+  if (tied) throw std::invalid_argument(too_large(s, " (a plan reading an input twice is not split over M's columns yet)"));
+  for (std::size_t slices = 2; slices <= s.m; ++slices) {
+    attention_spec slice = s;
+    slice.m = (s.m + slices - 1) / slices;
+    std::optional<program> fits = fitting_backward(slice);
+    if (!fits) continue;
+    program base = std::move(*fits);
+    // The fp32 sums of the gradients that sum over M: ∂Q (out) and the extras marked so (∂K, ∂W, ∂W2).
+    std::size_t const extras = base.extras.size();
+    std::vector<int> sums_of(extras + 1, -1);  // a store's slot + 1 → the slot of its sums
+    auto add_sums = [&](int slot, extra_buffer e) {
+      sums_of[static_cast<std::size_t>(slot + 1)] = static_cast<int>(base.extras.size());
+      e.name += " sums", e.type = dtype::f32, e.sums_over_m = false;
+      e.comment = "the earlier slices' shares of " + e.name.substr(0, e.name.size() - 5) + ", fp32";
+      base.extras.push_back(std::move(e));
+    };
+    add_sums(-1, {"∂" + s.q_name, dtype::f32, "", false, s.d});
+    for (std::size_t e = 0; e < extras; ++e) {
+      extra_buffer x = base.extras[e];
+      if (!x.sums_over_m) continue;
+      if (x.name == "∂" + s.k_name) x.cols = s.d;
+      else x.rows = s.d, x.cols = s.f;  // ∂W, ∂W2: [B, H, D, F]
+      add_sums(static_cast<int>(e), std::move(x));
+    }
+    if (base.extras.size() > static_cast<std::size_t>(max_extras))
+      throw std::logic_error("lina::cuda: a split backward needs more than max_extras buffers");
+    std::size_t const count = (s.m + slice.m - 1) / slice.m;
+    std::vector<program> ps;
+    for (std::size_t t = 0; t < count; ++t) {
+      program x = base;
+      bool const last = t + 1 == count;
+      auto rewrite = [&](std::vector<instruction>& list) {
+        std::vector<instruction> out;
+        for (instruction i : list) {
+          bool const summed = i.op == opcode::store && !i.accumulate && static_cast<std::size_t>(i.slot + 1) < sums_of.size();
+          int const sums = summed ? sums_of[static_cast<std::size_t>(i.slot + 1)] : -1;
+          if (sums >= 0 && last) {  // the register += the sums, then the store of the gradient
+            instruction add = i;
+            add.op = opcode::load, add.slot = max_inputs + sums, add.accumulate = true;
+            out.push_back(add);
+          } else if (sums >= 0) {
+            i.slot = sums, i.accumulate = t > 0;
+          }
+          out.push_back(i);
+        }
+        list = std::move(out);
+      };
+      rewrite(x.prologue);
+      for (auto& pass : x.passes) {
+        rewrite(pass.before);
+        rewrite(pass);
+      }
+      rewrite(x.epilogue);
+      x.v_offset = t * slice.m;
+      x.kernel_name += t == 0 ? "_slice_first" : last ? "_slice_last" : "_slice_adding";
+      x.description += fmt::format(" — slice {} of {} of M's columns: {}", t + 1, count,
+                                   t == 0 ? "its shares of the gradients that sum over M to fp32 sums"
+                                   : last ? "its shares plus the earlier slices' sums, stored as the gradients"
+                                          : "its shares added to the fp32 sums");
+      ps.push_back(std::move(x));
+    }
+    return ps;
+  }
+  throw std::invalid_argument(too_large(s, ", even for one column of M"));
+}
+}  // namespace
+
 std::vector<program> backward_programs_of(attention_spec const& s) {
-  if (!s.softmax) return {backward_program_of(s)};
+  if (!s.softmax) {
+    if (s.step || s.d == 0 || s.m == 0 || (s.chained && !s.causal)) return {backward_program_of(s)};  // (its errors)
+    check_maps(s);
+    if (std::optional<program> p = fitting_backward(s)) return {std::move(*p)};
+    return sliced_backward(s);
+  }
   if (s.step) throw std::invalid_argument("lina::cuda: a decoding step has no backward kernel");
   if (s.chained) throw std::invalid_argument("lina::cuda: softmax attention has no state to carry");
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
   check_maps(s);
-  if (parametric(s.map_q) || parametric(s.map_k))
-    throw std::invalid_argument("lina::cuda: the backward of softmax attention with favor or random_fourier inside exp "
-                                "is not generated yet (∂W sums over every block; use cpu::gradient)");
   for (int t : {64, 32, 16}) {
     std::vector<program> ps{lay_out_softmax_backward(s, t, false), lay_out_softmax_backward(s, t, true)};
-    if (ps[0].shared_bytes() > shared_memory_budget || ps[1].shared_bytes() > shared_memory_budget) continue;
+    if (parametric(s.map_q) || parametric(s.map_k)) ps.push_back(lay_out_softmax_param_grad(s, t));
+    if (std::any_of(ps.begin(), ps.end(), [](program const& p) { return p.shared_bytes() > shared_memory_budget; })) continue;
     tie_shares(ps);
     return ps;
   }
@@ -755,17 +933,8 @@ program backward_program_of(attention_spec const& s) {
     throw std::invalid_argument("lina::cuda: only a causal attention carries a state, so only its backward takes one");
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
   check_maps(s);
-  for (int t : {64, 32, 16}) {
-    std::vector<program> p{lay_out_backward(s, t)};
-    if (p[0].shared_bytes() > shared_memory_budget) continue;
-    tie_shares(p);
-    return std::move(p[0]);
-  }
-  throw std::invalid_argument(fmt::format(
-      "lina::cuda: D = {}, M = {} is too large for the backward kernel: one block holds the whole C × (M+1) state "
-      "and, at T = 16, needs {} bytes of shared memory, more than the {} a block may use (splitting M over blocks: "
-      "not yet)",
-      s.d, s.m, lay_out_backward(s, 16).shared_bytes(), shared_memory_budget));
+  if (std::optional<program> p = fitting_backward(s)) return std::move(*p);
+  throw std::invalid_argument(too_large(s, " (backward_programs_of splits M's columns over launches)"));
 }
 
 split_programs split_programs_of(attention_spec const& s) {
@@ -933,10 +1102,12 @@ std::string listing(program const& p) {
   auto one = [&](instruction const& i) {
     auto nm = [&](int x) { return p.registers[static_cast<std::size_t>(x)].name; };
     switch (i.op) {
-      case opcode::load:
-        if (i.whole) return fmt::format("load {} ← {} (all {} rows, {} cols)", nm(i.dst), source(i.slot), p.registers[static_cast<std::size_t>(i.dst)].rows, i.width);
-        return fmt::format("load {} ← {}[:, {}{} cols]", nm(i.dst), source(i.slot), i.by_m_tile ? "m_tile·tile_m + " : "",
+      case opcode::load: {
+        std::string_view const op = i.accumulate ? "+=" : "←";  // (a split backward adds the earlier slices' sums)
+        if (i.whole) return fmt::format("load {} {} {} (all {} rows, {} cols)", nm(i.dst), op, source(i.slot), p.registers[static_cast<std::size_t>(i.dst)].rows, i.width);
+        return fmt::format("load {} {} {}[:, {}{} cols]", nm(i.dst), op, source(i.slot), i.by_m_tile ? "m_tile·tile_m + " : "",
                            i.width);
+      }
       case opcode::map:
         if (i.b >= 0) return fmt::format("map {} ← φ[{}]({}; {} = {}·W)", nm(i.dst), name_of(i.map), nm(i.a), nm(i.b), nm(i.a));
         return i.a >= 0 ? fmt::format("map {} ← φ[{}]({})", nm(i.dst), name_of(i.map), nm(i.a))

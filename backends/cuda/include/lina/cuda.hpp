@@ -87,14 +87,6 @@ struct cuda_plan {
   static constexpr bool ok = Supported;
 };
 template <bool Supported>
-struct cuda_backward {
-  static_assert(Supported,
-                "lina::cuda: the backward of softmax attention with favor or random_fourier inside exp is not "
-                "generated yet (∂W sums over every block): differentiate it on the CPU (cpu::gradient), or use an "
-                "element-wise map or poly2 inside exp, or a linear attention");
-  static constexpr bool ok = Supported;
-};
-template <bool Supported>
 struct cuda_stacked {
   static_assert(Supported,
                 "lina::cuda: a stacked plan runs one kernel per layer, without a state (chaining, decoding, a "
@@ -1290,14 +1282,6 @@ void gather_gradients(gradients<T, In...>& g, A& a, B& b, Add&& add) {
       }(),
       ...);
 }
-// Do backward kernels take this plan? Softmax's do not take a parametric map yet.
-template <class F>
-constexpr bool differentiable() {
-  if constexpr (F::ok && !F::stacked)
-    return !(F::softmax && F::parametric);
-  else
-    return true;
-}
 
 // The chain rule through a stacked plan, a layer at a time: run(layer, its
 // bindings) evaluates the layer below into an intermediate; grad(plan, dout,
@@ -1326,7 +1310,6 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
   constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
-  static_assert(diagnose::cuda_backward<differentiable<F>()>::ok || true);
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   gradients_of<lina::tensor<float>, BP> g;
   if constexpr (F::ok && F::stacked && !chained) {
@@ -1344,7 +1327,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
           }
         },
         bindings...);
-  } else if constexpr (F::ok && differentiable<F>() && !F::stacked) {
+  } else if constexpr (F::ok && !F::stacked) {
     auto in = bind<Plan>(bindings...);
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                   "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
@@ -1353,7 +1336,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     using Bound = decltype(in);
     attention_spec s = detail::bound_spec(plan, opt, in);
     s.chained = chained;
-    std::vector<program> const ps = backward_programs_of(s);  // one launch, or softmax's two
+    std::vector<program> const ps = backward_programs_of(s);  // one launch, or softmax's two or three
     program const& p = ps.front();
     std::vector<std::uint16_t> stores[max_inputs];
     forward_args a;
@@ -1387,9 +1370,12 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     a.out = sink(gq);
     a.extra[0] = sink(gk);
     a.extra[1] = sink(gv);
-    std::vector<float> scratch(s.normalized ? bh * n * (s.m + 1) : 0), shift(s.normalized && s.softmax ? bh * n : 0);
-    if (s.normalized) a.extra[extra_named(p, "scratch")] = detail::dense_operand(scratch.data(), {in.batch, in.heads, n, s.m + 1});
-    if (s.normalized && s.softmax) a.extra[extra_named(p, "shift")] = detail::dense_operand(shift.data(), {in.batch, in.heads, n, 1});
+    std::vector<std::vector<float>> scratch;  // the programs' own fp32 rows (extra_buffer::cols)
+    for (std::size_t e = 0; e < p.extras.size(); ++e)
+      if (std::size_t const cols = p.extras[e].cols) {
+        std::size_t const rows = p.extras[e].rows ? p.extras[e].rows : p.extras[e].keys ? nk : n;
+        a.extra[e] = detail::dense_operand(scratch.emplace_back(bh * rows * cols).data(), {in.batch, in.heads, rows, cols});
+      }
     if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
       shape4 const sw{in.batch, in.heads, s.d, s.f};
       lina::tensor<float>& gw = detail::gradient_slot<typename F::q::param>(g);
@@ -1413,7 +1399,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
       a.state_out = r.kernel_out();
       a.extra[extra_named(p, "∂state out")] = d_final.kernel_in();
     }
-    for (program const& x : ps) emulate(x, a);
+    for (program const& x : ps) emulate(x, arguments_for(x, a));
     if constexpr (chained) chain->d_initial->flip();
     for (auto const& [t, b] : bits)
       for (std::size_t i = 0; i < t->size(); ++i)
@@ -1454,7 +1440,6 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
   constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
-  static_assert(diagnose::cuda_backward<differentiable<F>()>::ok || true);
   auto in = bind<Plan>(bindings...);
   using Bound = decltype(in);
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
@@ -1470,7 +1455,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
         [&](tensor<T>& to, tensor<T> const& from) { add_into(to, from, stream); },
         bindings...);
     synchronize_stream(stream, "cuda::gradient");  // the intermediates die with this call
-  } else if constexpr (F::ok && differentiable<F>() && !F::stacked &&
+  } else if constexpr (F::ok && !F::stacked &&
                        is_device_view<typename Bound::view_type>) {
     char const* call = "cuda::gradient";
     auto const dv = view_of(dout);
@@ -1479,7 +1464,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     detail::check_dout<Plan>(dv.shape(), in);
     attention_spec s = detail::bound_spec(plan, options{dtype_of<T>, dtype_of<T>}, in);
     s.chained = chained;
-    std::vector<program> const ps = backward_programs_of(s);  // one launch, or softmax's two
+    std::vector<program> const ps = backward_programs_of(s);  // one launch, or softmax's two or three
     program const& p = ps.front();
     require_device(call);
     forward_args a = detail::device_args<F>(device_view<T>{}, in, 4);  // W after ∂out
@@ -1494,18 +1479,15 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     a.out = detail::device_operand(gq.view());
     a.extra[0] = detail::device_operand(gk.view());
     a.extra[1] = detail::device_operand(gv.view());
-    // The adjoint rows (and softmax's shifts): stream-ordered, freed on the stream after the launches.
-    device_buffer scratch, shift;
-    if (s.normalized) {
-      shape4 const sh{in.batch, in.heads, n, s.m + 1};
-      scratch = device_buffer(sh[0] * sh[1] * sh[2] * sh[3] * sizeof(float), stream, call);
-      a.extra[extra_named(p, "scratch")] = detail::dense_operand(scratch.get(), sh);
-    }
-    if (s.normalized && s.softmax) {
-      shape4 const sh{in.batch, in.heads, n, 1};
-      shift = device_buffer(sh[0] * sh[1] * sh[2] * sizeof(float), stream, call);
-      a.extra[extra_named(p, "shift")] = detail::dense_operand(shift.get(), sh);
-    }
+    // The programs' own fp32 rows (extra_buffer::cols: the adjoint rows, softmax's
+    // shifts and ∂φ rows): stream-ordered, freed on the stream after the launches.
+    std::vector<device_buffer> scratch;
+    for (std::size_t e = 0; e < p.extras.size(); ++e)
+      if (std::size_t const cols = p.extras[e].cols) {
+        shape4 const sh{in.batch, in.heads, p.extras[e].rows ? p.extras[e].rows : p.extras[e].keys ? nk : n, cols};
+        scratch.emplace_back(sh[0] * sh[1] * sh[2] * sh[3] * sizeof(float), stream, call);
+        a.extra[e] = detail::dense_operand(scratch.back().get(), sh);
+      }
     if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
       tensor<T>& gw = detail::gradient_slot<typename F::q::param>(g);
       gw = tensor<T>({in.batch, in.heads, s.d, s.f}, call);
@@ -1527,7 +1509,13 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
       a.state_out = r.kernel_out();
       a.extra[extra_named(p, "∂state out")] = d_final.kernel_in();
     }
-    for (program const& x : ps) launch(x, a, stream);  // in order on the stream: softmax's second reads the first's scratch
+    if (n == 0 && !chained) {  // no query rows: no block runs (launch), and ∂K, ∂V, ∂W are zeros
+      auto zero = [&](tensor<T>& t) { fill_zero(t.data(), t.bytes(), stream, call); };
+      zero(gk), zero(gv);
+      if constexpr (F::parametric) zero(detail::gradient_slot<typename F::q::param>(g));
+      if constexpr (F::own_k_w) zero(detail::gradient_slot<typename F::k::param>(g));
+    }
+    for (program const& x : ps) launch(x, arguments_for(x, a), stream);  // in order on the stream: softmax's later ones read the first's scratch
     if constexpr (chained) chain->d_initial->flip();
     if (chained) synchronize_stream(stream, call);  // the state copies die with this call
   }

@@ -51,6 +51,9 @@
 //                          (including j ≥ width). c0 = 0, or m_tile · tile_m
 //                          when the load is `by_m_tile`. 64-bit offsets. A
 //                          `whole` load (W, in a prologue) has r0 = 0, rows = t.rows.
+//                          accumulate (fp32 buffers into fp32 registers: a split
+//                          backward's sums): t[i][j] += the element where it is
+//                          read; t unchanged elsewhere.
 //   map t, φ               t[i][j] = φ(t[i][j]) for i < rows (rows ≥ rows stay 0)
 //   map t ← x, poly2       t[i][·] = poly2(x[i][·]) for i < rows, 0 for i ≥ rows:
 //                          x_a² at a(2D−a+1)/2, (√2·x_a)·x_b after it for b > a,
@@ -162,6 +165,7 @@
 // every backend (row-major; the state operand's strides say where).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -326,6 +330,11 @@ struct extra_buffer {
   dtype type = dtype::f32;
   std::string comment;
   bool keys = false;  // rows of K and V (∂K, ∂V), not Q's
+  std::size_t cols = 0;  // > 0: scratch the caller allocates, fp32 [B, H, rows, cols] (rows: N, or N_keys
+                         // when `keys`), which only the programs of one backward read; 0: a gradient,
+                         // state or sums the caller binds by name
+  std::size_t rows = 0;  // scratch of fixed rows (a split backward's sums of ∂W: D), not N or N_keys
+  bool sums_over_m = false;  // a sum over M's columns (∂K, ∂W): a backward split over M sums its slices' shares
 
   bool operator==(extra_buffer const&) const = default;
 };
@@ -347,6 +356,8 @@ struct program {
   bool quadratic = false;                           // blocks per chunk of query rows too (see the top)
   bool key_major = false;                           // quadratic: blocks per chunk of key rows, passes over queries;
                                                     // split: groups of K's rows (n_keys)
+  std::size_t v_offset = 0;                         // a backward split over M: this launch's first column of V,
+                                                    // ∂out and ∂V (arguments_for)
 
   // Registers lie one after another in shared memory (rows × pitch elements),
   // each starting at a multiple of 16 bytes (ready for vector accesses).
@@ -403,14 +414,30 @@ program backward_program_of(attention_spec const& s);
 //      (ĝ·[V|1]ᵀ), ∂φ(Q) = Σ ∂S·φ(K) → ∂Q (out);
 //   2. key-major, a block per chunk of key rows walking the query chunks (ĝ
 //      and m from the scratch): ∂[V|1] = Σ Eᵀ·ĝ, ∂φ(K) = Σ ∂Sᵀ·φ(Q) → ∂K, ∂V.
-// No atomics: every gradient row is summed by one block. Element-wise maps
-// and poly2; a parametric map's ∂W (a sum over every block) is not generated
-// for softmax yet (std::invalid_argument).
+// No atomics: every gradient row is summed by one block. With favor or random
+// Fourier features inside exp, ∂W sums over every row of Q and K, which
+// blocks of either launch only see a chunk of: those launches store ∂φ(Q) and
+// ∂φ(K) (fp32 scratch [B, H, N, C], [B, H, N_keys, C]) instead, and a third
+// program, a block per (batch, head) walking Q's rows then K's, turns them
+// into ∂Q, ∂K and ∂W (∂W2) as the linear backward does.
 // A plan that reads one input twice (K as V, Q as K: the spec's names say
 // so) gets one gradient for it: the buffers of the shares are the same
 // memory, and every store of a share after the first-stored one adds to what
 // is there (store with accumulate) — the order is the programs': ∂Q, then
 // ∂V, then ∂K, each row's shares stored by one block or by launches in order.
+// A linear spec whose C × (M+1) state does not fit one block (D = M = 256) is
+// split over M's columns: one launch per slice of M' = ⌈M / P⌉ columns (the
+// fewest slices that fit), each the backward program of an M' spec run on its
+// columns of V, ∂out and ∂V (program::v_offset; arguments_for shifts them).
+// Everything after the rows is linear in ĝ, and rowdiv's adjoint on a slice's
+// columns gives that slice's share of the normaliser's (−Σ ∂out·num / d² over
+// its columns): each slice computes its shares of ∂Q, ∂K and ∂W, and the
+// slices before the last store theirs to fp32 sums (extra buffers "∂Q sums",
+// "∂K sums", "∂W sums": the first writes, later ones add), and the last adds
+// the sums to its shares (load with accumulate) and stores the gradients,
+// rounded once. Launches run in
+// order on one stream: no atomics. Not yet for chained specs or a plan that
+// reads an input twice (std::invalid_argument).
 std::vector<program> backward_programs_of(attention_spec const& s);
 
 // The chunk-parallel form of a linear forward (splitting N when B·H·m_tiles
@@ -459,7 +486,7 @@ struct operand {
 // Input slots: Q, K, V (0–2), in a backward kernel ∂out (3), then W (φ(Q)'s,
 // or the one W of both) and φ(K)'s own W. Extra buffers: a backward's further
 // gradients (∂K, ∂V, ∂W, ∂W2), its scratch rows and ∂state, a split's partial sums.
-inline constexpr int max_inputs = 6, max_extras = 6;
+inline constexpr int max_inputs = 6, max_extras = 10;
 struct forward_args {
   operand in[max_inputs];
   operand out;        // data points to writable memory
@@ -476,6 +503,21 @@ inline std::int64_t keys_of(forward_args const& a) { return a.n_keys < 0 ? a.n :
 // Do the elements of two fp32 [batch, heads, rows, cols] operands overlap?
 // (From their strides, which must be non-negative.)
 bool overlap(operand const& x, operand const& y, std::int64_t batch, std::int64_t heads, std::int64_t rows);
+
+// The arguments a launch of p reads: a slice of M's columns (v_offset > 0)
+// sees V, ∂out and ∂V from its first column on.
+inline forward_args arguments_for(program const& p, forward_args a) {
+  if (p.v_offset == 0) return a;
+  auto shift = [&](operand& o, dtype t) {
+    std::int64_t const c0 = std::min(static_cast<std::int64_t>(p.v_offset), o.cols);
+    if (o.data) o.data = static_cast<char const*>(o.data) + c0 * o.stride[3] * static_cast<std::int64_t>(size_of(t));
+    o.cols -= c0;
+  };
+  shift(a.in[2], p.spec.in);
+  shift(a.in[3], p.spec.in);
+  shift(a.extra[1], p.extras.at(1).type);
+  return a;
+}
 
 // Blocks to launch for a program on these arguments.
 inline std::int64_t groups_of(program const& p, forward_args const& a) {

@@ -32,10 +32,12 @@ struct forward_args {
   operand state_in;   // chained kernels: the running sums they start from (fp32)
   operand state_out;  // chained kernels: where they leave them (fp32; never overlaps state_in)
   long long batch, heads, n;
-  operand extra[6];   // backward kernels: ∂K, ∂V, scratch rows, ∂W…; split ones: the groups' sums (program::extras)
+  operand extra[10];  // backward kernels: ∂K, ∂V, scratch rows, ∂W…; split ones: the groups' sums (program::extras)
   long long group_rows;  // split kernels: rows per group
   long long n_keys;      // rows of K and V when they are not Q's (cross-attention); -1: n
 };
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 19 * 48 + 40,
+              "forward_args must keep the layout of lina::cuda::forward_args (program.hpp)");
 
 // ---- element types ----------------------------------------------------------------
 struct f32 {};
@@ -252,6 +254,19 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
 template <class E, int R, int C, int P, class S>
 __device__ void load(S* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
   load_map<E, identity, R, C, P>(t, in, base, r0, c0, rows, width);
+}
+
+// t[i][j] += in(base + (r0+i)·row_stride + (c0+j)·col_stride) for i < rows,
+// j < width, c0 + j < cols; t unchanged elsewhere (fp32 buffers: a split
+// backward's sums of the earlier slices).
+template <int R, int C, int P>
+__device__ void load_add(float* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
+  const float* p = static_cast<const float*>(in.data);
+  for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    if (j < width && c0 + j < in.cols) t[i * P + j] += p[base + (r0 + i) * in.stride[2] + (c0 + j) * in.stride[3]];
+  }
+  __syncthreads();
 }
 
 template <class Map, int R, int C, int P, class S>
