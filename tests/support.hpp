@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string_view>
 #include <lina/tensor.hpp>
@@ -34,6 +35,19 @@ struct rng {
   }
   std::size_t in(std::size_t lo, std::size_t hi) { return lo + next() % (hi - lo + 1); }
 };
+
+// How many random trials a property draws: n, or n / LINA_TEST_TRIALS_DIVISOR
+// (at least 2). The sanitized run (scripts/test-sanitized.sh) sets 3: it looks
+// for memory errors and undefined behaviour in the same code on fewer shapes
+// of the same distribution (the first draws), at -O0 under ASan, where the
+// quadratic oracles of every draw cost ~30× their release time.
+inline int trials(int n) {
+  static int const divisor = [] {
+    char const* e = std::getenv("LINA_TEST_TRIALS_DIVISOR");
+    return e && std::atoi(e) > 0 ? std::atoi(e) : 1;
+  }();
+  return std::max(2, n / divisor);
+}
 
 // A sequence length in [1, 1000], mostly short so the quadratic oracles stay quick.
 inline std::size_t length(rng& r) {

@@ -41,7 +41,7 @@ template <class T, class Map, class Expr>
 void check_orders(Expr const& expr, bool causal, bool normalized, std::uint64_t seed) {
   test::rng r{seed};
   double worst = 0;  // largest error / bound seen, reported to show the bound is not slack
-  for (int trial = 0; trial < 12; ++trial) {
+  for (int trial = 0; trial < test::trials(12); ++trial) {
     shape s = random_shape(r);
     auto q = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
     auto k = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
