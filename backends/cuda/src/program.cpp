@@ -772,6 +772,18 @@ program lay_out_softmax_param_grad(attention_spec const& s, int t) {
 }  // namespace
 
 namespace {
+// f(list) for every instruction list of p, in the order a block runs them:
+// the prologue, each pass's `before` and body, the epilogue.
+template <class F>
+void for_each_list(program& p, F&& f) {
+  f(p.prologue);
+  for (auto& pass : p.passes) {
+    f(pass.before);
+    f(static_cast<std::vector<instruction>&>(pass));
+  }
+  f(p.epilogue);
+}
+
 // A plan that reads one input twice (program.hpp, backward_programs_of): in
 // the order the programs store them, each later share's stores add to the
 // buffer the first share of its input wrote, and the kernels are named for it.
@@ -790,12 +802,9 @@ void tie_shares(std::vector<program>& ps) {
       i.accumulate = at->second != i.slot;
   };
   for (program& p : ps) {
-    for (auto& i : p.prologue) visit(i);
-    for (auto& pass : p.passes) {
-      for (auto& i : pass.before) visit(i);
-      for (auto& i : pass) visit(i);
-    }
-    for (auto& i : p.epilogue) visit(i);
+    for_each_list(p, [&](std::vector<instruction>& list) {
+      for (auto& i : list) visit(i);
+    });
     p.kernel_name += s.q_name == s.k_name && s.k_name == s.v_name ? "_same_qkv"
                      : s.q_name == s.k_name                      ? "_same_qk"
                      : s.q_name == s.v_name                      ? "_same_qv"
@@ -881,12 +890,7 @@ std::vector<program> sliced_backward(attention_spec const& s) {
         }
         list = std::move(out);
       };
-      rewrite(x.prologue);
-      for (auto& pass : x.passes) {
-        rewrite(pass.before);
-        rewrite(pass);
-      }
-      rewrite(x.epilogue);
+      for_each_list(x, rewrite);
       x.v_offset = t * slice.m;
       x.kernel_name += t == 0 ? "_slice_first" : last ? "_slice_last" : "_slice_adding";
       x.description += fmt::format(" — slice {} of {} of M's columns: {}", t + 1, count,
