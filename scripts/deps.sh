@@ -3,7 +3,7 @@
 # Run as root (as CI does); otherwise it says what to install and stops.
 set -euo pipefail
 
-packages=(g++ make cmake libboost-dev libfmt-dev doctest-dev)
+packages=(g++ make cmake ninja-build libboost-dev libfmt-dev doctest-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

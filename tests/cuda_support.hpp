@@ -34,6 +34,17 @@ constexpr auto M = dim<"M">;
 constexpr auto Q = input<"Q">(N, D);
 constexpr auto K = input<"K">(N, D);
 constexpr auto V = input<"V">(N, M);
+// Cross-attention: K and V over another sequence (S rows) than Q.
+constexpr auto S = dim<"S">;
+constexpr auto Kx = input<"K">(S, D);
+constexpr auto Vx = input<"V">(S, M);
+// Stacked layers: layer 1's output is an operand of layer 2.
+constexpr auto Q2 = input<"Q2">(N, D);
+constexpr auto K2 = input<"K2">(N, D);
+constexpr auto V2 = input<"V2">(N, M);
+constexpr auto Vd = input<"V">(N, D);  // layer 1's values: its output is N x D, an operand of layer 2
+constexpr auto L = input<"L">(N, D);   // layer 1's output, as the CPU reference binds it
+constexpr auto layer1 = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * Vd;
 
 // ‖a − ref‖₂ / ‖ref‖₂ (0 when both are empty or zero).
 template <class A, class R>
@@ -162,22 +173,38 @@ double rounding_bound(Expr const& expr, cuda::dtype in, tensor<float> const& q, 
   return den == 0.0 ? 0.0 : (spec.softmax ? 2.0 : 6.0) * u * std::sqrt(num / den);
 }
 
-// Compile each distinct generated kernel once per architecture; any log fails.
-// sm_90 (the H200 the device checks run on) takes the options a launch uses,
-// optimisation included; sm_80 takes --Ofast-compile=max: the same parsing,
-// type checks and PTX assembly for Ampere without most optimisation passes,
-// which are most of a compile's time (a backward kernel: 0.2 s instead of 1.5 s;
-// the tests compile ~360 kernels).
-void check_compiles(cuda::program const& p) {
+// The chained program of `plan` (what emulate_into with a state runs).
+template <class Plan>
+cuda::program chained_program(Plan const& plan, cuda::options opt, std::size_t d, std::size_t m, std::size_t f = 0) {
+  auto s = cuda::spec_of(plan, opt);
+  s.d = d;
+  s.m = m;
+  s.f = f;
+  s.chained = true;
+  return cuda::program_of(s);
+}
+
+// Compile each distinct generated kernel for sm_80 and sm_90; any log fails.
+// Both with --Ofast-compile=max: the same parsing, type checks and PTX
+// assembly to a cubin without most optimisation passes, which are most of a
+// compile's time (a backward kernel: 0.2 s instead of 1.5 s; the tests compile
+// ~360 kernels, and NVRTC was most of the CUDA suite's CI time). With
+// `as_launched`, sm_90 (the H200 the device checks run on) also takes the
+// options a launch uses, optimisation included: the golden kernels and the
+// ones scripts/gpu-check's benchmark launches.
+void check_compiles(cuda::program const& p, bool as_launched = false) {
   static std::set<std::string> done;
   std::string src = cuda::emit(p);
-  if (!done.insert(src).second) return;
+  if (!done.insert(src + (as_launched ? "\n// as launched" : "")).second) return;
   struct target {
     std::string arch;
     std::vector<std::string> options;
   };
-  for (target const& t : {target{"sm_80", {"--Ofast-compile=max"}}, target{"sm_90", {}}}) {
+  std::vector<target> targets = {{"sm_80", {"--Ofast-compile=max"}}, {"sm_90", {"--Ofast-compile=max"}}};
+  if (as_launched) targets.push_back({"sm_90", {}});
+  for (target const& t : targets) {
     CAPTURE(t.arch);
+    CAPTURE(t.options.size());
     CAPTURE(p.kernel_name);
     cuda::compiled_kernel k;
     REQUIRE_NOTHROW(k = cuda::compile(src, p.kernel_name, t.arch, t.options));
@@ -199,6 +226,11 @@ bool tensor_core_edge(shape const& s, std::vector<shape> const& cases) {
   for (shape const& c : cases)
     if (!c.random) widest = std::max(widest, c.d);
   return !s.random && (&s == &cases.front() || s.d == widest);
+}
+
+// poly2 has C = D(D+1)/2 features: D up to 20 (C = 210).
+std::vector<shape> poly2_shapes() {
+  return {{1, 1, 0, 3, 2}, {1, 2, 1, 4, 5}, {2, 1, 65, 8, 3}, {1, 1, 130, 13, 24}, {1, 1, 70, 20, 9}};
 }
 
 // `count` random shapes with N in [n_min, n_max], D ≤ 40, M ≤ 80 and M ≠ D, appended to s.

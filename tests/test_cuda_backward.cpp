@@ -1,7 +1,7 @@
 // The CUDA backend's backward kernels without a GPU: generated from the derived
 // plans, run in the host emulation against cpu::gradient, the gradient of the
-// expression in double and finite differences; they compile with NVRTC. (A
-// file of its own: the two halves of the CUDA suite compile side by side.)
+// expression in double and finite differences; they compile with NVRTC. The
+// parametric maps' backward is in test_cuda_parametric.cpp.
 #include "cuda_support.hpp"
 
 // ---- gradients: the backward kernels -----------------------------------------------------
@@ -370,124 +370,6 @@ TEST_CASE("user-defined feature maps lower with their CUDA formulas: forward and
   auto bad = sized;
   bad.user[1].cuda_apply.clear();
   CHECK_THROWS_WITH_AS(cuda::program_of(bad), doctest::Contains("x²+1"), std::invalid_argument);
-}
-
-// favor and random Fourier features: the backward reloads x, z = x·W, turns z
-// into ∂z (map_grad), ∂X = ∂z·Wᵀ (− s·x·Σ∂z for favor's norm: param_grad), and
-// sums xᵀ·∂z over Q's and K's rows into ∂W per (batch, head), stored once at
-// the end (inside softmax: by a third launch, from the ∂φ rows the two
-// quadratic ones stored). Against cpu::gradient of the plan and of the
-// expression in double (exact products: the per-dtype tolerance), one W and a
-// W for each side.
-std::vector<shape> const parametric_shapes = {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}, {1, 1, 130, 20, 7}};
-template <class Expr, class... W>
-void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, std::size_t features,
-                               bool compiles, W const&... ws) {
-  auto const plan = plan_of(expr);
-  test::rng r{seed};
-  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
-    double worst = 0;
-    for (shape const s : cases) {
-      // F: given, or drawn (F = 1 leaves a normalised favor row φ(q)-free but for eps: ∂Q is noise)
-      std::size_t const f = features ? features : r.in(2, 24);
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
-      auto [q, k, v] = random_inputs(s, dt, r, false);
-      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
-      std::vector<tensor<float>> proj;  // one projection per W symbol, shared by batch and heads
-      for (std::size_t i = 0; i < sizeof...(W); ++i) proj.push_back(rounded(gaussian_projection<float>(s.d, f, r.next()), dt));
-      std::vector<tensor<double>> projd;
-      for (auto const& x : proj) projd.push_back(widened(x));
-      auto const [wb, wd] = [&]<std::size_t... I>(std::index_sequence<I...>) {
-        return std::pair{std::tuple{(ws = broadcast(proj[I], s.b, s.h))...}, std::tuple{(ws = broadcast(projd[I], s.b, s.h))...}};
-      }(std::index_sequence_for<W...>{});
-      cuda::options const opt{dt, dt, true};
-      auto g = std::apply([&](auto const&... w) { return cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v, w...); }, wb);
-      auto cpu = std::apply([&](auto const&... w) { return cpu::gradient(plan, dout, Q = q, K = k, V = v, w...); }, wb);
-      auto exact = std::apply(
-          [&](auto const&... w) { return cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v), w...); }, wd);
-      auto one = [&](auto const& x, std::string const& name) {
-        CAPTURE(name);
-        REQUIRE(g[x].shape() == cpu[x].shape());
-        // (the CPU lays out the gradient of a broadcast W by its strides: compare elements, not memory)
-        double const e1 = relative_rms(g[x], dense(cpu[x])), e2 = relative_rms(g[x], as_float(dense(exact[x])));
-        CHECK(e1 <= tolerance(dt));
-        CHECK(e2 <= tolerance(dt));
-        worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
-      };
-      one(Q, "∂Q");
-      one(K, "∂K");
-      one(V, "∂V");
-      (one(ws, "∂W"), ...);
-      auto spec = cuda::spec_of(plan, opt);
-      spec.d = s.d, spec.m = s.m, spec.f = f;
-      if (compiles && s.n == 70 && dt == cuda::dtype::f32)
-        for (auto const& p : cuda::backward_programs_of(spec)) check_compiles(p);
-    }
-    MESSAGE(cuda::name_of(dt) << " " << cuda::spec_of(plan).description << " backward: largest error / tolerance: " << worst);
-  }
-}
-
-TEST_CASE("backward: favor and random Fourier features (∂W per batch and head) = cpu::gradient = the expression's") {
-  constexpr auto W2 = input<"W2">(D, Fw);
-  check_parametric_backward(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 101, parametric_shapes, 0, true, W);
-  check_parametric_backward(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W)) * V, 102, parametric_shapes, 0, true, W);
-  check_parametric_backward(normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W2))) * V, 103, parametric_shapes, 0, true, W, W2);
-  check_parametric_backward(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2))) * V, 104, parametric_shapes, 0, true, W, W2);
-  // Inside softmax's exp: causal and not, normalised and not, one W and two.
-  check_parametric_backward(normalize(causal(exp(phi<favor>(Q, W) * transpose(phi<favor>(K, W)) * 0.5))) * V, 110, parametric_shapes, 0, true, W);
-  check_parametric_backward(normalize(exp(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2)))) * V, 111, parametric_shapes, 0, true, W, W2);
-  check_parametric_backward(exp(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)) * 0.25) * V, 112, parametric_shapes, 0, true, W, W2);
-  // A C × (M+1) state too large for one block (F = M = 256): launches over
-  // slices of M's columns, each adding its share of ∂W (and of ∂Q, ∂K).
-  check_parametric_backward(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V, 114, {{1, 1, 70, 8, 256}},
-                            256, true, W);
-  check_parametric_backward(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2)) * V, 115, {{2, 1, 70, 8, 200}},
-                            128, false, W, W2);  // (kernels like the one above: not compiled again)
-  {  // Cross-attention inside exp: the third launch walks K's N_keys rows (N_keys ≠ N, either zero).
-    constexpr auto S = dim<"S">;
-    constexpr auto Kc = input<"K">(S, D);
-    constexpr auto Vc = input<"V">(S, M);
-    auto const expr = normalize(exp(phi<favor>(Q, W) * transpose(phi<favor>(Kc, W)) * 0.5)) * Vc;
-    auto const plan = compile(expr);
-    test::rng r{113};
-    for (auto [n, s] : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}}) {
-      std::size_t const b = 2, h = 1, d = 12, m = 9, f = 16;
-      CAPTURE(n); CAPTURE(s);
-      auto q = tensor<float>::random({b, h, n, d}, r.next()), k = tensor<float>::random({b, h, s, d}, r.next());
-      auto v = tensor<float>::random({b, h, s, m}, r.next()), dout = tensor<float>::random({b, h, n, m}, r.next());
-      auto const w = gaussian_projection<float>(d, f, r.next());
-      auto g = cuda::emulate_gradient(plan, {cuda::dtype::f32, cuda::dtype::f32, true}, dout, Q = q, Kc = k, Vc = v,
-                                      W = broadcast(w, b, h));
-      auto want = cpu::gradient(expr, widened(dout), Q = widened(q), Kc = widened(k), Vc = widened(v),
-                                W = broadcast(widened(w), b, h));
-      CHECK(relative_rms(g[Q], as_float(want[Q])) <= tolerance(cuda::dtype::f32));
-      CHECK(relative_rms(g[Kc], as_float(want[Kc])) <= tolerance(cuda::dtype::f32));
-      CHECK(relative_rms(g[Vc], as_float(want[Vc])) <= tolerance(cuda::dtype::f32));
-      CHECK(relative_rms(g[W], as_float(dense(want[W]))) <= tolerance(cuda::dtype::f32));
-    }
-  }
-  // Chained: two blocks differentiated last first; their ∂W add up to the one pass's.
-  constexpr auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
-  std::size_t const b = 2, h = 2, n = 100, d = 12, m = 9, f = 16, cut = 37;
-  auto q = tensor<float>::random({b, h, n, d}, 105), k = tensor<float>::random({b, h, n, d}, 106),
-       v = tensor<float>::random({b, h, n, m}, 107), dout = tensor<float>::random({b, h, n, m}, 108);
-  auto const w = gaussian_projection<float>(d, f, 109);
-  auto const wb = broadcast(w, b, h);
-  auto whole = cuda::emulate_gradient(plan, {}, dout, Q = q, K = k, V = v, W = wb);
-  auto first = [&](tensor<float> const& x) { return test::tokens(x, 0, cut); };
-  auto second = [&](tensor<float> const& x) { return test::tokens(x, cut, n); };
-  cuda::state s1(plan, b, h, cuda::memory::host), none(cuda::memory::host);
-  cuda::emulate(plan, {}, s1, Q = first(q), K = first(k), V = first(v), W = wb);
-  auto [g2, d1] = cuda::emulate_gradient(plan, {}, second(dout), s1, none, Q = second(q), K = second(k), V = second(v), W = wb);
-  auto [g1, d0] = cuda::emulate_gradient(plan, {}, first(dout), none, d1, Q = first(q), K = first(k), V = first(v), W = wb);
-  tensor<float> dw(whole[W].shape()), dq(whole[Q].shape());
-  for (std::size_t i = 0; i < dw.size(); ++i) dw.data()[i] = g1[W].data()[i] + g2[W].data()[i];
-  for (std::size_t i = 0; i < b; ++i)
-    for (std::size_t j = 0; j < h; ++j)
-      for (std::size_t t = 0; t < n; ++t)
-        for (std::size_t c = 0; c < d; ++c) dq(i, j, t, c) = t < cut ? g1[Q](i, j, t, c) : g2[Q](i, j, t - cut, c);
-  CHECK(relative_rms(dw, whole[W]) <= tolerance(cuda::dtype::f32));
-  CHECK(relative_rms(dq, whole[Q]) <= tolerance(cuda::dtype::f32));
 }
 
 TEST_CASE("backward: emulated gradients = finite differences in double, small cases") {

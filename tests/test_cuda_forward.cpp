@@ -1,0 +1,131 @@
+// The CUDA backend's forward kernels without a GPU: each plan's tile program
+// runs in the host emulation and agrees with the CPU backend and with the
+// expression evaluated as written (in double), for every map, softmax,
+// parametric maps, cross-attention, stacked layers and strided layouts; the
+// kernels the tests generate compile with NVRTC for sm_80 and sm_90 with an
+// empty log.
+#include "cuda_support.hpp"
+
+TEST_CASE("emulated causal forward = CPU backend = as written") {
+  check_forward(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 11);
+  check_forward(normalize(causal(phi<relu>(Q) * transpose(phi<relu>(K)))) * V, 12);
+  check_forward(causal(phi<identity>(Q) * transpose(phi<identity>(K))) * V, 13);
+}
+
+// poly2's features are signed: φ(q)·φ(k) = (q·k)² comes out of sums that
+// cancel, so a normaliser (q·k)² near 0 is ill-conditioned in any precision
+// (fp32 CPU plans differ from double by 1e-2 there). Signed inputs are checked
+// unnormalised; the normalised plans with non-negative inputs.
+TEST_CASE("emulated poly2 forward (a row map) = CPU backend = as written") {
+  check_forward(causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V, 31, poly2_shapes());
+  check_forward(phi<poly2>(Q) * transpose(phi<poly2>(K)) * V, 32, poly2_shapes());
+  check_forward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 33, poly2_shapes(), true);
+  check_forward(normalize(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V, 34, poly2_shapes(), true);
+}
+
+TEST_CASE("emulated non-causal forward = CPU backend = as written") {
+  check_forward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 21);
+  check_forward(normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 22);
+  check_forward(Q * transpose(K) * V, 23);
+}
+
+// Softmax stays quadratic: a block per chunk of query rows walks the key
+// chunks with a running max. The edge shapes and random ones; the kernels
+// compile at the first shapes of each plan (the causal normalised one also at
+// D = 256, M = 200, which takes T = 32). exp turns a score's absolute error
+// into a relative one, so the fp32 tolerance holds for scores of moderate
+// size, as scaled attention has them (|score| ≲ 10 here; elu+1's features are
+// positive, so its scores grow with D and take a smaller scale).
+TEST_CASE("emulated softmax forward (quadratic) = CPU backend = as written") {
+  std::vector<shape> cases = {{1, 1, 0, 5, 3},    {1, 1, 40, 256, 200}, {1, 2, 1, 7, 4},    {2, 1, 63, 16, 9},
+                              {1, 1, 65, 48, 96}, {1, 1, 130, 96, 48},  {1, 1, 70, 200, 72}};
+  test::rng r{41};
+  add_random_shapes(cases, r, 3, 0, 300);
+  check_forward(normalize(causal(exp(Q * transpose(K) * 0.25))) * V, 41, cases, false, 2);
+  check_forward(normalize(exp(Q * transpose(K) / 4.0)) * V, 42, cases, false, 1);
+  check_forward(causal(exp(0.5 * (Q * transpose(K)))) * V, 43, cases, false, 1);
+  check_forward(normalize(causal(exp(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)) * 0.03))) * V, 44, cases,
+                false, 0);
+  // The mask before exp: a score past the diagonal is 0, so its key weighs exp(0) = 1 (as written).
+  check_forward(normalize(exp(causal(Q * transpose(K)) * 0.25)) * V, 46, cases, false, 1);
+  check_forward(exp(0.5 * causal(Q * transpose(K))) * V, 47, cases, false, 0);
+}
+
+// The kernel shifts each row by its running max (at least 0), an identity of
+// the normalised plan — exp(x)/(Σexp(x) + eps) = exp(x−m)/(Σexp(x−m) + eps·e^−m)
+// — so rows whose exp overflows fp32 still come out right: the CPU's fp32
+// plan, which exponentiates as written, gives inf/inf there.
+TEST_CASE("softmax: rows whose exp overflows fp32 still normalise (the running max), and NaN propagates") {
+  constexpr auto expr = normalize(causal(exp(Q * transpose(K) * 8.0))) * V;
+  constexpr auto plan = compile(expr);
+  shape const s{1, 2, 150, 16, 12};
+  test::rng r{45};
+  auto [q, k, v] = random_inputs(s, cuda::dtype::f32, r, false);
+  for (std::size_t i = 0; i < q.size(); ++i) q.data()[i] *= 3.0f;  // scores up to ~8·3·16: exp(300)
+  auto cpu32 = cpu::evaluate(plan, Q = q, K = k, V = v);
+  bool overflowed = false;
+  for (std::size_t i = 0; i < cpu32.size(); ++i) overflowed = overflowed || !std::isfinite(cpu32.data()[i]);
+  REQUIRE(overflowed);  // the case this test is about
+  auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
+  for (bool exact_products : {true, false}) {
+    auto got = cuda::emulate(plan, {cuda::dtype::f32, cuda::dtype::f32, exact_products}, Q = q, K = k, V = v);
+    CHECK(relative_rms(got, exact) <= 1e-5);
+  }
+  auto bf = cuda::emulate(plan, {cuda::dtype::bf16, cuda::dtype::bf16}, Q = rounded(q, cuda::dtype::bf16),
+                          K = rounded(k, cuda::dtype::bf16), V = rounded(v, cuda::dtype::bf16));
+  auto exact_bf = cpu::evaluate(expr, Q = widened(rounded(q, cuda::dtype::bf16)), K = widened(rounded(k, cuda::dtype::bf16)),
+                                V = widened(rounded(v, cuda::dtype::bf16)));
+  CHECK(relative_rms(bf, exact_bf) <= tolerance(cuda::dtype::bf16) + std::ldexp(2.0, -9));
+  // A NaN key reaches the rows that read it and no others.
+  std::size_t const bad = 70;
+  k(0, 1, bad, 3) = std::nanf("");
+  auto nan = cuda::emulate(plan, {}, Q = q, K = k, V = v);
+  for (std::size_t i = 0; i < s.n; ++i) {
+    CAPTURE(i);
+    CHECK(std::isnan(nan(0, 1, i, 0)) == (i >= bad));
+    CHECK(std::isfinite(nan(0, 0, i, 0)));
+  }
+}
+
+TEST_CASE("softmax: the quadratic program, its source, and what it does not do") {
+  constexpr auto plan = compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V);
+  auto spec = cuda::spec_of(plan);
+  CHECK(spec.softmax);
+  CHECK(spec.causal);
+  CHECK(spec.scale == 0.125);
+  CHECK(cuda::plan_text(spec) == fmt::format("{}", plan));  // the kernel names the plan as compile() prints it
+  auto p = cuda::program_of(plan, {}, D = 64, M = 200);
+  CHECK(p.quadratic);
+  CHECK(p.m_tiles == 4);
+  cuda::forward_args a;
+  a.batch = 2, a.heads = 3, a.n = 130;
+  CHECK(cuda::blocks_of(p, a) == 2 * 3 * 4 * 3);  // (batch, head, M tile, chunk of query rows)
+  CHECK(cuda::listing(p).find("exp_rows") != std::string::npos);
+  spec.d = spec.m = 16;
+  spec.chained = true;  // no state: exp has no finite feature map
+  CHECK_THROWS_AS(cuda::program_of(spec), std::invalid_argument);
+  spec.chained = false;
+  CHECK_THROWS_WITH_AS(cuda::backward_program_of(spec), doctest::Contains("backward_programs_of"), std::invalid_argument);
+  auto const backward = cuda::backward_programs_of(spec);  // ∂Q per query chunk, then ∂K, ∂V per key chunk
+  REQUIRE(backward.size() == 2);
+  CHECK((backward[0].quadratic && !backward[0].key_major && backward[1].quadratic && backward[1].key_major));
+  CHECK(backward[0].extras == backward[1].extras);  // one forward_args feeds both
+  a.n_keys = 70;  // (cross-attention's blocks: the key-major launch divides K's rows)
+  CHECK(cuda::blocks_of(backward[0], a) == 2 * 3 * 3);
+  CHECK(cuda::blocks_of(backward[1], a) == 2 * 3 * 2);
+  CHECK(cuda::listing(backward[1]).find("for each chunk of queries from this block's key rows on") != std::string::npos);
+  spec.map_q = spec.map_k = cuda::feature_map::favor;
+  spec.f = 16;
+  auto const three = cuda::backward_programs_of(spec);  // favor inside exp: a third launch for ∂Q, ∂K and ∂W
+  REQUIRE(three.size() == 3);
+  CHECK((!three[2].quadratic && three[2].extras == three[0].extras && three[1].extras == three[0].extras));
+  CHECK(cuda::blocks_of(three[2], a) == 2 * 3);  // a block per (batch, head): ∂W sums over every row
+  spec.map_q = spec.map_k = cuda::feature_map::identity;
+  CHECK_THROWS_AS(cuda::split_programs_of(spec), std::invalid_argument);
+  // options.split_rows (the linear plans' chunk-parallel form) does not apply
+  auto q = tensor<float>::random({1, 1, 200, 16}, 1), k = tensor<float>::random({1, 1, 200, 16}, 2),
+       v = tensor<float>::random({1, 1, 200, 16}, 3);
+  cuda::options split{};
+  split.split_rows = 64;
+  CHECK(max_abs_diff(cuda::emulate(plan, split, Q = q, K = k, V = v), cuda::emulate(plan, Q = q, K = k, V = v)) == 0.0);
+}
