@@ -320,9 +320,22 @@ TEST_CASE("backward: a state too large for one block is split over M's columns (
   check_backward(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 87,
                  {{1, 1, 70, 256, 256}, {1, 2, 1, 256, 256}, {1, 1, 0, 256, 256}}, false, false);
   check_backward(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 88, {{2, 1, 40, 200, 250}}, false, false);
-  // Not split yet: a chained backward, a plan reading an input twice.
+  // Chained (tested against one pass in "backward, chained: …"): ∂(the state
+  // out)'s z column starts the first slice's reverse walk only, and the later
+  // slices add their shares of ∂S0's z.
   spec.chained = true;
-  CHECK_THROWS_WITH_AS(cuda::backward_programs_of(spec), doctest::Contains("chained"), std::invalid_argument);
+  auto const chained = cuda::backward_programs_of(spec);
+  REQUIRE(chained.size() == ps.size());
+  for (std::size_t t = 0; t < chained.size(); ++t) {
+    CAPTURE(t);
+    bool z_in = false, z_added = false;
+    for (auto const& i : chained[t].passes.at(1).before) z_in = z_in || (i.op == cuda::opcode::load_state && i.z_column);
+    for (auto const& i : chained[t].epilogue) z_added = z_added || (i.op == cuda::opcode::store_state && i.accumulate);
+    CHECK(z_in == (t == 0));
+    CHECK(z_added == (t > 0));
+    check_compiles(chained[t]);
+  }
+  // Not split yet: a plan reading an input twice.
   auto tied = cuda::spec_of(compile<order::linear>(causal(Q * transpose(K)) * K));
   tied.d = tied.m = 256;
   CHECK_THROWS_WITH_AS(cuda::backward_programs_of(tied), doctest::Contains("twice"), std::invalid_argument);
@@ -421,12 +434,15 @@ TEST_CASE("backward: emulated gradients = finite differences in double, small ca
 // state is Σ_i φ(q_i)·dout_iᵀ over the whole sequence (the output is linear
 // in it), checked in double.
 TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂state = one pass") {
-  auto check = [](auto const& expr, std::uint64_t seed) {
+  // (D = M = 256: a state past one block, the backward split over M's columns.)
+  auto check = [](auto const& expr, std::uint64_t seed, std::vector<shape> const& large = {}) {
     auto const plan = compile<order::linear>(expr);
     auto const spec = cuda::spec_of(plan);
     test::rng r{seed};
+    std::vector<shape> cases = {shape{2, 2, 100, 12, 9}, shape{1, 1, 65, 7, 20}, shape{1, 2, 1, 5, 3}};
+    cases.insert(cases.end(), large.begin(), large.end());
     for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
-      for (shape const& s : {shape{2, 2, 100, 12, 9}, shape{1, 1, 65, 7, 20}, shape{1, 2, 1, 5, 3}}) {
+      for (shape const& s : cases) {
         std::size_t const cut = s.n < 2 ? 0 : r.in(1, s.n - 1);
         CAPTURE(spec.description); CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(cut);
         auto [q, k, v] = random_inputs(s, dt, r, false);
@@ -467,8 +483,8 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
     chained.d = 12, chained.m = 9, chained.chained = true;
     check_compiles(cuda::backward_program_of(chained));
   };
-  check(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 81);
-  check(causal(Q * transpose(K)) * V, 82);
+  check(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 81, {{1, 2, 70, 256, 256}});
+  check(causal(Q * transpose(K)) * V, 82, {{1, 1, 40, 256, 256}});
   check(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 83);
   // States elsewhere than the emulation's memory, or of another plan, are refused.
   constexpr auto plan = compile<order::linear>(causal(Q * transpose(K)) * V);

@@ -211,8 +211,8 @@ struct emitter {
                pitch(i.dst), yes(i.z_column), t, width(i));
         break;
       case opcode::store_state:
-        line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.state_out, state_out_base, m0, {});", rows(i.dst),
-             cols(i.dst), pitch(i.dst), yes(i.z_column), t, width(i));
+        line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.state_out, state_out_base, m0, {}{});", rows(i.dst),
+             cols(i.dst), pitch(i.dst), yes(i.z_column), t, width(i), i.accumulate ? ", true" : "");
         break;
       case opcode::store_partial:  // this group's sums, rows group·C … (a partials program)
         line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.extra[0], extra0_base + group * {} * args.extra[0].stride[2], m0, {});",

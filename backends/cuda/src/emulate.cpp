@@ -369,7 +369,10 @@ struct block {
         std::int64_t base = slice_offset(s), c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
         for (int r = 0; r < t.rows; ++r) {
           for (int c = 0; c < i.width && c0 + c < m_cols; ++c) data[base + r * s.stride[2] + (c0 + c) * s.stride[3]] = t.at(r, c);
-          if (i.z_column && m_tile == 0) data[base + r * s.stride[2] + (s.cols - 1) * s.stride[3]] = t.at(r, t.cols - 1);
+          if (i.z_column && m_tile == 0) {
+            float& z = data[base + r * s.stride[2] + (s.cols - 1) * s.stride[3]];
+            z = i.accumulate ? z + t.at(r, t.cols - 1) : t.at(r, t.cols - 1);
+          }
         }
         break;
       }

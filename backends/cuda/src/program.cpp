@@ -842,7 +842,6 @@ std::string too_large(attention_spec const& s, std::string_view why) {
 // sums to its own share and stores the gradient, rounded once.
 std::vector<program> sliced_backward(attention_spec const& s) {
   bool const tied = s.q_name == s.k_name || s.q_name == s.v_name || s.k_name == s.v_name;
-  if (s.chained) throw std::invalid_argument(too_large(s, " (a chained backward is not split over M's columns yet)"));
   if (tied) throw std::invalid_argument(too_large(s, " (a plan reading an input twice is not split over M's columns yet)"));
   for (std::size_t slices = 2; slices <= s.m; ++slices) {
     attention_spec slice = s;
@@ -877,6 +876,14 @@ std::vector<program> sliced_backward(attention_spec const& s) {
       auto rewrite = [&](std::vector<instruction>& list) {
         std::vector<instruction> out;
         for (instruction i : list) {
+          // Chained: R, the reverse walk's state, starts from ∂(the state out),
+          // whose z column every slice's ∂K reads through its ones column: the
+          // first slice counts it, the later ones start their z at 0 (a load of
+          // their V columns only) and add their shares of ∂z to the first's in
+          // ∂S0 (store_state, accumulate).
+          if (t > 0 && i.op == opcode::load_state && i.slot >= 0)
+            i.z_column = false, i.width = static_cast<int>(std::min(slice.m, s.m - t * slice.m));
+          if (t > 0 && i.op == opcode::store_state) i.accumulate = true;
           bool const summed = i.op == opcode::store && !i.accumulate && static_cast<std::size_t>(i.slot + 1) < sums_of.size();
           int const sums = summed ? sums_of[static_cast<std::size_t>(i.slot + 1)] : -1;
           if (sums >= 0 && last) {  // the register += the sums, then the store of the gradient

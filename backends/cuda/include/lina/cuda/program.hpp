@@ -290,7 +290,8 @@ struct instruction {
   int a = -1, b = -1;           // product operands; map, map_grad: the source of a row map (else -1);
                                 // rowdiv_grad: a = o, b = m (-1: no shift); row_divide: b = m (-1: no shift);
                                 // exp_rows: a = o (-1: the shift m is fixed), b = m (-1: unshifted); exp_grad: a = E
-  bool transpose_a = false, transpose_b = false, accumulate = false;  // product; store: add to what is there
+  bool transpose_a = false, transpose_b = false, accumulate = false;  // product; store: add to what is there;
+                                // store_state: the z column is added to what is there (a slice of M's columns after the first)
   int slot = -1;                // load, map_grad: input slot (≥ max_inputs: an extra buffer); store: -1 out, else extra[slot]
   int width = 0;                // load/store/load_state/store_state: columns read or written (≤ the register's)
   bool by_m_tile = false;       // load/store: columns start at m_tile · tile_m (load_state/store_state: always)
@@ -435,8 +436,10 @@ program backward_program_of(attention_spec const& s);
 // slices before the last store theirs to fp32 sums (extra buffers "∂Q sums",
 // "∂K sums", "∂W sums": the first writes, later ones add), and the last adds
 // the sums to its shares (load with accumulate) and stores the gradients,
-// rounded once. Launches run in
-// order on one stream: no atomics. Not yet for chained specs or a plan that
+// rounded once. Chained, each slice reads and writes its columns of the
+// states and the z column; ∂(the state out)'s z starts the first slice's
+// reverse walk only, and the later slices add their shares of ∂S0's z.
+// Launches run in order on one stream: no atomics. Not yet for a plan that
 // reads an input twice (std::invalid_argument).
 std::vector<program> backward_programs_of(attention_spec const& s);
 
@@ -505,7 +508,8 @@ inline std::int64_t keys_of(forward_args const& a) { return a.n_keys < 0 ? a.n :
 bool overlap(operand const& x, operand const& y, std::int64_t batch, std::int64_t heads, std::int64_t rows);
 
 // The arguments a launch of p reads: a slice of M's columns (v_offset > 0)
-// sees V, ∂out and ∂V from its first column on.
+// sees V, ∂out and ∂V from its first column on, and so (chained) the states
+// S0, ∂S0 and ∂(the state out), whose z column stays their last.
 inline forward_args arguments_for(program const& p, forward_args a) {
   if (p.v_offset == 0) return a;
   auto shift = [&](operand& o, dtype t) {
@@ -516,6 +520,11 @@ inline forward_args arguments_for(program const& p, forward_args a) {
   shift(a.in[2], p.spec.in);
   shift(a.in[3], p.spec.in);
   shift(a.extra[1], p.extras.at(1).type);
+  if (p.spec.chained) {
+    shift(a.state_in, dtype::f32);
+    shift(a.state_out, dtype::f32);
+    shift(a.extra[extra_named(p, "∂state out")], dtype::f32);
+  }
   return a;
 }
 

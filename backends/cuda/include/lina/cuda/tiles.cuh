@@ -674,15 +674,20 @@ __device__ void load_state(float* t, const operand& s, long long base, long long
 }
 
 // The inverse of load_state; the normaliser column only from the block whose
-// columns start at 0 (every block of the (batch, head) holds the same z).
+// columns start at 0 (every block of the (batch, head) holds the same z),
+// added to what is there with add_z (a backward split over M's columns: each
+// slice after the first adds its share of ∂z).
 template <int R, int C, int P, bool Z>
-__device__ void store_state(const float* t, const operand& s, long long base, long long c0, int width) {
+__device__ void store_state(const float* t, const operand& s, long long base, long long c0, int width, bool add_z = false) {
   float* data = static_cast<float*>(const_cast<void*>(s.data));
   const long long m_cols = Z ? s.cols - 1 : s.cols;
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
     if (Z && j == C - 1) {
-      if (c0 == 0) data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]] = t[i * P + j];
+      if (c0 == 0) {
+        float& z = data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]];
+        z = add_z ? z + t[i * P + j] : t[i * P + j];
+      }
     } else if (j < width && c0 + j < m_cols) {
       data[base + i * s.stride[2] + (c0 + j) * s.stride[3]] = t[i * P + j];
     }
