@@ -250,11 +250,12 @@ TEST_CASE("backward: softmax (two quadratic launches) = cpu::gradient = the expr
 // first stored (program.hpp, backward_programs_of). Against cpu::gradient of
 // the plan and of the expression in double; linear causal and not, softmax.
 namespace {
+// (At size = 256: the launches over slices of M's columns, program.hpp.)
 template <bool ReadsK, bool ReadsV, class Expr>
-void check_tied(Expr const& expr, std::uint64_t seed) {
+void check_tied(Expr const& expr, std::uint64_t seed, std::size_t size = 16) {
   auto const plan = plan_of(expr);
   auto spec = cuda::spec_of(plan);
-  spec.d = spec.m = 16;
+  spec.d = spec.m = size;
   std::string listings;
   for (auto const& p : cuda::backward_programs_of(spec)) {
     CHECK(p.kernel_name.find("_same_") != std::string::npos);  // not the untied kernel's source under its name
@@ -263,8 +264,10 @@ void check_tied(Expr const& expr, std::uint64_t seed) {
   }
   CHECK(listings.find("added to what is there") != std::string::npos);
   test::rng r{seed};
+  std::vector<shape> const shapes = size == 16 ? std::vector<shape>{{1, 2, 1, 8, 8}, {2, 1, 70, 16, 16}, {1, 1, 130, 24, 24}}
+                                               : std::vector<shape>{{1, 2, 70, size, size}};
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
-    for (shape s : {shape{1, 2, 1, 8, 8}, shape{2, 1, 70, 16, 16}, shape{1, 1, 130, 24, 24}}) {
+    for (shape s : shapes) {
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d);
       auto [q, k, v] = random_inputs(s, dt, r, false);
       auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, r.next()), dt);
@@ -293,6 +296,10 @@ TEST_CASE("backward: a plan that reads one input twice gets one gradient, the su
   check_tied<false, true>(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Q))) * V, 103);       // Q as K
   check_tied<true, false>(normalize(causal(exp(Q * transpose(K) * 0.25))) * K, 104);                        // softmax, K as V
   check_tied<false, false>(normalize(exp(Q * transpose(Q) * 0.25)) * Q, 105);                               // all three one
+  // D = M = 256, split over M's columns: the slices' ∂V columns each written,
+  // the ∂Q and ∂K shares summed and stored (the second one added) by the last.
+  check_tied<true, false>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * K, 106, 256);
+  check_tied<false, true>(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Q))) * V, 107, 256);
 }
 
 // A C × (M+1) fp32 state past one block's shared memory (D = M = 256): one
@@ -335,10 +342,10 @@ TEST_CASE("backward: a state too large for one block is split over M's columns (
     CHECK(z_added == (t > 0));
     check_compiles(chained[t]);
   }
-  // Not split yet: a plan reading an input twice.
-  auto tied = cuda::spec_of(compile<order::linear>(causal(Q * transpose(K)) * K));
+  // Not split yet: a plan reading Q as V too (K as V, Q as K: "backward: a plan that reads one input twice …").
+  auto tied = cuda::spec_of(compile<order::linear>(causal(Q * transpose(K)) * Q));
   tied.d = tied.m = 256;
-  CHECK_THROWS_WITH_AS(cuda::backward_programs_of(tied), doctest::Contains("twice"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(cuda::backward_programs_of(tied), doctest::Contains("Q as V"), std::invalid_argument);
 }
 
 // A few small cases against central finite differences of the expression in

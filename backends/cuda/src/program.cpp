@@ -816,12 +816,13 @@ void tie_shares(std::vector<program>& ps) {
 }  // namespace
 
 namespace {
-// The backward program of a linear spec at the longest chunk that fits, if any.
-std::optional<program> fitting_backward(attention_spec const& s) {
+// The backward program of a linear spec at the longest chunk that fits, if
+// any; its shares of an input read twice tied (tie_shares), unless `tie` is false.
+std::optional<program> fitting_backward(attention_spec const& s, bool tie = true) {
   for (int t : {64, 32, 16}) {
     std::vector<program> p{lay_out_backward(s, t)};
     if (p[0].shared_bytes() > shared_memory_budget) continue;
-    tie_shares(p);
+    if (tie) tie_shares(p);
     return std::move(p[0]);
   }
   return std::nullopt;
@@ -841,12 +842,14 @@ std::string too_large(attention_spec const& s, std::string_view why) {
 // shares to fp32 sums (the first writes, the others add); the last adds the
 // sums to its own share and stores the gradient, rounded once.
 std::vector<program> sliced_backward(attention_spec const& s) {
-  bool const tied = s.q_name == s.k_name || s.q_name == s.v_name || s.k_name == s.v_name;
-  if (tied) throw std::invalid_argument(too_large(s, " (a plan reading an input twice is not split over M's columns yet)"));
+  // Q read as V too: the last slice's ∂Q (its forward walk) would add to the
+  // columns its own ∂V (its reverse walk) has not written yet.
+  if (s.q_name == s.v_name)
+    throw std::invalid_argument(too_large(s, " (a plan reading Q as V too is not split over M's columns yet)"));
   for (std::size_t slices = 2; slices <= s.m; ++slices) {
     attention_spec slice = s;
     slice.m = (s.m + slices - 1) / slices;
-    std::optional<program> fits = fitting_backward(slice);
+    std::optional<program> fits = fitting_backward(slice, false);  // (tied below, over all the slices)
     if (!fits) continue;
     program base = std::move(*fits);
     // The fp32 sums of the gradients that sum over M: ∂Q (out) and the extras marked so (∂K, ∂W, ∂W2).
@@ -906,6 +909,10 @@ std::vector<program> sliced_backward(attention_spec const& s) {
                                           : "its shares added to the fp32 sums");
       ps.push_back(std::move(x));
     }
+    // An input read twice (Q as K, K as V): in launch order its first-stored
+    // share writes and the later ones add — the slices' ∂V columns each write
+    // their own, the ∂Q and ∂K shares reach memory only in the last slice.
+    tie_shares(ps);
     return ps;
   }
   throw std::invalid_argument(too_large(s, ", even for one column of M"));

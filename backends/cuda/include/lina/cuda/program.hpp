@@ -439,8 +439,10 @@ program backward_program_of(attention_spec const& s);
 // rounded once. Chained, each slice reads and writes its columns of the
 // states and the z column; ∂(the state out)'s z starts the first slice's
 // reverse walk only, and the later slices add their shares of ∂S0's z.
-// Launches run in order on one stream: no atomics. Not yet for a plan that
-// reads an input twice (std::invalid_argument).
+// An input read twice (K as V, Q as K) is tied over all the launches: the
+// slices' ∂V columns each written, the ∂Q and ∂K shares stored (the second
+// added) by the last. Launches run in order on one stream: no atomics. Not
+// yet for a plan reading Q as V too (std::invalid_argument).
 std::vector<program> backward_programs_of(attention_spec const& s);
 
 // The chunk-parallel form of a linear forward (splitting N when B·H·m_tiles
