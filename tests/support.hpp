@@ -2,13 +2,16 @@
 // (written here, not with lina), and error bounds.
 #pragma once
 
+#include <doctest/doctest.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <string_view>
+#include <lina/errors.hpp>
 #include <lina/tensor.hpp>
+#include <string>
 #include <vector>
 
 namespace test {
@@ -47,6 +50,29 @@ inline int trials(int n) {
     return e && std::atoi(e) > 0 ? std::atoi(e) : 1;
   }();
   return std::max(2, n / divisor);
+}
+
+// The lina::shape_error that f() throws (a failed check if it throws none).
+template <class F>
+lina::shape_error shape_error_of(F f) {
+  try {
+    f();
+  } catch (lina::shape_error const& e) {
+    return e;
+  }
+  FAIL("no lina::shape_error was thrown");
+  return lina::shape_error("", "", 0, 0, "");
+}
+
+// f() throws a lina::shape_error naming this symbol and dimension with these
+// extents (got, then the expected one).
+template <class F>
+void expect_shape_error(F f, std::string const& symbol, std::string const& dimension, std::size_t got, std::size_t want) {
+  lina::shape_error const e = shape_error_of(f);
+  CHECK(e.symbol() == symbol);
+  CHECK(e.dimension() == dimension);
+  CHECK(e.extent() == got);
+  CHECK(e.expected_extent() == want);
 }
 
 // A sequence length in [1, 1000], mostly short so the quadratic oracles stay quick.

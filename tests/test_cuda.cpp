@@ -478,9 +478,8 @@ TEST_CASE("device: to_device / to_host round trip, evaluate = CPU backend, chain
   auto run = [&]<class E>(shape s, std::uint64_t seed) {
     cuda::dtype const dt = dtype_for<E>();
     CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
-    auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
-    auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
-    auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
+    test::rng r{seed};
+    auto [q, k, v] = random_inputs(s, dt, r, false);
     auto dq = device_copy<E>(q), dk = device_copy<E>(k), dv = device_copy<E>(v);
     // evaluate → a device tensor, against the CPU backend on the same inputs.
     auto got = cuda::to_host(cuda::evaluate(plan, nullptr, Q = dq, K = dk, V = dv));

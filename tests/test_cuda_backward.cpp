@@ -541,10 +541,9 @@ TEST_CASE("device: gradients = their emulation") {
   auto run = [&]<class E>(auto const& plan, shape s, std::uint64_t seed) {
     cuda::dtype const dt = dtype_for<E>();
     CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
-    auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
-    auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
-    auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
-    auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 3), dt);
+    test::rng r{seed};
+    auto [q, k, v] = random_inputs(s, dt, r, false);
+    auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
     auto want = cuda::emulate_gradient(plan, {dt, dt}, dout, Q = q, K = k, V = v);
     auto dq = cuda::to_device<E>(q), dk = cuda::to_device<E>(k), dv = cuda::to_device<E>(v), dd = cuda::to_device<E>(dout);
     auto got = cuda::gradient(plan, dd, nullptr, Q = dq, K = dk, V = dv);

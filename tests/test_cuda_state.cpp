@@ -190,17 +190,6 @@ TEST_CASE("chained: a state of another plan, batch, heads or extent is refused b
   constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   constexpr auto other = compile(normalize(causal(phi<relu>(Q) * transpose(phi<relu>(K)))) * V);
   auto q = tensor<float>::random({2, 3, 10, 4}, 1), v = tensor<float>::random({2, 3, 10, 6}, 2);
-  auto expect = [](auto f, std::string symbol, std::string dimension, std::size_t got, std::size_t want) {
-    try {
-      f();
-      FAIL("no shape_error");
-    } catch (shape_error const& err) {
-      CHECK(err.symbol() == symbol);
-      CHECK(err.dimension() == dimension);
-      CHECK(err.extent() == got);
-      CHECK(err.expected_extent() == want);
-    }
-  };
   cuda::state st(plan, 2, 3, cuda::memory::host);
   auto out = tensor<float>({2, 3, 10, 6});
   cuda::emulate_into(plan, {}, out.view(), st, Q = q, K = q, V = v);  // fixes D = 4, M = 6
@@ -214,14 +203,14 @@ TEST_CASE("chained: a state of another plan, batch, heads or extent is refused b
                        doctest::Contains("this state belongs to the plan"), state_error);
   auto qb = tensor<float>::random({1, 3, 10, 4}, 3), vb = tensor<float>::random({1, 3, 10, 6}, 4);
   auto ob = tensor<float>({1, 3, 10, 6});
-  expect([&] { cuda::emulate_into(plan, {}, ob.view(), st, Q = qb, K = qb, V = vb); }, "Q", "B (batch)", 1, 2);
+  test::expect_shape_error([&] { cuda::emulate_into(plan, {}, ob.view(), st, Q = qb, K = qb, V = vb); }, "Q", "B (batch)", 1, 2);
   auto qh = tensor<float>::random({2, 1, 10, 4}, 5), vh = tensor<float>::random({2, 1, 10, 6}, 6);
   auto oh = tensor<float>({2, 1, 10, 6});
-  expect([&] { cuda::emulate_into(plan, {}, oh.view(), st, Q = qh, K = qh, V = vh); }, "Q", "H (heads)", 1, 3);
+  test::expect_shape_error([&] { cuda::emulate_into(plan, {}, oh.view(), st, Q = qh, K = qh, V = vh); }, "Q", "H (heads)", 1, 3);
   auto qd = tensor<float>::random({2, 3, 10, 5}, 7);
-  expect([&] { cuda::emulate_into(plan, {}, out.view(), st, Q = qd, K = qd, V = v); }, "Q", "D", 5, 4);
+  test::expect_shape_error([&] { cuda::emulate_into(plan, {}, out.view(), st, Q = qd, K = qd, V = v); }, "Q", "D", 5, 4);
   auto wrong = tensor<float>({2, 3, 10, 7});
-  expect([&] { cuda::emulate_into(plan, {}, wrong.view(), st, Q = q, K = q, V = v); }, "out", "cols", 7, 6);
+  test::expect_shape_error([&] { cuda::emulate_into(plan, {}, wrong.view(), st, Q = q, K = q, V = v); }, "out", "cols", 7, 6);
   unchanged();
   // A longer or shorter block is fine: N may change from one block to the next.
   auto q5 = tensor<float>::random({2, 3, 5, 4}, 8), v5 = tensor<float>::random({2, 3, 5, 6}, 9);
@@ -245,7 +234,7 @@ TEST_CASE("chained: a state of another plan, batch, heads or extent is refused b
   CHECK_THROWS_WITH_AS(cuda::evaluate_into(plan, dout, foreign, nullptr, Q = dq, K = dq, V = dv),
                        doctest::Contains("this state belongs to the plan"), state_error);
   cuda::state small(plan, 1, 3);
-  expect([&] { cuda::evaluate_into(plan, dout, small, nullptr, Q = dq, K = dq, V = dv); }, "Q", "B (batch)", 2, 1);
+  test::expect_shape_error([&] { cuda::evaluate_into(plan, dout, small, nullptr, Q = dq, K = dq, V = dv); }, "Q", "B (batch)", 2, 1);
   unchanged();
 }
 
@@ -361,9 +350,8 @@ TEST_CASE("device: recurrent steps = their emulation, and allocate nothing after
   auto run = [&]<class E>(shape s, std::uint64_t seed) {
     cuda::dtype const dt = dtype_for<E>();
     CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
-    auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
-    auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
-    auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);
+    test::rng r{seed};
+    auto [q, k, v] = random_inputs(s, dt, r, false);
     auto gpu = cuda::recurrent(plan, s.b, s.h, {dt, dt});
     auto host = cuda::recurrent(plan, s.b, s.h, {dt, dt}, cuda::memory::host);
     std::size_t const prompt = s.n / 2;

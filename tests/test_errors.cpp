@@ -8,6 +8,7 @@
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
 #include <string>
+#include "support.hpp"
 
 using namespace lina;
 
@@ -19,23 +20,12 @@ constexpr auto Q = input<"Q">(N, D);
 constexpr auto K = input<"K">(N, D);
 constexpr auto V = input<"V">(N, M);
 constexpr auto attn = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
-
-template <class F>
-shape_error catch_shape_error(F f) {
-  try {
-    f();
-  } catch (shape_error const& e) {
-    return e;
-  }
-  FAIL("no lina::shape_error was thrown");
-  return shape_error("", "", 0, 0, "");
-}
 }  // namespace
 
 TEST_CASE("a sequence length that disagrees between inputs names both extents") {
   auto q = tensor<float>::random({1, 2, 10, 4}, 1), k = tensor<float>::random({1, 2, 9, 4}, 2);
   auto v = tensor<float>::random({1, 2, 10, 3}, 3);
-  auto e = catch_shape_error([&] { cpu::evaluate(compile(attn), Q = q, K = k, V = v); });
+  auto e = test::shape_error_of([&] { cpu::evaluate(compile(attn), Q = q, K = k, V = v); });
   CHECK(e.symbol() == "K");
   CHECK(e.dimension() == "N");
   CHECK(e.extent() == 9);
@@ -46,7 +36,7 @@ TEST_CASE("a sequence length that disagrees between inputs names both extents") 
 TEST_CASE("a static extent that the tensor does not have") {
   auto q = tensor<double>::random({1, 1, 10, 5}, 1), k = tensor<double>::random({1, 1, 10, 4}, 2);
   auto v = tensor<double>::random({1, 1, 10, 3}, 3);
-  auto e = catch_shape_error([&] { cpu::evaluate(compile(attn), Q = q, K = k, V = v); });
+  auto e = test::shape_error_of([&] { cpu::evaluate(compile(attn), Q = q, K = k, V = v); });
   CHECK(e.symbol() == "Q");
   CHECK(e.dimension() == "D");
   CHECK(e.extent() == 5);
@@ -57,10 +47,10 @@ TEST_CASE("a static extent that the tensor does not have") {
 TEST_CASE("batch and heads must agree across inputs") {
   auto q = tensor<float>::random({2, 2, 10, 4}, 1), k = tensor<float>::random({1, 2, 10, 4}, 2);
   auto v = tensor<float>::random({2, 3, 10, 3}, 3);
-  auto e = catch_shape_error([&] { cpu::evaluate(compile(attn), Q = q, K = k, V = q); });
+  auto e = test::shape_error_of([&] { cpu::evaluate(compile(attn), Q = q, K = k, V = q); });
   CHECK(e.symbol() == "K");
   CHECK(e.dimension() == "B (batch)");
-  auto e2 = catch_shape_error([&] { cpu::evaluate(compile(attn), Q = q, K = q, V = v); });
+  auto e2 = test::shape_error_of([&] { cpu::evaluate(compile(attn), Q = q, K = q, V = v); });
   CHECK(e2.symbol() == "V");
   CHECK(e2.dimension() == "H (heads)");
   CHECK(e2.extent() == 3);
@@ -71,7 +61,7 @@ TEST_CASE("evaluate_into checks the output's shape") {
   auto q = tensor<float>::random({1, 2, 10, 4}, 1);
   auto v = tensor<float>::random({1, 2, 10, 3}, 3);
   tensor<float> out({1, 2, 10, 4});
-  auto e = catch_shape_error([&] { cpu::evaluate_into(compile(attn), out.view(), Q = q, K = q, V = v); });
+  auto e = test::shape_error_of([&] { cpu::evaluate_into(compile(attn), out.view(), Q = q, K = q, V = v); });
   CHECK(e.symbol() == "out");
   CHECK(e.extent() == 4);
   CHECK(e.expected_extent() == 3);

@@ -109,22 +109,10 @@ TEST_CASE("dout must have the output's shape") {
   auto q = tensor<float>::random({1, 2, 10, 4}, 1), v = tensor<float>::random({1, 2, 10, 3}, 2);
   auto bad_rows = tensor<float>::random({1, 2, 9, 3}, 3), bad_cols = tensor<float>::random({1, 2, 10, 4}, 4);
   auto plan = compile(causal_attn<elu_plus_one>);
-  try {
-    cpu::gradient(plan, bad_rows, Q = q, K = q, V = v);
-    FAIL("no shape_error");
-  } catch (shape_error const& e) {
-    CHECK(e.symbol() == "dout");
-    CHECK(e.dimension() == "N");
-    CHECK(e.extent() == 9);
-    CHECK(e.expected_extent() == 10);
-  }
-  try {
-    cpu::gradient(plan, bad_cols, Q = q, K = q, V = v);
-    FAIL("no shape_error");
-  } catch (shape_error const& e) {
-    CHECK(e.symbol() == "dout");
-    CHECK(e.dimension() == "M");
-  }
+  test::expect_shape_error([&] { cpu::gradient(plan, bad_rows, Q = q, K = q, V = v); }, "dout", "N", 9, 10);
+  auto const e = test::shape_error_of([&] { cpu::gradient(plan, bad_cols, Q = q, K = q, V = v); });
+  CHECK(e.symbol() == "dout");
+  CHECK(e.dimension() == "M");
 }
 
 TEST_CASE("gradients come back in the layout of their inputs") {
@@ -179,14 +167,10 @@ TEST_CASE("gradient_into writes the gradients into caller views, in any layout, 
   tensor<double> short_dk({b, h, n - 1, d}, -7.0), dq2({b, h, n, d}, -7.0);
   into[Q] = dq2.view();
   into[K] = short_dk.view();
-  try {
-    cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v);
-    FAIL("no shape_error");
-  } catch (shape_error const& e) {
-    CHECK(e.symbol() == "∂K");
-    CHECK(e.dimension() == "rows");
-    CHECK(e.extent() == n - 1);
-  }
+  auto const e = test::shape_error_of([&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); });
+  CHECK(e.symbol() == "∂K");
+  CHECK(e.dimension() == "rows");
+  CHECK(e.extent() == n - 1);
   bool untouched = true;
   for (std::size_t i = 0; i < dq2.size(); ++i) untouched = untouched && dq2.data()[i] == -7.0;
   CHECK(untouched);

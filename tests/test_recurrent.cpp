@@ -146,25 +146,14 @@ TEST_CASE("stepping with the wrong shape throws shape_error, and a foreign state
   };
   auto q = tok(2, 3, 1, 4), v = tok(2, 3, 1, 6);
   rnn.step(Q = q, K = q, V = v);  // fixes D = 4, M = 6
-  auto expect = [](auto f, std::string symbol, std::string dimension, std::size_t got, std::size_t want) {
-    try {
-      f();
-      FAIL("no shape_error");
-    } catch (shape_error const& err) {
-      CHECK(err.symbol() == symbol);
-      CHECK(err.dimension() == dimension);
-      CHECK(err.extent() == got);
-      CHECK(err.expected_extent() == want);
-    }
-  };
   auto qb = tok(3, 3, 1, 4), vb = tok(3, 3, 1, 6);
-  expect([&] { rnn.step(Q = qb, K = qb, V = vb); }, "Q", "B (batch)", 3, 2);
+  test::expect_shape_error([&] { rnn.step(Q = qb, K = qb, V = vb); }, "Q", "B (batch)", 3, 2);
   auto qh = tok(2, 1, 1, 4), vh = tok(2, 1, 1, 6);
-  expect([&] { rnn.step(Q = qh, K = qh, V = vh); }, "Q", "H (heads)", 1, 3);
+  test::expect_shape_error([&] { rnn.step(Q = qh, K = qh, V = vh); }, "Q", "H (heads)", 1, 3);
   auto qd = tok(2, 3, 1, 5);
-  expect([&] { rnn.step(Q = qd, K = qd, V = v); }, "Q", "D", 5, 4);
+  test::expect_shape_error([&] { rnn.step(Q = qd, K = qd, V = v); }, "Q", "D", 5, 4);
   auto q2 = tok(2, 3, 2, 4), v2 = tok(2, 3, 2, 6);
-  expect([&] { rnn.step(Q = q2, K = q2, V = v2); }, "Q", "N", 2, 1);
+  test::expect_shape_error([&] { rnn.step(Q = q2, K = q2, V = v2); }, "Q", "N", 2, 1);
 
   // a state from another plan, or for another batch, is refused
   auto other = cpu::recurrent<float>(compile(causal_attn<relu>), 2, 3);
