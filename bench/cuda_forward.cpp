@@ -226,13 +226,15 @@ void ablate(cuda::program const& base, cuda::forward_args const& a, double full_
   }
 }
 
-// The backward of one shape: its kernel launched on preallocated gradients,
-// timed like the forward; prints a row. True when ∂Q's first rows of the last
-// (batch, head) match the emulation.
+// The backward of one shape: its kernels launched on preallocated gradients,
+// timed like the forward; prints a row. Where cuda::gradient splits N (too few
+// (batch, head) blocks for the SMs), the three launches of the chunk-parallel
+// form, with the one-pass kernel timed beside them. True when ∂Q's first rows
+// of the last (batch, head) match the emulation.
 bool time_backward(shape const& s, std::vector<std::uint16_t> const& hq, std::vector<std::uint16_t> const& hk,
                    std::vector<std::uint16_t> const& hv, cuda::tensor<cuda::bf16> const& q, cuda::tensor<cuda::bf16> const& k,
                    cuda::tensor<cuda::bf16> const& v, double fwd_ms, double copy_bw, double budget, std::size_t check_rows,
-                   cudaStream_t stream, double* ms_out) {
+                   int sms, cudaStream_t stream, double* ms_out) {
   std::size_t const m = s.d;
   shape4 const sq{s.b, s.h, s.t, s.d}, sv{s.b, s.h, s.t, m};
   auto hd = random_bf16(s.b * s.h * s.t * m, 99);
@@ -247,8 +249,26 @@ bool time_backward(shape const& s, std::vector<std::uint16_t> const& hq, std::ve
   a.extra[0] = cuda::detail::device_operand(gk.view());
   a.extra[1] = cuda::detail::device_operand(gv.view());
   a.extra[2] = cuda::detail::device_operand(scratch.view());
+  // The chunk-parallel form where cuda::gradient takes it: the groups' sums in two more fp32 buffers.
+  std::vector<cuda::program> const split = cuda::split_backward_programs_of(spec);
+  std::int64_t const group_rows =
+      split.empty() ? 0 : cuda::split_rows(cuda::blocks_of(p, a), static_cast<std::int64_t>(s.t), p.tiles.chunk, sms);
+  std::size_t const groups = group_rows > 0 ? (s.t + static_cast<std::size_t>(group_rows) - 1) / static_cast<std::size_t>(group_rows) : 0;
+  cuda::tensor<float> partials({s.b, s.h, groups * s.d, m + 1}), adjoint_partials({s.b, s.h, groups * s.d, m + 1});
+  cuda::forward_args sa = a;
+  if (group_rows > 0) {
+    sa.group_rows = group_rows;
+    sa.extra[cuda::extra_named(split[0], "partials")] = cuda::detail::device_operand(partials.view());
+    sa.extra[cuda::extra_named(split[0], "∂ partials")] = cuda::detail::device_operand(adjoint_partials.view());
+  }
+  auto run = [&] {
+    if (group_rows > 0)
+      for (cuda::program const& x : split) cuda::launch(x, sa, stream);
+    else
+      cuda::launch(p, a, stream);
+  };
   int reps = 0;
-  double const ms = time_within([&] { cuda::launch(p, a, stream); }, budget, 50, stream, &reps);
+  double const ms = time_within(run, budget, 50, stream, &reps);
   *ms_out = ms;
 
   // ∂Q of the first rows of the last (batch, head): they depend on those rows alone.
@@ -276,7 +296,13 @@ bool time_backward(shape const& s, std::vector<std::uint16_t> const& hq, std::ve
   double const bytes = 11.0 * 2.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d);  // D = M
   double const gbs = bytes / ((fwd_ms + ms) * 1e-3) / 1e9;
   fmt::print("| ↳ backward | | | | {} | {} | {} | {:.3f} (fwd+bwd {:.3f}) | | {:.0f} (fwd+bwd floor bytes) | {:.1f} % | ∂Q {:.1e} {} |\n",
-             p.kernel_name, p.tiles.chunk, reps, ms, fwd_ms + ms, gbs, 100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
+             group_rows > 0 ? split.back().kernel_name : p.kernel_name, p.tiles.chunk, reps, ms, fwd_ms + ms, gbs,
+             100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
+  if (group_rows > 0) {
+    double const one_ms = time_launches([&] { cuda::launch(p, a, stream); }, std::min(reps, 20), stream);
+    fmt::print("| ↳ above: split into groups of {} rows (three launches); one pass | | | | {} | {} | {} | {:.3f} | | | | |\n",
+               group_rows, p.kernel_name, p.tiles.chunk, std::min(reps, 20), one_ms);
+  }
   std::fflush(stdout);
   return ok;
 }
@@ -483,7 +509,8 @@ int main(int argc, char** argv) {
       }
       double bwd_ms = 0;
       if (backward) {
-        bool const bwd_ok = time_backward(s, hq, hk, hv, q, k, v, ms, copy_bw, budget, check_rows, stream, &bwd_ms);
+        bool const bwd_ok = time_backward(s, hq, hk, hv, q, k, v, ms, copy_bw, budget, check_rows, prop.multiProcessorCount,
+                                          stream, &bwd_ms);
         failures += bwd_ok ? 0 : 1;
       }
       if (out) {

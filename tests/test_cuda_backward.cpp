@@ -277,9 +277,19 @@ void check_tied(Expr const& expr, std::uint64_t seed, std::size_t size = 16) {
       auto cpu = on_inputs_of(plan, [&](auto const& p, auto const&... b) { return cpu::gradient(p, dout, b...); }, Q = q, K = k, V = v);
       auto exact = on_inputs_of(expr, [&](auto const& p, auto const&... b) { return cpu::gradient(p, wd, b...); },
                                 Q = widened(q), K = widened(k), V = widened(v));
+      // A causal linear plan's chunk-parallel form too (groups of one chunk): the shares tied over its launches.
+      cuda::options split{dt, dt, true};
+      auto split_spec = cuda::spec_of(plan, split);
+      split_spec.d = s.d, split_spec.m = s.m;
+      auto const sp = cuda::split_backward_programs_of(split_spec);
+      split.split_rows = sp.empty() ? 0 : sp[0].tiles.chunk;
+      auto split_got = sp.empty() ? got : on_inputs_of(plan, [&](auto const& p, auto const&... b) {
+        return cuda::emulate_gradient(p, split, dout, b...);
+      }, Q = q, K = k, V = v);
       auto one = [&](auto const& x) {
         CHECK(relative_rms(got[x], cpu[x]) <= tolerance(dt));
         CHECK(relative_rms(got[x], as_float(exact[x])) <= tolerance(dt));
+        CHECK(relative_rms(split_got[x], cpu[x]) <= tolerance(dt));
       };
       if (s.n > 1 || !spec.normalized) {  // (one token of a normalised plan: ∂Q, ∂K are eps-sized)
         one(Q);
@@ -433,6 +443,88 @@ TEST_CASE("backward: emulated gradients = finite differences in double, small ca
   check_fd(exp(Q * transpose(K)) * V, {2, 1, 5, 4, 3}, 96);
 }
 
+// ---- the chunk-parallel backward (splitting N) -----------------------------------------
+namespace {
+// Groups of 1, 2 and 3 chunks (and one group for all) against one pass of the
+// backward: the same sums in another order (fp32: to 1e-5; 16-bit: within the
+// output's rounding). The three launches compile where `compiles`.
+template <class Expr>
+void check_split_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, bool positive = false,
+                          bool compiles = false) {
+  auto const plan = compile<order::linear>(expr);
+  test::rng r{seed};
+  double worst = 0;
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    for (shape const& s : cases) {
+      auto [q, k, v] = random_inputs(s, dt, r, positive);
+      auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+      for (bool exact : {true, false}) {
+        if (!exact && dt == cuda::dtype::f32) continue;
+        cuda::options opt{dt, dt, exact};
+        auto const once = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+        auto spec = cuda::spec_of(plan, opt);
+        spec.d = s.d, spec.m = s.m;
+        auto const sp = cuda::split_backward_programs_of(spec);
+        REQUIRE(sp.size() == 3);
+        std::int64_t const t = sp[0].tiles.chunk;
+        for (std::int64_t rows : {t, 2 * t, 3 * t, 1000 * t}) {
+          CAPTURE(cuda::name_of(dt)); CAPTURE(exact); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+          CAPTURE(rows);
+          cuda::options split = opt;
+          split.split_rows = rows;
+          auto g = cuda::emulate_gradient(plan, split, dout, Q = q, K = k, V = v);
+          double const tol = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt);
+          for (auto [name, x, y] : {std::tuple{"∂Q", &g[Q], &once[Q]}, std::tuple{"∂K", &g[K], &once[K]},
+                                    std::tuple{"∂V", &g[V], &once[V]}}) {
+            CAPTURE(name);
+            double const e = relative_rms(*x, *y);
+            CHECK(e <= tol);
+            worst = std::max(worst, e / tol);
+          }
+        }
+        if (compiles && &s == &cases.front() && exact == (dt == cuda::dtype::f32))  // the kernels launches use
+          for (auto const& p : sp) check_compiles(p);
+      }
+    }
+  MESSAGE("split backward: largest error / tolerance: " << worst);
+}
+}  // namespace
+
+// Too few (batch, head) blocks for the device (B·H below its SMs): groups of
+// rows in three launches (program.hpp, split_backward_programs_of) — each
+// group's Σ φ(K)ᵀ[V|1]; each group's Σ φ(Q)ᵀĝ after its rows' adjoint; then
+// each group's forward and reverse walks from the groups before and after it.
+TEST_CASE("backward, split: the chunk-parallel form (groups of rows, three launches) = one pass") {
+  // One token; several groups, D ≠ M; N not a multiple of the chunk (a short last group); D = M = 128 (T = 16).
+  check_split_backward(causal_expr, 111, {{1, 2, 1, 7, 4}, {2, 1, 300, 16, 8}, {1, 2, 257, 24, 100}, {1, 1, 200, 128, 128}},
+                       false, true);
+  check_split_backward(causal(Q * transpose(K)) * V, 112, {{2, 1, 300, 16, 8}, {1, 1, 130, 128, 128}}, false, true);
+  check_split_backward(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 113, {{1, 2, 150, 9, 70}});
+  check_split_backward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 114, {{1, 2, 150, 6, 5}}, true);
+  // The launches: the first two only sum (their registers trimmed), the last walks.
+  auto spec = cuda::spec_of(compile<order::linear>(causal_expr));
+  spec.d = spec.m = 128;
+  auto const sp = cuda::split_backward_programs_of(spec);
+  REQUIRE(sp.size() == 3);
+  CHECK(sp[0].shared_bytes() < sp[2].shared_bytes());
+  CHECK(sp[1].shared_bytes() < sp[2].shared_bytes());
+  CHECK(sp[2].shared_bytes() == cuda::backward_program_of(spec).shared_bytes());
+  std::string const walks = cuda::listing(sp[2]);
+  CHECK(walks.find("add_partials state += Σ partials[g < group") != std::string::npos);
+  CHECK(walks.find("add_partials state += Σ ∂ partials[g > group") != std::string::npos);
+  CHECK(walks.find("rowdiv_grad") == std::string::npos);  // ĝ comes from the second launch
+  // No split form: softmax, non-causal plans, parametric maps (∂W sums over
+  // every row), a state split over M's columns.
+  for (auto other : {cuda::spec_of(compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V)),
+                     cuda::spec_of(compile<order::linear>(full_expr)),
+                     cuda::spec_of(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V))}) {
+    other.d = other.m = other.f = 16;
+    CHECK(cuda::split_backward_programs_of(other).empty());
+  }
+  spec.d = spec.m = 256;
+  CHECK(cuda::split_backward_programs_of(spec).empty());
+}
+
 // A sequence evaluated in two chained blocks is differentiated last block
 // first: the second block's backward starts its forward walk from the state
 // the first left and hands back the gradient of that state, which the first
@@ -485,10 +577,30 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
                 }
           CHECK(relative_rms(sums_of(d0), want) <= 1e-5);
         }
+        // Each block's backward in groups of one chunk (the chunk-parallel form,
+        // where the plan has one): the same gradients and states.
+        auto split_spec = cuda::spec_of(plan, opt);
+        split_spec.d = s.d, split_spec.m = s.m, split_spec.chained = true;
+        if (auto const sp = cuda::split_backward_programs_of(split_spec); !sp.empty()) {
+          cuda::options split = opt;
+          split.split_rows = sp[0].tiles.chunk;
+          auto [h2, e1] = cuda::emulate_gradient(plan, split, second(dout), s1, none, Q = second(q), K = second(k), V = second(v));
+          auto [h1, e0] = cuda::emulate_gradient(plan, split, first(dout), none, e1, Q = first(q), K = first(k), V = first(v));
+          double const tol = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt);
+          for (auto const& [name, a, b] : {std::tuple{"split ∂Q", &h1[Q], &g1[Q]}, std::tuple{"split ∂K", &h1[K], &g1[K]},
+                                           std::tuple{"split ∂V", &h1[V], &g1[V]}, std::tuple{"split ∂Q", &h2[Q], &g2[Q]},
+                                           std::tuple{"split ∂K", &h2[K], &g2[K]}, std::tuple{"split ∂V", &h2[V], &g2[V]}}) {
+            CAPTURE(name);
+            CHECK(relative_rms(*a, *b) <= tol);
+          }
+          CHECK(relative_rms(sums_of(e1), sums_of(d1)) <= tol);
+          CHECK(relative_rms(sums_of(e0), sums_of(d0)) <= tol);
+        }
       }
     auto chained = cuda::spec_of(plan);
     chained.d = 12, chained.m = 9, chained.chained = true;
     check_compiles(cuda::backward_program_of(chained));
+    for (auto const& p : cuda::split_backward_programs_of(chained)) check_compiles(p);
   };
   check(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 81, {{1, 2, 70, 256, 256}});
   check(causal(Q * transpose(K)) * V, 82, {{1, 1, 40, 256, 256}});
@@ -565,6 +677,11 @@ TEST_CASE("device: gradients = their emulation") {
     run.template operator()<cuda::bf16>(softmax_plan, s, 950);
   }
   run.template operator()<cuda::bf16>(causal_plan, shape{1, 2, 100, 256, 256}, 960);  // three slices of M's columns
+  // Two (batch, head) blocks for the whole device: cuda::gradient splits N into
+  // groups of rows (three launches; also the D = 128 shape above), against one
+  // emulated pass.
+  run.template operator()<float>(causal_plan, shape{1, 2, 1000, 64, 64}, 970);
+  run.template operator()<cuda::bf16>(causal_plan, shape{1, 2, 1000, 64, 64}, 980);
   // favor: ∂W per (batch, head) too, W one device matrix shown to every (batch, head)
   // (zero strides); no rows: no launch runs, and ∂W is zeros; inside softmax: three launches.
   auto favor_case = [&](auto const& plan, std::size_t n) {

@@ -215,13 +215,17 @@ struct emitter {
              cols(i.dst), pitch(i.dst), yes(i.z_column), t, width(i), i.accumulate ? ", true" : "");
         break;
       case opcode::store_partial:  // this group's sums, rows group·C … (a partials program)
-        line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.extra[0], extra0_base + group * {} * args.extra[0].stride[2], m0, {});",
-             rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, rows(i.dst), width(i));
+        line(ind, "tl::store_state<{}, {}, {}, {}>({}, args.extra[{}], extra{}_base + group * {} * args.extra[{}].stride[2], m0, {});",
+             rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, i.slot, i.slot, rows(i.dst), i.slot, width(i));
         break;
-      case opcode::add_partials:  // the sums of the groups before this one (non-causal: of every group of K's rows)
-        line(ind, "tl::add_partials<{}, {}, {}, {}>({}, args.extra[0], extra0_base, {} * args.extra[0].stride[2], {}, m0, {});",
-             rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, rows(i.dst),
-             p.spec.causal ? "group" : "(keys_n + args.group_rows - 1) / args.group_rows", width(i));
+      case opcode::add_partials:  // the sums of the groups before this one (non-causal: of every group of K's rows;
+                                  // later: of the groups after it)
+        line(ind, "tl::add_partials<{}, {}, {}, {}>({}, args.extra[{}], extra{}_base, {} * args.extra[{}].stride[2], {}, m0, {});",
+             rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, i.slot, i.slot, rows(i.dst), i.slot,
+             i.later         ? "group + 1, groups"
+             : p.spec.causal ? "0, group"
+                             : "0, (keys_n + args.group_rows - 1) / args.group_rows",
+             width(i));
         break;
     }
   }
@@ -253,12 +257,7 @@ struct emitter {
     mark(p.epilogue);
     // Every instruction, wherever it runs (prologue, passes, epilogue).
     std::vector<cuda::instruction const*> all;
-    for (auto const& i : p.prologue) all.push_back(&i);
-    for (auto const& pass : p.passes) {
-      for (auto const& i : pass.before) all.push_back(&i);
-      for (auto const& i : pass) all.push_back(&i);
-    }
-    for (auto const& i : p.epilogue) all.push_back(&i);
+    for_each_instruction(p, [&](cuda::instruction const& i) { all.push_back(&i); });
     float eps = 0;
     bool divides = false;
     for (auto const* i : all)
@@ -320,9 +319,13 @@ struct emitter {
       std::string_view const n = p.key_major ? "keys_n" : "args.n";  // (key-major: groups of K's rows)
       line(2, "const long long groups = ({} + args.group_rows - 1) / args.group_rows;", n);
       line(2, "const long long group = blockIdx.x % groups, tile = blockIdx.x / groups;");
-      bool partials = false;
-      for (auto const& i : p.epilogue) partials = partials || i.op == opcode::store_partial;
-      if (partials && p.spec.causal) line(2, "if (group == groups - 1) return;  // nobody reads the last group's sums");
+      // Nobody reads a causal program's last group's sums (a suffix's: the
+      // first's): a block that stores nothing else returns at once.
+      bool stores = false;
+      for (auto const* i : all) stores = stores || i->op == opcode::store || i->op == opcode::store_state;
+      for (auto const& i : p.epilogue)
+        if (i.op == opcode::store_partial && !stores && (i.later || p.spec.causal))
+          line(2, "if (group == {}) return;  // nobody reads this group's sums", i.later ? "0" : "groups - 1");
       line(2, "const long long row_begin = group * args.group_rows;");
       line(2, "const long long row_end = {} - row_begin < args.group_rows ? {} : row_begin + args.group_rows;", n, n);
     }
@@ -353,9 +356,8 @@ struct emitter {
       if (i->op == opcode::store && i->slot >= 0) extra.at(static_cast<std::size_t>(i->slot)) = true;
       if (i->op == opcode::load_state && i->slot >= 0) extra.at(static_cast<std::size_t>(i->slot)) = true;
     }
-    for (auto const* list : {&p.prologue, &p.epilogue})
-      for (auto const& i : *list)
-        if (i.op == opcode::store_partial || i.op == opcode::add_partials) extra.at(0) = true;
+    for (auto const* i : all)
+      if (i->op == opcode::store_partial || i->op == opcode::add_partials) extra.at(static_cast<std::size_t>(i->slot)) = true;
     for (std::size_t s = 0; s < p.inputs.size(); ++s)
       if (loaded[s])
         line(2, "const long long in{}_base = b * args.in[{}].stride[0] + h * args.in[{}].stride[1];  // {}", s, s, s,
@@ -369,10 +371,13 @@ struct emitter {
       if (extra[e])
         line(2, "const long long extra{}_base = b * args.extra[{}].stride[0] + h * args.extra[{}].stride[1];  // {}", e, e,
              e, p.extras[e].name);
-    if (p.spec.chained) {
-      line(2, "const long long state_in_base = b * args.state_in.stride[0] + h * args.state_in.stride[1];");
-      line(2, "const long long state_out_base = b * args.state_out.stride[0] + h * args.state_out.stride[1];");
+    bool state_in = false, state_out = false;  // (a chained split backward's sums launch touches neither)
+    for (auto const* i : all) {
+      state_in = state_in || (i->op == opcode::load_state && i->slot < 0);
+      state_out = state_out || i->op == opcode::store_state;
     }
+    if (state_in) line(2, "const long long state_in_base = b * args.state_in.stride[0] + h * args.state_in.stride[1];");
+    if (state_out) line(2, "const long long state_out_base = b * args.state_out.stride[0] + h * args.state_out.stride[1];");
     // A quadratic program's prologue, what runs before its passes and its
     // epilogue work on the block's own rows (query rows; key-major: key rows).
     auto own_rows = [&](std::vector<cuda::instruction> const& list) {
@@ -398,11 +403,14 @@ struct emitter {
         own_rows(pass.before);
       else
         for (auto const& i : pass.before) {
-          if (i.op != opcode::zero && i.op != opcode::load_state)
-            throw std::logic_error("lina::cuda::emit: what runs before a pass is a zero or a load_state instruction");
+          if (i.op != opcode::zero && i.op != opcode::load_state && i.op != opcode::add_partials)
+            throw std::logic_error(
+                "lina::cuda::emit: what runs before a pass is a zero, a load_state or an add_partials instruction");
           instruction(2, i);
         }
-      if (pass.reverse)  // the same chunks, last first
+      if (pass.reverse && p.split)  // the group's chunks, last first (a group has rows)
+        line(2, "for (long long r0 = row_begin + (row_end - row_begin - 1) / chunk * chunk; r0 >= row_begin; r0 -= chunk) {{  // last first");
+      else if (pass.reverse)  // the same chunks, last first
         line(2, "for (long long r0 = args.n > 0 ? (args.n - 1) / chunk * chunk : -1; r0 >= 0; r0 -= chunk) {{  // last first");
       else if (p.split)
         line(2, "for (long long r0 = row_begin; r0 < row_end; r0 += chunk) {{");
@@ -437,8 +445,12 @@ struct emitter {
       if (i.op != opcode::store_state && i.op != opcode::store_partial && !whole)
         throw std::logic_error(
             "lina::cuda::emit: an epilogue holds only store_state, store_partial and whole loads and stores (∂W)");
-      if (p.split && i.op == opcode::store_state) {  // the last group's sums cover every row
-        line(2, "if (group == groups - 1) {{");
+      if (p.split && i.op == opcode::store_state) {  // the last group's sums cover every row (later: the first's)
+        line(2, "if (group == {}) {{", i.later ? "0" : "groups - 1");
+        instruction(4, i);
+        line(2, "}}");
+      } else if (i.op == opcode::store_partial && (i.later || p.spec.causal)) {  // (the group nobody reads)
+        line(2, "if (group != {}) {{", i.later ? "0" : "groups - 1");
         instruction(4, i);
         line(2, "}}");
       } else {

@@ -215,7 +215,8 @@ struct block {
         break;
       }
       case opcode::store_partial: {
-        operand const& s = a.extra[0];
+        if (unread(i)) break;
+        operand const& s = a.extra[i.slot];
         auto* data = static_cast<float*>(const_cast<void*>(s.data));
         std::int64_t base = slice_offset(s) + group * t.rows * s.stride[2], c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
         for (int r = 0; r < t.rows; ++r) {
@@ -225,12 +226,13 @@ struct block {
         break;
       }
       case opcode::add_partials: {
-        operand const& s = a.extra[0];
+        operand const& s = a.extra[i.slot];
         auto const* data = static_cast<float const*>(s.data);
         std::int64_t const c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
-        // causal: the groups before this one; else every group of K's rows
-        std::int64_t const upto = p.spec.causal ? group : (keys_of(a) + a.group_rows - 1) / a.group_rows;
-        for (std::int64_t g = 0; g < upto; ++g) {
+        // causal: the groups before this one (later: after it); else every group of K's rows
+        std::int64_t const from = i.later ? group + 1 : 0;
+        std::int64_t const upto = i.later ? groups : p.spec.causal ? group : (keys_of(a) + a.group_rows - 1) / a.group_rows;
+        for (std::int64_t g = from; g < upto; ++g) {
           std::int64_t const base = slice_offset(s) + g * t.rows * s.stride[2];
           for (int r = 0; r < t.rows; ++r)
             for (int c = 0; c < t.cols; ++c) {
@@ -363,7 +365,8 @@ struct block {
         break;
       }
       case opcode::store_state: {
-        if (p.split && group + 1 < groups) break;  // the last group's sums cover every row
+        if (p.split && (i.later ? group != 0 : group + 1 < groups)) break;  // the last group's sums cover every row
+                                                                            // (later, a reverse walk's: the first's)
         operand const& s = a.state_out;
         auto* data = static_cast<float*>(const_cast<void*>(s.data));
         std::int64_t base = slice_offset(s), c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
@@ -402,12 +405,20 @@ struct block {
     run(i, r0, rows);
     settle(i);
   }
-  // A causal partials program's blocks of the last group do nothing (program.hpp).
+  // Nobody reads a causal group's sums of the last group (a suffix's, later: of
+  // the first): its store_partial does nothing, nor do its blocks at all when
+  // they store nothing else (program.hpp).
+  bool unread(instruction const& i) const {
+    return i.op == opcode::store_partial && (i.later ? group == 0 : p.spec.causal && group + 1 == groups);
+  }
   bool idle() const {
-    if (!p.split || !p.spec.causal || group + 1 < groups) return false;
-    for (auto const& i : p.epilogue)
-      if (i.op == opcode::store_partial) return true;
-    return false;
+    if (!p.split) return false;
+    bool skipped = false, stores = false;
+    for_each_instruction(p, [&](instruction const& i) {
+      skipped = skipped || unread(i);
+      stores = stores || i.op == opcode::store || i.op == opcode::store_state;
+    });
+    return skipped && !stores;
   }
 
   void run_all() {

@@ -430,11 +430,17 @@ void check_maps(attention_spec const& s) {
     throw std::invalid_argument("lina::cuda: a W of φ(K)'s own needs φ(Q) and φ(K) to be one parametric map");
 }
 
+// What lay_out_backward lays out: the whole backward, or one launch of its
+// chunk-parallel form (program.hpp, split_backward_programs_of).
+enum class backward_part { whole, sums, adjoint_sums, walks };
+
 // The backward program of a (valid) spec at chunk T (program.hpp,
 // backward_program_of). Slots: Q, K, V, ∂out in 0–3, W (and φ(K)'s own W) in
 // 4 (5); extra[0] ∂K, extra[1] ∂V, extra[2] the scratch rows ĝ (normalised
-// only), then ∂W (and ∂W2) for a parametric map, then ∂state (chained).
-program lay_out_backward(attention_spec const& s, int t) {
+// only), then ∂W (and ∂W2) for a parametric map, then ∂state (chained), then
+// a split part's groups' sums ("partials", "∂ partials"). A split part has the
+// whole program's registers (drop_unused_registers trims them).
+program lay_out_backward(attention_spec const& s, int t, backward_part part = backward_part::whole) {
   builder b;
   program& p = b.p;
   p.spec = s;
@@ -473,6 +479,18 @@ program lay_out_backward(attention_spec const& s, int t) {
   int const d_final = s.chained ? static_cast<int>(p.extras.size()) : -1;  // chained: ∂(the state it leaves), read
   if (s.chained)
     p.extras.push_back({"∂state out", dtype::f32, "the gradient of the state the block leaves, fp32 [B, H, C, W] (0: the end)"});
+  bool const split = part != backward_part::whole;
+  int const sums_at = split ? static_cast<int>(p.extras.size()) : -1;  // the groups' Σ φ(K)ᵀ[V|1], then Σ φ(Q)ᵀĝ
+  if (split) {
+    p.split = true;
+    for (std::string_view x : {"partials", "∂ partials"})
+      p.extras.push_back({.name = std::string(x), .type = dtype::f32,
+                          .comment = x == "partials" ? "Σ φ(K)ᵀ" + std::string(s.normalized ? "[V|1]" : "V") +
+                                                           " per group of rows, fp32 [B, H, groups·C, W]"
+                                                     : "Σ φ(Q)ᵀĝ per group of rows, fp32 [B, H, groups·C, W]",
+                          .cols = static_cast<std::size_t>(m) + (s.normalized ? 1 : 0),
+                          .rows = static_cast<std::size_t>(c), .per_group = true});
+  }
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
   std::string const cdim = row_map ? "C" : "D";
@@ -507,8 +525,23 @@ program lay_out_backward(attention_spec const& s, int t) {
   // Chained: the forward walk starts from the block's initial state S0, the
   // reverse walk from the gradient of the state it leaves (later blocks'
   // Σ φ(q)ĝᵀ), and what the reverse walk ends with is the gradient of S0.
-  p.prologue.push_back(s.chained ? builder::load_state(st, m, s.normalized) : builder::zero(st));
-  if (s.chained) p.epilogue.push_back(builder::store_state(st, m, s.normalized));
+  // A split part's sums of the groups before this block's (S, "partials") or
+  // after it (R, "∂ partials": a reverse walk's suffix).
+  auto group_sums = [&](opcode op, bool later) {
+    return instruction{.op = op, .dst = st, .slot = sums_at + (later ? 1 : 0), .width = m, .by_m_tile = true,
+                       .z_column = s.normalized, .later = later};
+  };
+  // The prefix sums S: the whole backward and the walks read them, and so do
+  // a normalised plan's adjoint sums (its rows); the groups' own sums do not.
+  bool const reads_s = part == backward_part::whole || part == backward_part::walks ||
+                       (part == backward_part::adjoint_sums && s.normalized);
+  bool const stores_d_s0 = s.chained && (part == backward_part::whole || part == backward_part::walks);
+  p.prologue.push_back(s.chained && reads_s ? builder::load_state(st, m, s.normalized) : builder::zero(st));
+  if (split && reads_s) p.prologue.push_back(group_sums(opcode::add_partials, false));
+  if (stores_d_s0) {  // split: the first group's reverse walk ends with every row's sums
+    p.epilogue.push_back(builder::store_state(st, m, s.normalized));
+    p.epilogue.back().later = split;
+  }
   b.load_w(p.prologue);
   for (auto [r, at] : {std::pair{dw, dw_at}, std::pair{dwk, dw_at + 1}})
     if (r >= 0) {
@@ -517,20 +550,53 @@ program lay_out_backward(attention_spec const& s, int t) {
       out.whole = true;
       p.epilogue.push_back(out);
     }
-  instruction reverse_start = builder::zero(st);
-  if (s.chained) reverse_start = builder::load_state(st, m, s.normalized), reverse_start.slot = d_final;
-  if (s.causal) {
+  std::vector<instruction> reverse_start{builder::zero(st)};
+  if (s.chained) reverse_start[0] = builder::load_state(st, m, s.normalized), reverse_start[0].slot = d_final;
+  if (split) reverse_start.push_back(group_sums(opcode::add_partials, true));
+  // The rows again: o = causal(φQ·φKᵀ)·[V|1] + φQ·S.
+  auto rows_again = [&](std::vector<instruction>& body) {
+    body.push_back(b.product(a, q, false, k, true, false));
+    body.push_back(builder::mask(a));
+    body.push_back(b.product(o, a, false, v, false, false));
+    body.push_back(b.product(o, q, false, st, false, true));
+  };
+  if (s.causal && part == backward_part::sums) {  // the group's Σ φKᵀ·[V|1]
+    std::vector<instruction> sum;
+    b.load_mapped(sum, k, 1, s.map_k);
+    b.load_values(sum, v, m, false);
+    sum.push_back(b.product(st, k, true, v, false, true));
+    p.passes.emplace_back(std::move(sum));
+    p.epilogue.push_back(group_sums(opcode::store_partial, false));
+  } else if (s.causal && part == backward_part::adjoint_sums) {  // the group's Σ φQᵀ·ĝ
+    if (s.normalized) {  // ĝ first: the group's rows from S, rowdiv's adjoint, kept in the scratch rows
+      std::vector<instruction> rows;
+      b.load_mapped(rows, q, 0, s.map_q);
+      b.load_mapped(rows, k, 1, s.map_k);
+      b.load_values(rows, v, m, false);
+      rows_again(rows);
+      adjoint_rows(rows);
+      rows.push_back(b.product(st, k, true, v, false, true));
+      p.passes.emplace_back(std::move(rows));
+    }
+    std::vector<instruction> adj;
+    b.load_mapped(adj, q, 0, s.map_q);
+    reload_adjoint(adj);
+    adj.push_back(b.product(st, q, true, g, false, true));
+    p.passes.emplace_back(std::move(adj), false,
+                          s.normalized ? std::vector<instruction>{builder::zero(st)} : std::vector<instruction>{});
+    p.epilogue.push_back(group_sums(opcode::store_partial, true));
+  } else if (s.causal) {
     std::vector<instruction> fwd, rev;
-    b.load_mapped(fwd, q, 0, s.map_q);
+    bool const kept = s.normalized && part == backward_part::walks;  // ĝ from the adjoint sums' launch
+    if (!kept) b.load_mapped(fwd, q, 0, s.map_q);
     b.load_mapped(fwd, k, 1, s.map_k);
     b.load_values(fwd, v, m, false);
-    if (s.normalized) {  // the rows again: o = causal(φQ·φKᵀ)·[V|1] + φQ·S
-      fwd.push_back(b.product(a, q, false, k, true, false));
-      fwd.push_back(builder::mask(a));
-      fwd.push_back(b.product(o, a, false, v, false, false));
-      fwd.push_back(b.product(o, q, false, st, false, true));
+    if (kept) {
+      reload_adjoint(fwd);
+    } else {
+      if (s.normalized) rows_again(fwd);
+      adjoint_rows(fwd);
     }
-    adjoint_rows(fwd);
     fwd.push_back(b.product(a, g, false, v, true, false));   // a = ĝ·[V|1]ᵀ
     fwd.push_back(builder::mask(a));                          // j ≤ i
     fwd.push_back(b.product(dx, a, false, k, false, false)); // ∂φQ = a·φK
@@ -554,7 +620,7 @@ program lay_out_backward(attention_spec const& s, int t) {
     rev.push_back(b.product(st, q, true, g, false, true));   // R += φQᵀ·ĝ
     b.finish_grad(rev, dx, gx, 1, s.map_k, 0);
     p.passes.emplace_back(std::move(fwd));
-    p.passes.emplace_back(std::move(rev), true, std::vector<instruction>{reverse_start});
+    p.passes.emplace_back(std::move(rev), true, std::move(reverse_start));
   } else {
     std::vector<instruction> sum, rows, adj, kv;
     b.load_mapped(sum, k, 1, s.map_k);  // S = Σ φKᵀ·[V|1]
@@ -919,6 +985,59 @@ std::vector<program> sliced_backward(attention_spec const& s) {
 }
 }  // namespace
 
+namespace {
+// p without the registers none of its instructions names (the others renumbered,
+// their order kept): a launch laid out with a larger program's registers
+// reserves only the shared memory it uses.
+void drop_unused_registers(program& p) {
+  std::vector<int> renumber(p.registers.size(), -1);
+  auto mark = [&](std::vector<instruction>& list) {
+    for (instruction const& i : list)
+      for (int r : {i.dst, i.a, i.b})
+        if (r >= 0) renumber.at(static_cast<std::size_t>(r)) = 0;
+  };
+  for_each_list(p, mark);
+  std::vector<tile_register> kept;
+  for (std::size_t r = 0; r < p.registers.size(); ++r)
+    if (renumber[r] == 0) renumber[r] = static_cast<int>(kept.size()), kept.push_back(p.registers[r]);
+  p.registers = std::move(kept);
+  for_each_list(p, [&](std::vector<instruction>& list) {
+    for (instruction& i : list)
+      for (int* r : {&i.dst, &i.a, &i.b})
+        if (*r >= 0) *r = renumber[static_cast<std::size_t>(*r)];
+  });
+}
+}  // namespace
+
+std::vector<program> split_backward_programs_of(attention_spec const& s) {
+  if (s.softmax || !s.causal || s.step || s.d == 0 || s.m == 0 || parametric(s.map_q) || parametric(s.map_k)) return {};
+  check_maps(s);
+  std::optional<program> const whole = fitting_backward(s, false);
+  if (!whole) return {};  // (split over M's columns instead)
+  int const t = whole->tiles.chunk;
+  struct part_of {
+    backward_part part;
+    char const* suffix;
+    char const* what;
+  };
+  std::vector<program> ps;
+  for (auto [part, suffix, what] :
+       {part_of{backward_part::sums, "_split_sums", "each group's Σ φ(K)ᵀ[V|1] (the chunk-parallel form's first launch)"},
+        part_of{backward_part::adjoint_sums, "_split_adjoint_sums",
+                "each group's Σ φ(Q)ᵀĝ, its rows' adjoint ĝ kept (the chunk-parallel form's second launch)"},
+        part_of{backward_part::walks, "_split_walks",
+                "each group's forward and reverse walks from the sums of the groups before and after it (the "
+                "chunk-parallel form's third launch)"}}) {
+    program p = lay_out_backward(s, t, part);
+    drop_unused_registers(p);
+    p.kernel_name += suffix;
+    p.description += std::string(" — ") + what;
+    ps.push_back(std::move(p));
+  }
+  tie_shares(ps);  // (only the walks store gradients)
+  return ps;
+}
+
 std::vector<program> backward_programs_of(attention_spec const& s) {
   if (!s.softmax) {
     if (s.step || s.d == 0 || s.m == 0 || (s.chained && !s.causal)) return {backward_program_of(s)};  // (its errors)
@@ -970,9 +1089,9 @@ split_programs split_programs_of(attention_spec const& s) {
     throw std::logic_error(std::string("lina::cuda: a linear program without a register ") + name);
   };
   int const st = reg("state"), k = reg("k");
-  instruction const partial_op{.op = opcode::store_partial, .dst = st, .width = scan.tiles.tile_m, .by_m_tile = true,
+  instruction const partial_op{.op = opcode::store_partial, .dst = st, .slot = 0, .width = scan.tiles.tile_m, .by_m_tile = true,
                                .z_column = s.normalized};
-  instruction const add_op{.op = opcode::add_partials, .dst = st, .width = scan.tiles.tile_m, .by_m_tile = true,
+  instruction const add_op{.op = opcode::add_partials, .dst = st, .slot = 0, .width = scan.tiles.tile_m, .by_m_tile = true,
                            .z_column = s.normalized};
   if (s.causal) {
     // partials: the group's Σ φ(K)ᵀ[V|1] — the scan's loads of K and V and its state update.
@@ -1163,25 +1282,28 @@ std::string listing(program const& p) {
         return fmt::format("rowdiv_grad {} (rows {}) eps={}{}", nm(i.dst), nm(i.a), i.eps,
                            i.b >= 0 ? fmt::format("·exp(−{})", nm(i.b)) : "");
       case opcode::store_partial:
-        return fmt::format("store_partial {} → partials[group, :, m_tile·tile_m + {} cols{}] (not the last group)",
-                           nm(i.dst), i.width, i.z_column ? " | z (m_tile 0)" : "");
+        return fmt::format("store_partial {} → {}[group, :, m_tile·tile_m + {} cols{}] (not the {} group)", nm(i.dst),
+                           p.extras.at(static_cast<std::size_t>(i.slot)).name, i.width, i.z_column ? " | z (m_tile 0)" : "",
+                           i.later ? "first" : "last");
       case opcode::add_partials:
-        return fmt::format("add_partials {} += Σ partials[g < group, :, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
+        return fmt::format("add_partials {} += Σ {}[g {} group, :, m_tile·tile_m + {} cols{}]", nm(i.dst),
+                           p.extras.at(static_cast<std::size_t>(i.slot)).name, i.later ? ">" : "<", i.width,
                            i.z_column ? " | z" : "");
       case opcode::load_state:
         return fmt::format("load_state {} ← {}[:, m_tile·tile_m + {} cols{}]", nm(i.dst),
                            i.slot >= 0 ? p.extras.at(static_cast<std::size_t>(i.slot)).name : std::string("state_in"),
                            i.width, i.z_column ? " | z" : "");
       case opcode::store_state:
-        return fmt::format("store_state {} → state_out[:, m_tile·tile_m + {} cols{}]", nm(i.dst), i.width,
-                           i.z_column ? " | z (m_tile 0)" : "");
+        return fmt::format("store_state {} → state_out[:, m_tile·tile_m + {} cols{}]{}", nm(i.dst), i.width,
+                           i.z_column ? " | z (m_tile 0)" : "",
+                           !p.split ? "" : i.later ? " (the first group)" : " (the last group)");
       default: return fmt::format("{} {}", name_of(i.op), nm(i.dst));
     }
   };
   for (auto const& i : p.prologue) r += "  " + one(i) + "\n";
   for (auto const& pass : p.passes) {
     for (auto const& i : pass.before) r += "  " + one(i) + "\n";
-    r += pass.reverse  ? "  for each chunk, last first:\n"
+    r += pass.reverse  ? (p.split ? "  for each chunk of the group, last first:\n" : "  for each chunk, last first:\n")
          : p.split    ? "  for each chunk of the group:\n"
          : p.key_major ? (p.spec.causal ? "  for each chunk of queries from this block's key rows on:\n"
                                         : "  for each chunk of queries:\n")

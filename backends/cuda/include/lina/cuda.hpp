@@ -69,7 +69,9 @@ struct options {
   bool exact_products = false;
   // The emulation of the chunk-parallel form (split_programs_of): groups of
   // this many rows (a multiple of the chunk; 0: one pass) for linear plans,
-  // causal (chained or not) or not. Launches choose it from the device (split_rows).
+  // causal (chained or not) or not; emulate_gradient: the causal backward's
+  // (split_backward_programs_of), where the plan has one. Launches choose it
+  // from the device (split_rows).
   std::int64_t split_rows = 0;
 };
 
@@ -1212,7 +1214,9 @@ auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
 // kernel (lina/cuda/program.hpp, backward_programs_of): for a causal linear
 // plan one forward pass (the rows again, rowdiv's adjoint, ∂Q from the prefix
 // sums) and one reverse pass (∂K, ∂V from the suffix sums), one block per
-// (batch, head); for softmax two quadratic launches (∂Q per chunk of query
+// (batch, head) — on a device with more SMs than those blocks, three launches
+// over groups of rows instead (split_backward_programs_of; the emulation:
+// options::split_rows); for softmax two quadratic launches (∂Q per chunk of query
 // rows, then ∂K, ∂V per chunk of key rows); memory beyond inputs and
 // gradients: the fp32 adjoint rows of a normalised plan, N × (M+1) per
 // (batch, head) (softmax: and each row's shift, N × 1). dout must have the shape of the plan's result
@@ -1336,7 +1340,10 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     using Bound = decltype(in);
     attention_spec s = detail::bound_spec(plan, opt, in);
     s.chained = chained;
-    std::vector<program> const ps = backward_programs_of(s);  // one launch, or softmax's two or three
+    std::int64_t const n_rows = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
+    // The chunk-parallel form where asked for and the plan has one (causal linear; N = 0 has no group).
+    std::vector<program> ps = opt.split_rows > 0 && n_rows > 0 ? split_backward_programs_of(s) : std::vector<program>{};
+    if (ps.empty()) ps = backward_programs_of(s);  // one launch, or softmax's two or three
     program const& p = ps.front();
     std::vector<std::uint16_t> stores[max_inputs];
     forward_args a;
@@ -1350,8 +1357,9 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
       a.in[5] = detail::operand_of(in.views[Bound::template input_index<typename F::k::param>()], opt.in, stores[5]);
     a.batch = static_cast<std::int64_t>(in.batch);
     a.heads = static_cast<std::int64_t>(in.heads);
-    a.n = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
+    a.n = n_rows;
     a.n_keys = static_cast<std::int64_t>(F::k::input::rows::extent(in.table));
+    if (p.split) a.group_rows = opt.split_rows;
     std::size_t const bh = in.batch * in.heads, n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
     shape4 const sq{in.batch, in.heads, n, s.d}, sk{in.batch, in.heads, nk, s.d}, sv{in.batch, in.heads, nk, s.m};
     lina::tensor<float>& gq = detail::gradient_slot<typename F::q::input>(g);
@@ -1373,7 +1381,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     std::vector<std::vector<float>> scratch;  // the programs' own fp32 rows (extra_buffer::cols)
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (std::size_t const cols = p.extras[e].cols) {
-        std::size_t const rows = p.extras[e].rows ? p.extras[e].rows : p.extras[e].keys ? nk : n;
+        std::size_t const rows = static_cast<std::size_t>(scratch_rows(p.extras[e], a));
         a.extra[e] = detail::dense_operand(scratch.emplace_back(bh * rows * cols).data(), {in.batch, in.heads, rows, cols});
       }
     if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
@@ -1464,11 +1472,14 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     detail::check_dout<Plan>(dv.shape(), in);
     attention_spec s = detail::bound_spec(plan, options{dtype_of<T>, dtype_of<T>}, in);
     s.chained = chained;
-    std::vector<program> const ps = backward_programs_of(s);  // one launch, or softmax's two or three
-    program const& p = ps.front();
-    require_device(call);
+    std::vector<program> ps = backward_programs_of(s);  // one launch, or softmax's two or three
+    device_status const dev = require_device(call);
     forward_args a = detail::device_args<F>(device_view<T>{}, in, 4);  // W after ∂out
     a.in[3] = detail::device_operand(dv);
+    // Too few (batch, head) blocks for the device: the chunk-parallel form, where the plan has one.
+    if (std::int64_t const rows = ps.size() == 1 && a.n > 0 ? split_rows(blocks_of(ps.front(), a), a.n, ps.front().tiles.chunk, dev.sms) : 0)
+      if (std::vector<program> sp = split_backward_programs_of(s); !sp.empty()) ps = std::move(sp), a.group_rows = rows;
+    program const& p = ps.front();
     std::size_t const n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
     tensor<T>& gq = detail::gradient_slot<typename F::q::input>(g);
     tensor<T>& gk = detail::gradient_slot<typename F::k::input>(g);
@@ -1484,7 +1495,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     std::vector<device_buffer> scratch;
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (std::size_t const cols = p.extras[e].cols) {
-        shape4 const sh{in.batch, in.heads, p.extras[e].rows ? p.extras[e].rows : p.extras[e].keys ? nk : n, cols};
+        shape4 const sh{in.batch, in.heads, static_cast<std::size_t>(scratch_rows(p.extras[e], a)), cols};
         scratch.emplace_back(sh[0] * sh[1] * sh[2] * sh[3] * sizeof(float), stream, call);
         a.extra[e] = detail::dense_operand(scratch.back().get(), sh);
       }

@@ -142,20 +142,23 @@
 //                          row_divide's divisor) and s = Σ_{j<W−1} t[i][j] · (o[i][j] / d) as one
 //                          fp32 fma chain in increasing j: t[i][W−1] = −s / d, then
 //                          t[i][j] = t[i][j] / d for j < W−1; rows ≥ rows stay as they are
-//   store_partial t        (a partials program) extra[0](group·C + i, c0 + j) = t[i][j]
-//                          for the columns store_state writes, the z column from
-//                          m_tile 0 alone: this group's sums; causal, blocks of the
-//                          last group do nothing at all (nobody reads their sums)
-//   add_partials t         (a split scan) t[i][j] += extra[0](g·C + i, c0 + j) for
+//   store_partial t        (a partials program) extra[s](group·C + i, c0 + j) = t[i][j]
+//                          (s: the slot) for the columns store_state writes, the z
+//                          column from m_tile 0 alone: this group's sums; causal,
+//                          blocks of the last group do nothing at all (nobody reads
+//                          their sums) — `later` (a suffix's sums): of the first group
+//   add_partials t         (a split scan) t[i][j] += extra[s](g·C + i, c0 + j) for
 //                          g = 0 … group − 1 in increasing g (non-causal: every
-//                          group of K's rows, g < ⌈n_keys / group_rows⌉), for the
+//                          group of K's rows, g < ⌈n_keys / group_rows⌉; `later`:
+//                          g = group + 1 … groups − 1, the groups after it), for the
 //                          columns load_state reads (z column included): the sums
-//                          of the rows before this block's group (of all rows)
+//                          of the rows before this block's group (of all rows; after it)
 //   store_state t          state_out(i, c0 + j) = t[i][j] for the same (i, j); the z
 //                          column (z_column) only from the block with m_tile = 0 —
 //                          every block of a (batch, head) holds the same z. In a
 //                          split program only the last group's blocks store (their
-//                          sums cover every row). state_in
+//                          sums cover every row; `later`, a reverse walk's sums: the
+//                          first group's). state_in
 //                          and state_out must not overlap: while one block stores
 //                          its final z, another may not have loaded the initial one.
 //
@@ -292,7 +295,8 @@ struct instruction {
                                 // exp_rows: a = o (-1: the shift m is fixed), b = m (-1: unshifted); exp_grad: a = E
   bool transpose_a = false, transpose_b = false, accumulate = false;  // product; store: add to what is there;
                                 // store_state: the z column is added to what is there (a slice of M's columns after the first)
-  int slot = -1;                // load, map_grad: input slot (≥ max_inputs: an extra buffer); store: -1 out, else extra[slot]
+  int slot = -1;                // load, map_grad: input slot (≥ max_inputs: an extra buffer); store: -1 out, else extra[slot];
+                                // store_partial, add_partials: extra[slot], the groups' sums
   int width = 0;                // load/store/load_state/store_state: columns read or written (≤ the register's)
   bool by_m_tile = false;       // load/store: columns start at m_tile · tile_m (load_state/store_state: always)
   bool z_column = false;        // load_state/store_state: the register's last column ↔ the state's last (z)
@@ -302,6 +306,8 @@ struct instruction {
   float scale = 1;              // exp_rows, exp_grad; map with a parametric map: s = D^−¼
   bool causal = false;          // exp_rows, exp_grad: mask keys after the query row
   bool mask_scores = false;     // exp_rows, exp_grad: the scores of keys after the query row are 0 (exp(causal(S)))
+  bool later = false;           // store_partial, add_partials, store_state in a split program: the sums of the
+                                // groups after this block's (a reverse walk's suffix), not before it
   precision prec = precision::fma_f32;  // product
 
   bool operator==(instruction const&) const = default;
@@ -336,6 +342,7 @@ struct extra_buffer {
                          // state or sums the caller binds by name
   std::size_t rows = 0;  // scratch of fixed rows (a split backward's sums of ∂W: D), not N or N_keys
   bool sums_over_m = false;  // a sum over M's columns (∂K, ∂W): a backward split over M sums its slices' shares
+  bool per_group = false;    // scratch of `rows` rows per group of a split launch: fp32 [B, H, groups·rows, cols]
 
   bool operator==(extra_buffer const&) const = default;
 };
@@ -366,6 +373,18 @@ struct program {
   std::size_t offset_of(int r) const;  // in bytes
   std::size_t shared_bytes() const;    // all registers, with their alignment
 };
+
+// f(i) for every instruction of p, in the order a block runs them: the
+// prologue, each pass's `before` and body, the epilogue.
+template <class F>
+void for_each_instruction(program const& p, F&& f) {
+  for (instruction const& i : p.prologue) f(i);
+  for (pass const& x : p.passes) {
+    for (instruction const& i : x.before) f(i);
+    for (instruction const& i : x) f(i);
+  }
+  for (instruction const& i : p.epilogue) f(i);
+}
 
 // The tile program of a forward attention (causal: one pass, the chunked scan;
 // non-causal: a pass accumulating the state, then a pass producing rows). A
@@ -460,6 +479,25 @@ struct split_programs {
 };
 split_programs split_programs_of(attention_spec const& s);
 
+// The chunk-parallel form of a causal linear backward (splitting N when the
+// B·H blocks of backward_programs_of cannot fill the device): three launches
+// over groups of group_rows rows, on ONE forward_args with the backward's
+// buffers and two more, fp32 [B, H, groups·C, W] (extra_buffer::per_group):
+//   1. `sums` — each group's Σ φ(K)ᵀ[V|1] (store_partial to "partials");
+//   2. `adjoint sums` — each group's Σ φ(Q)ᵀĝ (to "∂ partials"): a normalised
+//      plan first recomputes the group's rows from S0 + the groups before it,
+//      takes rowdiv's adjoint ĝ and keeps it in the scratch rows;
+//   3. `walks` — each group runs the one-pass backward on its rows: the forward
+//      walk from S0 + the groups before it (ĝ read from the scratch rows), the
+//      reverse walk from ∂(the state out) + the groups after it (add_partials,
+//      later); chained, the first group stores ∂S0.
+// Every gradient row is summed by one block; launches in order on one stream.
+// Returns no programs where the backward has no such form: softmax,
+// non-causal or step specs, parametric maps (∂W sums over every row) and
+// specs split over M's columns. The results equal backward_programs_of(s)'s up
+// to the order of the state's sums.
+std::vector<program> split_backward_programs_of(attention_spec const& s);
+
 // out += in[0], both [B, H, n, cols] of element type t (the gradient of an
 // input that two layers of a stacked plan share is the sum of the layers'):
 // one block per (batch, head) walks the rows, a load and an adding store per
@@ -528,6 +566,14 @@ inline forward_args arguments_for(program const& p, forward_args a) {
     shift(a.extra[extra_named(p, "∂state out")], dtype::f32);
   }
   return a;
+}
+
+// The rows of a program's scratch buffer (extra_buffer::cols > 0) on these
+// arguments: fp32 [B, H, rows, cols].
+inline std::int64_t scratch_rows(extra_buffer const& e, forward_args const& a) {
+  std::int64_t const rows = e.rows ? static_cast<std::int64_t>(e.rows) : e.keys ? keys_of(a) : a.n;
+  if (!e.per_group) return rows;
+  return a.group_rows > 0 ? rows * ((a.n + a.group_rows - 1) / a.group_rows) : 0;
 }
 
 // Blocks to launch for a program on these arguments.

@@ -695,12 +695,13 @@ __device__ void store_state(const float* t, const operand& s, long long base, lo
   __syncthreads();
 }
 
-// The chunk-parallel form's start of a group: t += the sums of groups 0 …
-// group − 1 (each `rows_apart` elements after the previous, in increasing
-// order), for the columns load_state reads.
+// The chunk-parallel form's start of a group: t += the sums of groups first
+// … end − 1 (each `rows_apart` elements after the previous, in increasing
+// order: the groups before this one, or a reverse walk's after it), for the
+// columns load_state reads.
 template <int R, int C, int P, bool Z>
-__device__ void add_partials(float* t, const operand& s, long long base, long long rows_apart, long long group,
-                             long long c0, int width) {
+__device__ void add_partials(float* t, const operand& s, long long base, long long rows_apart, long long first,
+                             long long end, long long c0, int width) {
   const float* data = static_cast<const float*>(s.data);
   const long long m_cols = Z ? s.cols - 1 : s.cols;
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
@@ -712,7 +713,7 @@ __device__ void add_partials(float* t, const operand& s, long long base, long lo
       col = c0 + j;
     if (col < 0) continue;
     float x = t[i * P + j];
-    for (long long g = 0; g < group; ++g) x += data[base + g * rows_apart + i * s.stride[2] + col * s.stride[3]];
+    for (long long g = first; g < end; ++g) x += data[base + g * rows_apart + i * s.stride[2] + col * s.stride[3]];
     t[i * P + j] = x;
   }
   __syncthreads();
