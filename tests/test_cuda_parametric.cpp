@@ -5,6 +5,8 @@
 // the CPU backend and the expression in double.
 #include "cuda_support.hpp"
 
+#include <optional>
+
 // The parametric maps (favor, random Fourier features): φ(X; W) reads x·W
 // (a product into z, W loaded once per block from input slot 3), then a row
 // map out of place. Against the CPU backend and the expression as written
@@ -160,8 +162,9 @@ namespace {
 // sums xᵀ·∂z over Q's and K's rows into ∂W per (batch, head), stored once at
 // the end (inside softmax: by a third launch, from the ∂φ rows the two
 // quadratic ones stored). Against cpu::gradient of the plan and of the
-// expression in double (exact products: the per-dtype tolerance), one W and a
-// W for each side.
+// expression in double (exact products: the per-dtype tolerance; a linear
+// plan's bf16 on the tensor cores: the expression's, within the bound of the
+// other linear backward tests), one W and a W for each side.
 std::vector<shape> const parametric_shapes = {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}, {1, 1, 130, 20, 7}};
 template <class Expr, class... W>
 void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> const& cases, std::size_t features,
@@ -169,7 +172,7 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector
   auto const plan = plan_of(expr);
   test::rng r{seed};
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
-    double worst = 0;
+    double worst = 0, worst_mma = 0;
     for (shape const s : cases) {
       // F: given, or drawn (F = 1 leaves a normalised favor row φ(q)-free but for eps: ∂Q is noise)
       std::size_t const f = features ? features : r.in(2, 24);
@@ -188,6 +191,14 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector
       auto cpu = std::apply([&](auto const&... w) { return cpu::gradient(plan, dout, Q = q, K = k, V = v, w...); }, wb);
       auto exact = std::apply(
           [&](auto const&... w) { return cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v), w...); }, wd);
+      // bf16 on the tensor cores too (linear plans: inside softmax's exp a
+      // score's rounding error grows with the score, which this bound does not
+      // count): every product operand rounded to bf16 as it is read.
+      using grads = decltype(g);
+      std::optional<grads> mma;
+      if (dt != cuda::dtype::f32 && !cuda::spec_of(plan).softmax)
+        mma = std::apply([&](auto const&... w) { return cuda::emulate_gradient(plan, {dt, dt}, dout, Q = q, K = k, V = v, w...); }, wb);
+      bool const normalized = cuda::spec_of(plan).normalized;
       auto one = [&](auto const& x, std::string const& name) {
         CAPTURE(name);
         REQUIRE(g[x].shape() == cpu[x].shape());
@@ -196,6 +207,13 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector
         CHECK(e1 <= tolerance(dt));
         CHECK(e2 <= tolerance(dt));
         worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
+        if (mma) {  // the bound of check_backward (test_cuda_backward.cpp): 4u unnormalised, 10u normalised
+          double const bound = tolerance(dt) + (normalized ? 10 : 4) * operand_roundoff(dt);
+          double const e = relative_rms((*mma)[x], as_float(dense(exact[x])));
+          CAPTURE(bound);
+          CHECK(e <= bound);
+          worst_mma = std::max(worst_mma, e / bound);
+        }
       };
       one(Q, "∂Q");
       one(K, "∂K");
@@ -206,7 +224,8 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector
       if (compiles && s.n == 70 && dt == cuda::dtype::f32)
         for (auto const& p : cuda::backward_programs_of(spec)) check_compiles(p);
     }
-    MESSAGE(cuda::name_of(dt) << " " << cuda::spec_of(plan).description << " backward: largest error / tolerance: " << worst);
+    MESSAGE(cuda::name_of(dt) << " " << cuda::spec_of(plan).description << " backward: largest error / tolerance: " << worst
+                              << "; tensor-core products, error / bound: " << worst_mma);
   }
 }
 

@@ -1229,7 +1229,8 @@ auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
 // The device form is asynchronous on `stream` (its scratch is stream-ordered)
 // but for the chained and stacked forms, which wait for it (their state copies
 // and intermediates die with the call).
-// Not yet: M split over blocks (D, M up to about 128 fit: a clear error beyond).
+// A linear state too large for one block (D = M = 256) is split over launches
+// by slices of M's columns (backward_programs_of).
 namespace detail {
 template <class Op, class Tensor, class... In>
 Tensor& gradient_slot(gradients<Tensor, In...>& g) {
