@@ -174,6 +174,7 @@ TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp: forward, backward, s
     auto backward = cuda::backward_program_of(spec);  // its backward rows
     CHECK(backward.shared_bytes() <= cuda::shared_memory_budget);
     check_compiles(backward, true);
+    for (auto const& p : cuda::split_backward_programs_of(spec)) check_compiles(p, true);  // (B·H below the SMs)
     spec.chained = spec.step = true;  // its decode steps
     check_compiles(cuda::program_of(spec), true);
   }

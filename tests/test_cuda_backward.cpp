@@ -107,6 +107,19 @@ TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, non-
   check_backward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 84, backward_shapes(84));
   check_backward(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 85, backward_shapes(85));
   check_backward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 86, {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}}, true);
+  // From D = 48 poly2's state does not fit a block even for one column of M:
+  // two quadratic launches as softmax's, through poly2's kernel (q·k)² —
+  // ∂S = 2·S∘(ĝ·[V|1]ᵀ), ∂Q = ∂S·K, ∂K = ∂Sᵀ·Q, ∂V = (S²)ᵀ·ĝ.
+  check_backward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 87,
+                 {{2, 1, 70, 48, 16}, {1, 2, 1, 64, 5}, {1, 1, 130, 64, 9}}, true);
+  auto spec = cuda::spec_of(compile<order::linear>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V));
+  spec.d = 48, spec.m = 16;
+  auto const ps = cuda::backward_programs_of(spec);
+  REQUIRE(ps.size() == 2);
+  CHECK((ps[0].quadratic && ps[1].quadratic && ps[1].key_major));
+  CHECK(cuda::listing(ps[1]).find("square_grad") != std::string::npos);
+  spec.d = 32, spec.m = 64;  // (C = 528 fits one block per slice of M's columns)
+  CHECK_FALSE(cuda::backward_programs_of(spec).front().quadratic);
 }
 
 // Softmax's backward: two launches (program.hpp, backward_programs_of) — a

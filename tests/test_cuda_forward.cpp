@@ -23,6 +23,28 @@ TEST_CASE("emulated poly2 forward (a row map) = CPU backend = as written") {
   check_forward(normalize(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V, 34, poly2_shapes(), true);
 }
 
+// From D = 64 poly2's C × (M+1) state (C = D(D+1)/2 = 2080) no longer fits a
+// block: the kernel then takes poly2's kernel, φ(q)·φ(k) = (q·k)², in the
+// quadratic program softmax has (square_rows for exp), from Q's and K's D
+// columns — the same attention, no feature tiles.
+TEST_CASE("emulated poly2 forward past a block's state: quadratic, through its kernel (q·k)²") {
+  std::vector<shape> const large = {{1, 1, 0, 64, 8}, {1, 2, 1, 64, 5}, {2, 1, 70, 64, 16}, {1, 1, 130, 96, 24}};
+  check_forward(causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V, 35, large, false, 3);
+  check_forward(phi<poly2>(Q) * transpose(phi<poly2>(K)) * V, 36, large, false, 1);
+  check_forward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 37, large, true, 3);
+  check_forward(normalize(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V, 38, large, true, 1);
+  auto spec = cuda::spec_of(compile<order::linear>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V));
+  spec.d = 32, spec.m = 16;
+  CHECK_FALSE(cuda::program_of(spec).quadratic);  // (C = 528 still fits)
+  spec.d = 64;
+  auto const p = cuda::program_of(spec);
+  CHECK(p.quadratic);
+  CHECK(cuda::listing(p).find("square_rows") != std::string::npos);
+  CHECK_THROWS_AS(cuda::split_programs_of(spec), std::invalid_argument);  // (no state to split)
+  spec.chained = true;  // a chained block needs the C × (M+1) state itself: a clear error
+  CHECK_THROWS_WITH_AS(cuda::program_of(spec), doctest::Contains("too large"), std::invalid_argument);
+}
+
 TEST_CASE("emulated non-causal forward = CPU backend = as written") {
   check_forward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 21);
   check_forward(normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 22);

@@ -152,6 +152,14 @@ struct emitter {
              i.scale, scores_at());
         break;
       }
+      case opcode::square_rows:
+        line(ind, "tl::square_rows<{}, {}, {}, {}>({}, {}, args.n, keys_n);", rows(i.dst), cols(i.dst), pitch(i.dst),
+             yes(i.causal), t, scores_at());
+        break;
+      case opcode::square_grad:
+        line(ind, "tl::square_grad<{}, {}, {}, {}, {}>({}, {}, {}, args.n, keys_n);", rows(i.dst), cols(i.dst), pitch(i.dst),
+             pitch(i.a), yes(i.causal), t, name(i.a), scores_at());
+        break;
       case opcode::exp_grad:
         line(ind, "tl::exp_grad<{}, {}, {}, {}, {}, {}>({}, {}, {:#.9g}f, {}, args.n, keys_n);", rows(i.dst), cols(i.dst),
              pitch(i.dst), pitch(i.a), yes(i.causal), yes(i.mask_scores), t, name(i.a), i.scale, scores_at());

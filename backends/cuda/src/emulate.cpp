@@ -339,6 +339,17 @@ struct block {
         }
         break;
       }
+      case opcode::square_rows:
+        for (int r = 0; r < t.rows; ++r)
+          for (int c = 0; c < t.cols; ++c) t.at(r, c) = valid(i, score_at(r0, r, c)) ? t.at(r, c) * t.at(r, c) : 0.0f;
+        break;
+      case opcode::square_grad: {
+        tile& e = reg[static_cast<std::size_t>(i.a)];
+        for (int r = 0; r < t.rows; ++r)
+          for (int c = 0; c < t.cols; ++c)
+            t.at(r, c) = valid(i, score_at(r0, r, c)) ? 2.0f * (e.at(r, c) * t.at(r, c)) : 0.0f;
+        break;
+      }
       case opcode::exp_grad: {
         tile& e = reg[static_cast<std::size_t>(i.a)];
         for (int r = 0; r < t.rows; ++r)

@@ -64,6 +64,8 @@ std::string_view name_of(opcode o) {
     case opcode::exp_rows: return "exp_rows";
     case opcode::param_grad: return "param_grad";
     case opcode::exp_grad: return "exp_grad";
+    case opcode::square_rows: return "square_rows";
+    case opcode::square_grad: return "square_grad";
   }
   return "?";
 }
@@ -287,47 +289,79 @@ struct builder {
 }  // namespace
 
 namespace {
+// poly2's kernel: φ(q)·φ(k) = (q·k)² exactly (lina::poly2's packing: q_a²k_a²
+// and 2·q_a q_b k_a k_b), so the scores of a poly2 plan on both sides need
+// only Q's and K's D columns, not the C = D(D+1)/2 features. A chained or step
+// spec needs the state, which has C rows: not for those.
+bool kernel_trick(attention_spec const& s) {
+  return !s.softmax && s.map_q == feature_map::poly2 && s.map_k == feature_map::poly2 && !s.chained && !s.step;
+}
+
 // The quadratic program of a softmax spec (program.hpp: exp_rows): one block
 // per (batch, head, M tile, chunk of query rows), the rows kept in o across
-// the key chunks, rescaled as their running max grows (normalised plans).
+// the key chunks, rescaled as their running max grows (normalised plans). A
+// poly2 spec through its kernel (kernel_trick; when its C × (M+1) state does
+// not fit a block) has the same blocks, the scores of Q's and K's rows
+// squared (square_rows) instead of exponentiated, no shift.
 program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   builder b;
   program& p = b.p;
   b.start(s, tiles);
   p.quadratic = true;
+  bool const squared = kernel_trick(s);
   int const t = p.tiles.chunk, tm = p.tiles.tile_m;
-  int const c = static_cast<int>(features(s.map_q, s.d, s.f));
-  bool const row_map = s.map_q == feature_map::poly2 || parametric(s.map_q);  // C features, not D
+  int const c = static_cast<int>(squared ? s.d : features(s.map_q, s.d, s.f));
+  bool const row_map = !squared && (s.map_q == feature_map::poly2 || parametric(s.map_q));  // C features, not D
   int const w = tm + (s.normalized ? 1 : 0);
   bool const mask_scores = s.mask_scores && !s.causal;  // (after exp, causal masks those keys anyway)
-  p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}",
-                              s.causal ? "causal" : mask_scores ? "masked_scores" : "full",
-                              map_id(s, s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
-                              s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
-  p.description = fmt::format("{} softmax attention (quadratic), forward{}: {}",
-                              s.causal ? "causal" : mask_scores ? "non-causal, scores masked before exp," : "non-causal",
-                              s.normalized ? "" : " (unnormalized)", plan_text(s));
+  if (squared)
+    p.kernel_name = fmt::format("lina_poly2_quadratic_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}", s.causal ? "causal" : "full", s.d,
+                                s.m, t, tm, name_of(s.in), name_of(s.out), s.normalized ? "" : "_unnormalized",
+                                b.prec != precision_for(s.in) ? "_exact" : "");
+  else
+    p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}",
+                                s.causal ? "causal" : mask_scores ? "masked_scores" : "full",
+                                map_id(s, s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
+                                s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
+  p.description =
+      squared ? fmt::format("{} poly2 attention through its kernel φ(q)·φ(k) = (q·k)² (quadratic: the {} features do "
+                            "not fit a block), forward{}: {}",
+                            s.causal ? "causal" : "non-causal", features(s.map_q, s.d), s.normalized ? "" : " (unnormalized)",
+                            plan_text(s))
+              : fmt::format("{} softmax attention (quadratic), forward{}: {}",
+                            s.causal ? "causal" : mask_scores ? "non-causal, scores masked before exp," : "non-causal",
+                            s.normalized ? "" : " (unnormalized)", plan_text(s));
   p.inputs = {{s.q_name, "q"}, {s.k_name, "k"}, {s.v_name, "v"}};
   std::string const v1 = s.normalized ? "[V|1]" : "V";
   std::string const cdim = row_map ? "C" : "D";
+  std::string const fq = squared ? "Q" : "φ(Q)", fk = squared ? "K" : "φ(K)";
+  feature_map const map_q = squared ? feature_map::identity : s.map_q, map_k = squared ? feature_map::identity : s.map_k;
   dtype const cs = chunk_storage(s);
-  int const q = b.reg("q", t, c, "φ(Q) of this block's query rows (T, " + cdim + ")", cs);
-  int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")", cs);
-  b.feature_registers(s, t, cs);
+  int const q = b.reg("q", t, c, fq + " of this block's query rows (T, " + cdim + ")", cs);
+  int const k = b.reg("k", t, c, fk + " chunk (T, " + cdim + ")", cs);
+  if (squared)
+    b.d = static_cast<int>(s.d);  // (the loads' width: feature_registers sets it for the maps)
+  else
+    b.feature_registers(s, t, cs);
   int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)", cs);
-  int const a = b.reg("a", t, t, "the scores, then exp(scale·score − shift) (T, T)");
-  int const o = b.reg("o", t, w, "Σ exp(·)·" + v1 + " over the key chunks so far (T, W)");
-  int const mx = s.normalized ? b.reg("mx", t, 1, "each row's shift: the largest scaled score so far, at least 0 (T, 1)") : -1;
+  int const a = b.reg("a", t, t, squared ? "the scores q·k, then (q·k)² (T, T)" : "the scores, then exp(scale·score − shift) (T, T)");
+  int const o = b.reg("o", t, w, (squared ? "Σ (q·k)²·" : "Σ exp(·)·") + v1 + " over the key chunks so far (T, W)");
+  int const mx = s.normalized && !squared
+                     ? b.reg("mx", t, 1, "each row's shift: the largest scaled score so far, at least 0 (T, 1)")
+                     : -1;
   b.load_w(p.prologue);
-  b.load_mapped(p.prologue, q, 0, s.map_q);  // the block's query rows
+  b.load_mapped(p.prologue, q, 0, map_q);  // the block's query rows
   p.prologue.push_back(builder::zero(o));
   if (mx >= 0) p.prologue.push_back(builder::zero(mx));
   std::vector<instruction> keys;
-  b.load_mapped(keys, k, 1, s.map_k);
+  b.load_mapped(keys, k, 1, map_k);
   b.load_values(keys, v, tm, true);
   keys.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
-  keys.push_back({.op = opcode::exp_rows, .dst = a, .a = o, .b = mx, .scale = static_cast<float>(s.scale),
-                  .causal = s.causal, .mask_scores = mask_scores});  // a = exp(scale·a − shift), o rescaled
+  if (squared)
+    keys.push_back({.op = opcode::square_rows, .dst = a, .causal = s.causal});  // a = (q·k)²
+  else
+    keys.push_back({.op = opcode::exp_rows, .dst = a, .a = o, .b = mx, .scale = static_cast<float>(s.scale),
+                    .causal = s.causal, .mask_scores = mask_scores});  // a = exp(scale·a − shift), o rescaled
   keys.push_back(b.product(o, a, false, v, false, true));  // o += a·[V|1]
   p.passes.push_back(std::move(keys));
   p.passes.back().keys = true;
@@ -340,10 +374,8 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   return p;
 }
 
-// The program of a (valid) spec at these tile sizes; choose_tiles measures
-// candidates with it, so the sizes it checks are the ones a program gets.
-program lay_out(attention_spec const& s, tile_config tiles) {
-  if (s.softmax) return lay_out_softmax(s, tiles);
+// The linear program of a (valid) spec at these tile sizes (lay_out).
+program lay_out_linear(attention_spec const& s, tile_config tiles) {
   builder b;
   program& p = b.p;
   b.start(s, tiles);
@@ -411,6 +443,20 @@ program lay_out(attention_spec const& s, tile_config tiles) {
     p.passes.push_back(std::move(rows));
   }
   return p;
+}
+
+// The quadratic form: softmax, or a poly2 spec through its kernel when its
+// linear program does not fit a block even at the smallest tiles.
+bool quadratic_form(attention_spec const& s) {
+  if (s.softmax) return true;
+  if (!kernel_trick(s)) return false;
+  return lay_out_linear(s, {16, static_cast<int>(std::min<std::size_t>(8, s.m)), 256}).shared_bytes() > shared_memory_budget;
+}
+
+// The program of a (valid) spec at these tile sizes; choose_tiles measures
+// candidates with it, so the sizes it checks are the ones a program gets.
+program lay_out(attention_spec const& s, tile_config tiles) {
+  return quadratic_form(s) ? lay_out_softmax(s, tiles) : lay_out_linear(s, tiles);
 }
 }  // namespace
 
@@ -660,7 +706,8 @@ std::vector<extra_buffer> softmax_backward_extras(attention_spec const& s) {
       {"∂" + s.v_name, s.out, "the gradient of " + s.v_name, true}};
   if (s.normalized) {
     e.push_back({"scratch", dtype::f32, "ĝ: the adjoint of the shifted rows [num | den], fp32 [B, H, N, M+1]", false, s.m + 1});
-    e.push_back({"shift", dtype::f32, "each query row's final shift m, fp32 [B, H, N, 1]", false, 1});
+    if (s.softmax)  // (poly2 through its kernel: no shift)
+      e.push_back({"shift", dtype::f32, "each query row's final shift m, fp32 [B, H, N, 1]", false, 1});
   }
   if (parametric(s.map_q)) e.push_back({"∂φ(" + s.q_name + ")", dtype::f32, "∂φ(Q) rows, fp32 [B, H, N, C]", false, c});
   if (parametric(s.map_k)) e.push_back({"∂φ(" + s.k_name + ")", dtype::f32, "∂φ(K) rows, fp32 [B, H, N_keys, C]", true, c});
@@ -685,19 +732,22 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   b.start(s, {t, static_cast<int>(s.m), 256});  // every column of M in one block: ∂S sums over them
   p.quadratic = true;
   p.key_major = key_side;
+  bool const squared = kernel_trick(s);  // poly2 through its kernel: A = (Q·Kᵀ)², ∂S = 2·S∘∂A
   int const d = static_cast<int>(s.d), m = static_cast<int>(s.m);
-  int const c = static_cast<int>(features(s.map_q, s.d, s.f));
-  bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2;
+  int const c = static_cast<int>(squared ? s.d : features(s.map_q, s.d, s.f));
+  bool const row_map = !squared && (s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2);
   bool const param = parametric(s.map_q) || parametric(s.map_k);
+  feature_map const map_q = squared ? feature_map::identity : s.map_q, map_k = squared ? feature_map::identity : s.map_k;
   int const w = m + (s.normalized ? 1 : 0);
   bool const mask_scores = s.mask_scores && !s.causal;
   float const eps = static_cast<float>(s.eps), scale = static_cast<float>(s.scale);
-  p.kernel_name = fmt::format("lina_softmax_{}_backward_{}_{}_{}_d{}_m{}_t{}_{}_{}{}{}",
+  p.kernel_name = fmt::format("lina_{}_{}_backward_{}_{}_{}_d{}_m{}_t{}_{}_{}{}{}", squared ? "poly2_quadratic" : "softmax",
                               s.causal ? "causal" : mask_scores ? "masked_scores" : "full", key_side ? "kv" : "q",
                               map_id(s, s.map_q), map_id(s, s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
                               s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
-  p.description = fmt::format("{} softmax attention (quadratic), backward{}, {}: {}",
+  p.description = fmt::format("{} {} (quadratic), backward{}, {}: {}",
                               s.causal ? "causal" : mask_scores ? "non-causal, scores masked before exp," : "non-causal",
+                              squared ? "poly2 attention through its kernel (q·k)²" : "softmax attention",
                               s.normalized ? "" : " (unnormalized)",
                               key_side ? fmt::format("∂{}, ∂{} per chunk of key rows", s.k_name, s.v_name)
                                        : fmt::format("∂{} per chunk of query rows", s.q_name),
@@ -710,16 +760,21 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
   std::string const cdim = row_map || param ? "C" : "D";
   std::string const mine = key_side ? "this block's key rows" : "this block's query rows";
-  int const q = b.reg("q", t, c, "φ(Q) " + (key_side ? std::string("chunk") : mine) + " (T, " + cdim + ")");
-  int const k = b.reg("k", t, c, "φ(K) " + (key_side ? mine : std::string("chunk")) + " (T, " + cdim + ")");
+  std::string const fq = squared ? "Q " : "φ(Q) ", fk = squared ? "K " : "φ(K) ";
+  int const q = b.reg("q", t, c, fq + (key_side ? std::string("chunk") : mine) + " (T, " + cdim + ")");
+  int const k = b.reg("k", t, c, fk + (key_side ? mine : std::string("chunk")) + " (T, " + cdim + ")");
   b.w_slot = 4;
-  b.feature_registers(s, t, dtype::f32);
+  if (squared)
+    b.d = d;  // (the loads' width: feature_registers sets it for the maps)
+  else
+    b.feature_registers(s, t, dtype::f32);
   b.load_w(p.prologue);
   int const v = b.reg("v", t, w, v1 + (key_side ? " of " + mine : std::string(" chunk")) + " (T, W)");
   int const g = b.reg("g", t, w, s.normalized ? "ĝ: the adjoint of the shifted rows [num | den] (T, W)" : "∂out rows (T, M)");
-  int const a = b.reg("a", t, t, "the scores, then E = exp(scale·score − m) (T queries × T keys)");
-  int const ds = b.reg("ds", t, t, "ĝ·" + v1 + "ᵀ, then ∂S = scale·E∘(ĝ·" + v1 + "ᵀ) (T, T)");
-  int const mx = s.normalized ? b.reg("mx", t, 1, "each query row's shift m (T, 1)") : -1;
+  int const a = b.reg("a", t, t, squared ? "the scores S = q·k, then A = S² (T queries × T keys)"
+                                         : "the scores, then E = exp(scale·score − m) (T queries × T keys)");
+  int const ds = b.reg("ds", t, t, "ĝ·" + v1 + "ᵀ, then ∂S = " + (squared ? "2·S∘" : "scale·E∘") + "(ĝ·" + v1 + "ᵀ) (T, T)");
+  int const mx = s.normalized && !squared ? b.reg("mx", t, 1, "each query row's shift m (T, 1)") : -1;
   int const o = s.normalized && !key_side ? b.reg("o", t, w, "the shifted rows [num | den] again (T, W)") : -1;
   int const dx = b.reg(key_side ? "dk" : "dq", t, c, (key_side ? "∂φ(K)" : "∂φ(Q)") + std::string(" of ") + mine + " (T, " + cdim + ")");
   int const dv = key_side ? b.reg("dv", t, w, "∂" + v1 + " of " + mine + " (T, W)") : -1;
@@ -736,58 +791,67 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
                         .mask_scores = mask_scores};  // a = E, with the forward's final shift
   instruction const exp_grad{.op = opcode::exp_grad, .dst = ds, .a = a, .scale = scale, .causal = s.causal,
                              .mask_scores = mask_scores};  // ds = ∂S
+  instruction const square{.op = opcode::square_rows, .dst = a, .causal = s.causal};               // a = S²
+  instruction const square_grad{.op = opcode::square_grad, .dst = ds, .a = a, .causal = s.causal};  // ds = 2·S∘ds
   if (!key_side) {
-    b.load_mapped(p.prologue, q, 0, s.map_q);
+    b.load_mapped(p.prologue, q, 0, map_q);
     p.prologue.push_back(builder::zero(dx));
     std::vector<instruction> keys;  // ∂φQ = Σ ∂S·φK over the key chunks
-    b.load_mapped(keys, k, 1, s.map_k);
+    b.load_mapped(keys, k, 1, map_k);
     b.load_values(keys, v, m, false);
     keys.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
-    keys.push_back(exp_fixed);                                 // a = E
+    if (!squared) keys.push_back(exp_fixed);                   // a = E
     keys.push_back(b.product(ds, g, false, v, true, false));  // ds = ĝ·[V|1]ᵀ
-    keys.push_back(exp_grad);                                  // ds = ∂S
+    keys.push_back(squared ? square_grad : exp_grad);          // ds = ∂S
     keys.push_back(b.product(dx, ds, false, k, false, true)); // ∂φQ += ∂S·φK
     if (s.normalized) {  // first the rows again, as the forward ran them: o and the final shift m
       p.prologue.push_back(builder::zero(o));
-      p.prologue.push_back(builder::zero(mx));
+      if (mx >= 0) p.prologue.push_back(builder::zero(mx));
       std::vector<instruction> rows;
-      b.load_mapped(rows, k, 1, s.map_k);
+      b.load_mapped(rows, k, 1, map_k);
       b.load_values(rows, v, m, false);
       rows.push_back(b.product(a, q, false, k, true, false));
       instruction running = exp_fixed;
       running.a = o;  // the running max, o rescaled
-      rows.push_back(running);
+      rows.push_back(squared ? square : running);
       rows.push_back(b.product(o, a, false, v, false, true));
       p.passes.emplace_back(std::move(rows));
       // ĝ = rowdiv's adjoint of the shifted rows, kept (with m) for the key-major launch
       std::vector<instruction> adjoint = {builder::load(g, 3, m), builder::rowdiv_grad(g, o, eps)};
       adjoint.back().b = mx;
       adjoint.push_back(builder::store_to(g, 2, w));
-      adjoint.push_back(builder::store_to(mx, 3, 1));
+      if (mx >= 0) adjoint.push_back(builder::store_to(mx, 3, 1));
       p.passes.emplace_back(std::move(keys), false, std::move(adjoint));
     } else {
       p.prologue.push_back(builder::load(g, 3, m));  // ĝ = ∂out
       p.passes.emplace_back(std::move(keys));
     }
-    finish(p.epilogue, dx, 0, s.map_q, -1);
+    finish(p.epilogue, dx, 0, map_q, -1);
   } else {
-    b.load_mapped(p.prologue, k, 1, s.map_k);
+    b.load_mapped(p.prologue, k, 1, map_k);
     b.load_values(p.prologue, v, m, false);
     p.prologue.push_back(builder::zero(dx));
     p.prologue.push_back(builder::zero(dv));
     std::vector<instruction> queries;
-    b.load_mapped(queries, q, 0, s.map_q);
+    b.load_mapped(queries, q, 0, map_q);
     queries.push_back(s.normalized ? builder::load(g, scratch, w) : builder::load(g, 3, m));
-    if (s.normalized) queries.push_back(builder::load(mx, shift, 1));
+    if (mx >= 0) queries.push_back(builder::load(mx, shift, 1));
     queries.push_back(b.product(a, q, false, k, true, false));   // a = φQ·φKᵀ
-    queries.push_back(exp_fixed);                                  // a = E
-    queries.push_back(b.product(dv, a, true, g, false, true));    // ∂[V|1] += Eᵀ·ĝ
-    queries.push_back(b.product(ds, g, false, v, true, false));   // ds = ĝ·[V|1]ᵀ
-    queries.push_back(exp_grad);                                   // ds = ∂S
+    if (squared) {  // ∂S reads S before it is squared
+      queries.push_back(b.product(ds, g, false, v, true, false)); // ds = ĝ·[V|1]ᵀ
+      queries.push_back(square_grad);                              // ds = ∂S = 2·S∘ds
+      queries.push_back(square);                                   // a = A = S²
+      queries.push_back(b.product(dv, a, true, g, false, true));  // ∂[V|1] += Aᵀ·ĝ
+    } else {
+      queries.push_back(exp_fixed);                                // a = E
+      queries.push_back(b.product(dv, a, true, g, false, true));  // ∂[V|1] += Eᵀ·ĝ
+      queries.push_back(b.product(ds, g, false, v, true, false)); // ds = ĝ·[V|1]ᵀ
+      queries.push_back(exp_grad);                                 // ds = ∂S
+    }
     queries.push_back(b.product(dx, ds, true, q, false, true));   // ∂φK += ∂Sᵀ·φQ
     p.passes.emplace_back(std::move(queries));
     p.epilogue.push_back(builder::store_to(dv, 1, m));
-    finish(p.epilogue, dx, 1, s.map_k, 0);
+    finish(p.epilogue, dx, 1, map_k, 0);
   }
   return p;
 }
@@ -1039,7 +1103,13 @@ std::vector<program> split_backward_programs_of(attention_spec const& s) {
 }
 
 std::vector<program> backward_programs_of(attention_spec const& s) {
-  if (!s.softmax) {
+  // poly2 whose state does not fit even one column of M per launch: through its kernel, as softmax.
+  auto sliceable = [&] {
+    attention_spec one = s;
+    one.m = 1;
+    return fitting_backward(one, false).has_value();
+  };
+  if (!s.softmax && !(kernel_trick(s) && s.d > 0 && s.m > 0 && !sliceable())) {
     if (s.step || s.d == 0 || s.m == 0 || (s.chained && !s.causal)) return {backward_program_of(s)};  // (its errors)
     check_maps(s);
     if (std::optional<program> p = fitting_backward(s)) return {std::move(*p)};
@@ -1075,7 +1145,7 @@ program backward_program_of(attention_spec const& s) {
 }
 
 split_programs split_programs_of(attention_spec const& s) {
-  if (s.softmax) throw std::invalid_argument("lina::cuda: the chunk-parallel form is for linear forwards");
+  if (quadratic_form(s)) throw std::invalid_argument("lina::cuda: the chunk-parallel form is for linear forwards");
   if (s.chained && !s.causal)
     throw std::invalid_argument("lina::cuda: only a causal attention carries a state, so only its split form takes one");
   // The partials never see the state: a chained spec's are the unchained one's (one kernel for both).
@@ -1265,6 +1335,10 @@ std::string listing(program const& p) {
       case opcode::exp_grad:
         return fmt::format("exp_grad {} = {}·{}∘{}{}", nm(i.dst), i.scale, nm(i.a), nm(i.dst),
                            i.causal || i.mask_scores ? ", 0 after the row" : "");
+      case opcode::square_rows:
+        return fmt::format("square_rows {} = {}²{}", nm(i.dst), nm(i.dst), i.causal ? ", 0 after the row" : "");
+      case opcode::square_grad:
+        return fmt::format("square_grad {} = 2·{}∘{}{}", nm(i.dst), nm(i.a), nm(i.dst), i.causal ? ", 0 after the row" : "");
       case opcode::store:
         if (i.slot >= 0)
           return fmt::format("store {} → {}[:, {} cols]{}", nm(i.dst), p.extras.at(static_cast<std::size_t>(i.slot)).name,

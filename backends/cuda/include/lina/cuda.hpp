@@ -890,7 +890,7 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
     }
     // The chunk-parallel form: partials, then the scan (N = 0 has no group to
     // store a state; without keys there are no sums to split).
-    if (opt.split_rows > 0 && a.n > 0 && keys_of(a) > 0 && !s.softmax && !step) {
+    if (opt.split_rows > 0 && a.n > 0 && keys_of(a) > 0 && !p.quadratic && !step) {
       split_programs const sp = split_programs_of(s);
       a.group_rows = opt.split_rows;
       std::int64_t const groups = groups_of(sp.partials, a);
@@ -1123,7 +1123,7 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* 
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
     }
-    std::int64_t const rows = !s.softmax && keys_of(a) > 0 ? split_rows(blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
+    std::int64_t const rows = !p.quadratic && keys_of(a) > 0 ? split_rows(blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
     if (rows > 0)  // too few (batch, head, M tile) blocks for the device: split N too
       launch_split(split_programs_of(s), a, rows, stream);
     else

@@ -109,6 +109,12 @@
 //                          its dtype (a backward's gradient of an input the plan
 //                          reads twice: the other share was stored before)
 //                          A `whole` store (∂W, in an epilogue) has r0 = 0, rows = t.rows.
+//   square_rows t          (quadratic programs: poly2 through its kernel, φ(q)·φ(k) =
+//                          (q·k)²) t[i][j] = t[i][j]·t[i][j] where (i, j) is valid
+//                          (as for exp_rows), else 0
+//   square_grad t, e       the adjoint of square_rows: with t = ∂A and e the scores
+//                          before squaring, t[i][j] = 2·(e[i][j]·t[i][j]) where
+//                          valid, else 0
 //   load from slot s ≥ max_inputs reads extra[s − max_inputs] in its dtype.
 //   load_state t           (from extra[slot] instead of state_in when slot ≥ 0)
 //                          t[i][j] = state_in(i, c0 + j) for i < t.rows, j < width,
@@ -283,7 +289,8 @@ struct tile_register {
 
 enum class opcode : std::uint8_t {
   zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state,
-  mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows, param_grad, exp_grad
+  mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows, param_grad, exp_grad, square_rows,
+  square_grad
 };
 std::string_view name_of(opcode o);
 

@@ -636,6 +636,32 @@ __device__ void exp_grad(float* t, const float* e, float scale, long long q0, lo
   __syncthreads();
 }
 
+// square_rows (program.hpp): poly2 through its kernel — the scores t (R × C)
+// of queries q0 + i against keys k0 + j become t², the invalid ones (as for
+// exp_rows) 0.
+template <int R, int C, int P, bool Causal>
+__device__ void square_rows(float* t, long long q0, long long k0, long long nq, long long nk) {
+  for (int x = threadIdx.x; x < R * C; x += blockDim.x) {
+    const int i = x / C, j = x % C;
+    const long long query = q0 + i, key = k0 + j;
+    const float s = t[i * P + j];
+    t[i * P + j] = query < nq && key < nk && (!Causal || key <= query) ? s * s : 0.0f;
+  }
+  __syncthreads();
+}
+
+// square_grad (program.hpp): with t = ∂A and e the scores before squaring,
+// t = 2·(e∘t) where valid, 0 elsewhere.
+template <int R, int C, int P, int PE, bool Causal>
+__device__ void square_grad(float* t, const float* e, long long q0, long long k0, long long nq, long long nk) {
+  for (int x = threadIdx.x; x < R * C; x += blockDim.x) {
+    const int i = x / C, j = x % C;
+    const long long query = q0 + i, key = k0 + j;
+    t[i * P + j] = query < nq && key < nk && (!Causal || key <= query) ? 2.0f * (e[i * PE + j] * t[i * P + j]) : 0.0f;
+  }
+  __syncthreads();
+}
+
 // out(r0 + i, c0 + j) = t[i][j] (Add: out += t, read in E: a gradient of an
 // input the plan reads twice, whose other share this block stored before).
 template <class E, int R, int C, int P, bool Add = false, class S>
