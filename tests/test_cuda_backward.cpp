@@ -323,6 +323,9 @@ TEST_CASE("backward: a plan that reads one input twice gets one gradient, the su
   // the ∂Q and ∂K shares summed and stored (the second one added) by the last.
   check_tied<true, false>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * K, 106, 256);
   check_tied<false, true>(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Q))) * V, 107, 256);
+  // Q as V: the last slice adds ∂Q to each chunk's rows after their ∂V columns.
+  check_tied<true, false>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * Q, 108);
+  check_tied<true, false>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * Q, 109, 256);
 }
 
 // A C × (M+1) fp32 state past one block's shared memory (D = M = 256): one

@@ -972,10 +972,11 @@ std::string too_large(attention_spec const& s, std::string_view why) {
 // shares to fp32 sums (the first writes, the others add); the last adds the
 // sums to its own share and stores the gradient, rounded once.
 std::vector<program> sliced_backward(attention_spec const& s) {
-  // Q read as V too: the last slice's ∂Q (its forward walk) would add to the
-  // columns its own ∂V (its reverse walk) has not written yet.
-  if (s.q_name == s.v_name)
-    throw std::invalid_argument(too_large(s, " (a plan reading Q as V too is not split over M's columns yet)"));
+  // Q read as V too: the last slice's forward walk cannot add ∂Q to the
+  // gradient yet — its own reverse walk writes its ∂V columns later. So it
+  // adds its share to the fp32 sums like the others, and its last pass adds
+  // the sums to each chunk's rows after their ∂V columns are stored.
+  bool const q_as_v = s.q_name == s.v_name;
   for (std::size_t slices = 2; slices <= s.m; ++slices) {
     attention_spec slice = s;
     slice.m = (s.m + slices - 1) / slices;
@@ -1006,6 +1007,7 @@ std::vector<program> sliced_backward(attention_spec const& s) {
     for (std::size_t t = 0; t < count; ++t) {
       program x = base;
       bool const last = t + 1 == count;
+      std::optional<instruction> dq_late;  // Q as V: the ∂Q store the last pass makes, from the sums
       auto rewrite = [&](std::vector<instruction>& list) {
         std::vector<instruction> out;
         for (instruction i : list) {
@@ -1019,7 +1021,10 @@ std::vector<program> sliced_backward(attention_spec const& s) {
           if (t > 0 && i.op == opcode::store_state) i.accumulate = true;
           bool const summed = i.op == opcode::store && !i.accumulate && static_cast<std::size_t>(i.slot + 1) < sums_of.size();
           int const sums = summed ? sums_of[static_cast<std::size_t>(i.slot + 1)] : -1;
-          if (sums >= 0 && last) {  // the register += the sums, then the store of the gradient
+          if (sums >= 0 && last && q_as_v && i.slot < 0) {  // ∂Q to the sums now, to the gradient in the last pass
+            dq_late = i;
+            i.slot = sums, i.accumulate = true;
+          } else if (sums >= 0 && last) {  // the register += the sums, then the store of the gradient
             instruction add = i;
             add.op = opcode::load, add.slot = max_inputs + sums, add.accumulate = true;
             out.push_back(add);
@@ -1031,6 +1036,11 @@ std::vector<program> sliced_backward(attention_spec const& s) {
         list = std::move(out);
       };
       for_each_list(x, rewrite);
+      if (dq_late) {  // each chunk's ∂Q rows (all the slices' shares) after the pass stored its ∂V columns
+        instruction reload = builder::load(dq_late->dst, max_inputs + sums_of[0], dq_late->width);
+        x.passes.back().push_back(reload);
+        x.passes.back().push_back(*dq_late);
+      }
       x.v_offset = t * slice.m;
       x.kernel_name += t == 0 ? "_slice_first" : last ? "_slice_last" : "_slice_adding";
       x.description += fmt::format(" — slice {} of {} of M's columns: {}", t + 1, count,

@@ -467,8 +467,9 @@ program backward_program_of(attention_spec const& s);
 // reverse walk only, and the later slices add their shares of ∂S0's z.
 // An input read twice (K as V, Q as K) is tied over all the launches: the
 // slices' ∂V columns each written, the ∂Q and ∂K shares stored (the second
-// added) by the last. Launches run in order on one stream: no atomics. Not
-// yet for a plan reading Q as V too (std::invalid_argument).
+// added) by the last — Q read as V: the last slice adds its ∂Q share to the
+// sums too, and its last pass adds them to each chunk's rows after storing
+// their ∂V columns. Launches run in order on one stream: no atomics.
 std::vector<program> backward_programs_of(attention_spec const& s);
 
 // The chunk-parallel form of a linear forward (splitting N when B·H·m_tiles
