@@ -239,6 +239,10 @@ TEST_CASE("device: launched kernels agree with the emulation") {
       launch_vs_emulation(full_plan, dt, s, 200);
       launch_vs_emulation(compile(softmax_expr), dt, s, 300);
     }
+  // poly2 past a block's state (C = 2080): quadratic, through its kernel (q·k)².
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    launch_vs_emulation(compile<order::linear>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V), dt,
+                        shape{1, 2, 130, 64, 16}, 700);
   // Stacked layers: one launch per layer, the intermediate in device memory.
   {
     constexpr auto stack = compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2);

@@ -706,6 +706,9 @@ TEST_CASE("device: gradients = their emulation") {
   // emulated pass.
   run.template operator()<float>(causal_plan, shape{1, 2, 1000, 64, 64}, 970);
   run.template operator()<cuda::bf16>(causal_plan, shape{1, 2, 1000, 64, 64}, 980);
+  // poly2 past a block's state: two quadratic launches through its kernel (q·k)².
+  constexpr auto poly2_plan = compile<order::linear>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V);
+  run.template operator()<float>(poly2_plan, shape{1, 2, 70, 64, 16}, 990);
   // favor: ∂W per (batch, head) too, W one device matrix shown to every (batch, head)
   // (zero strides); no rows: no launch runs, and ∂W is zeros; inside softmax: three launches.
   auto favor_case = [&](auto const& plan, std::size_t n) {
