@@ -517,7 +517,8 @@ void check_split_backward(Expr const& expr, std::uint64_t seed, std::vector<shap
 // Too few (batch, head) blocks for the device (B·H below its SMs): groups of
 // rows in three launches (program.hpp, split_backward_programs_of) — each
 // group's Σ φ(K)ᵀ[V|1]; each group's Σ φ(Q)ᵀĝ after its rows' adjoint; then
-// each group's forward and reverse walks from the groups before and after it.
+// each group's forward and reverse walks from the groups before and after it
+// (non-causal: ∂Q with the adjoint sums, ∂K and ∂V from all of them).
 TEST_CASE("backward, split: the chunk-parallel form (groups of rows, three launches) = one pass") {
   // One token; several groups, D ≠ M; N not a multiple of the chunk (a short last group); D = M = 128 (T = 16).
   check_split_backward(causal_expr, 111, {{1, 2, 1, 7, 4}, {2, 1, 300, 16, 8}, {1, 2, 257, 24, 100}, {1, 1, 200, 128, 128}},
@@ -525,6 +526,11 @@ TEST_CASE("backward, split: the chunk-parallel form (groups of rows, three launc
   check_split_backward(causal(Q * transpose(K)) * V, 112, {{2, 1, 300, 16, 8}, {1, 1, 130, 128, 128}}, false, true);
   check_split_backward(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 113, {{1, 2, 150, 9, 70}});
   check_split_backward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 114, {{1, 2, 150, 6, 5}}, true);
+  // Non-causal: the sums over groups of K's rows; each group of Q's rows its
+  // rows, ĝ, ∂Q and Σ φ(Q)ᵀĝ from all of them; each group of K's rows ∂K, ∂V.
+  check_split_backward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 115,
+                       {{2, 1, 300, 16, 8}, {1, 2, 257, 24, 100}, {1, 1, 200, 128, 128}}, false, true);
+  check_split_backward(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 116, {{2, 1, 300, 16, 8}});
   // The launches: the first two only sum (their registers trimmed), the last walks.
   auto spec = cuda::spec_of(compile<order::linear>(causal_expr));
   spec.d = spec.m = 128;
@@ -537,10 +543,14 @@ TEST_CASE("backward, split: the chunk-parallel form (groups of rows, three launc
   CHECK(walks.find("add_partials state += Σ partials[g < group") != std::string::npos);
   CHECK(walks.find("add_partials state += Σ ∂ partials[g > group") != std::string::npos);
   CHECK(walks.find("rowdiv_grad") == std::string::npos);  // ĝ comes from the second launch
-  // No split form: softmax, non-causal plans, parametric maps (∂W sums over
-  // every row), a state split over M's columns.
+  auto full = cuda::spec_of(compile<order::linear>(full_expr));
+  full.d = full.m = 16;
+  auto const fp = cuda::split_backward_programs_of(full);
+  REQUIRE(fp.size() == 3);
+  CHECK((fp[0].key_major && !fp[1].key_major && fp[2].key_major));  // groups of K's rows, Q's, K's
+  // No split form: softmax, parametric maps (∂W sums over every row), a state
+  // split over M's columns.
   for (auto other : {cuda::spec_of(compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V)),
-                     cuda::spec_of(compile<order::linear>(full_expr)),
                      cuda::spec_of(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V))}) {
     other.d = other.m = other.f = 16;
     CHECK(cuda::split_backward_programs_of(other).empty());

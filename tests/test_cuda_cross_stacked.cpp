@@ -44,6 +44,15 @@ void check_cross(Expr const& expr, std::uint64_t seed, std::size_t max_d = 40) {
         CHECK(relative_rms(g[Kx], as_float(want[Kx])) <= tolerance(dt));
       }
       CHECK(relative_rms(g[Vx], as_float(want[Vx])) <= tolerance(dt));
+      // The backward's chunk-parallel form (linear plans): the sums over groups of
+      // K's rows, the rows and ∂Q over groups of Q's, ∂K and ∂V over K's again.
+      auto gs = cuda::emulate_gradient(plan, split, dout, Q = q, Kx = k, Vx = v);
+      double const same = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt);
+      if (n > 1) {
+        CHECK(relative_rms(gs[Q], g[Q]) <= same);
+        CHECK(relative_rms(gs[Kx], g[Kx]) <= same);
+      }
+      CHECK(relative_rms(gs[Vx], g[Vx]) <= same);
     }
 }
 }  // namespace

@@ -230,9 +230,10 @@ struct emitter {
                                   // later: of the groups after it)
         line(ind, "tl::add_partials<{}, {}, {}, {}>({}, args.extra[{}], extra{}_base, {} * args.extra[{}].stride[2], {}, m0, {});",
              rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, i.slot, i.slot, rows(i.dst), i.slot,
-             i.later         ? "group + 1, groups"
-             : p.spec.causal ? "0, group"
-                             : "0, (keys_n + args.group_rows - 1) / args.group_rows",
+             i.later         ? std::string("group + 1, groups")
+             : p.spec.causal ? std::string("0, group")
+                             : fmt::format("0, ({} + args.group_rows - 1) / args.group_rows",  // every group of its side
+                                           p.extras.at(static_cast<std::size_t>(i.slot)).keys ? "keys_n" : "args.n"),
              width(i));
         break;
     }

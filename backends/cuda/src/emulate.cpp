@@ -231,7 +231,8 @@ struct block {
         std::int64_t const c0 = col0(i), m_cols = i.z_column ? s.cols - 1 : s.cols;
         // causal: the groups before this one (later: after it); else every group of K's rows
         std::int64_t const from = i.later ? group + 1 : 0;
-        std::int64_t const upto = i.later ? groups : p.spec.causal ? group : (keys_of(a) + a.group_rows - 1) / a.group_rows;
+        std::int64_t const side = p.extras.at(static_cast<std::size_t>(i.slot)).keys ? keys_of(a) : a.n;  // its groups' rows
+        std::int64_t const upto = i.later ? groups : p.spec.causal ? group : (side + a.group_rows - 1) / a.group_rows;
         for (std::int64_t g = from; g < upto; ++g) {
           std::int64_t const base = slice_offset(s) + g * t.rows * s.stride[2];
           for (int r = 0; r < t.rows; ++r)

@@ -529,11 +529,12 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   int const sums_at = split ? static_cast<int>(p.extras.size()) : -1;  // the groups' Σ φ(K)ᵀ[V|1], then Σ φ(Q)ᵀĝ
   if (split) {
     p.split = true;
-    for (std::string_view x : {"partials", "∂ partials"})
+    for (std::string_view x : {"partials", "∂ partials"})  // (over groups of K's rows, then of Q's)
       p.extras.push_back({.name = std::string(x), .type = dtype::f32,
                           .comment = x == "partials" ? "Σ φ(K)ᵀ" + std::string(s.normalized ? "[V|1]" : "V") +
-                                                           " per group of rows, fp32 [B, H, groups·C, W]"
-                                                     : "Σ φ(Q)ᵀĝ per group of rows, fp32 [B, H, groups·C, W]",
+                                                           " per group of K's rows, fp32 [B, H, groups·C, W]"
+                                                     : "Σ φ(Q)ᵀĝ per group of Q's rows, fp32 [B, H, groups·C, W]",
+                          .keys = x == "partials",
                           .cols = static_cast<std::size_t>(m) + (s.normalized ? 1 : 0),
                           .rows = static_cast<std::size_t>(c), .per_group = true});
   }
@@ -571,19 +572,23 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   // Chained: the forward walk starts from the block's initial state S0, the
   // reverse walk from the gradient of the state it leaves (later blocks'
   // Σ φ(q)ĝᵀ), and what the reverse walk ends with is the gradient of S0.
-  // A split part's sums of the groups before this block's (S, "partials") or
-  // after it (R, "∂ partials": a reverse walk's suffix).
-  auto group_sums = [&](opcode op, bool later) {
-    return instruction{.op = op, .dst = st, .slot = sums_at + (later ? 1 : 0), .width = m, .by_m_tile = true,
+  // A split part's groups' sums: S ("partials") or R ("∂ partials"); causal,
+  // of the groups before this block's, or after it (later: a reverse walk's
+  // suffix); non-causal, of all of them.
+  auto group_sums = [&](opcode op, bool r, bool later = false) {
+    return instruction{.op = op, .dst = st, .slot = sums_at + (r ? 1 : 0), .width = m, .by_m_tile = true,
                        .z_column = s.normalized, .later = later};
   };
-  // The prefix sums S: the whole backward and the walks read them, and so do
-  // a normalised plan's adjoint sums (its rows); the groups' own sums do not.
-  bool const reads_s = part == backward_part::whole || part == backward_part::walks ||
-                       (part == backward_part::adjoint_sums && s.normalized);
+  // The sums S: the whole backward reads them; causal, the walks and a
+  // normalised plan's adjoint sums (its rows), non-causal the adjoint sums
+  // (∂Q = ĝ·Sᵀ); the groups' own sums do not.
+  bool const reads_s = part == backward_part::whole ||
+                       (s.causal ? part == backward_part::walks || (part == backward_part::adjoint_sums && s.normalized)
+                                 : part == backward_part::adjoint_sums);
   bool const stores_d_s0 = s.chained && (part == backward_part::whole || part == backward_part::walks);
   p.prologue.push_back(s.chained && reads_s ? builder::load_state(st, m, s.normalized) : builder::zero(st));
   if (split && reads_s) p.prologue.push_back(group_sums(opcode::add_partials, false));
+  if (split && !s.causal && part == backward_part::walks) p.prologue.push_back(group_sums(opcode::add_partials, true));
   if (stores_d_s0) {  // split: the first group's reverse walk ends with every row's sums
     p.epilogue.push_back(builder::store_state(st, m, s.normalized));
     p.epilogue.back().later = split;
@@ -598,7 +603,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     }
   std::vector<instruction> reverse_start{builder::zero(st)};
   if (s.chained) reverse_start[0] = builder::load_state(st, m, s.normalized), reverse_start[0].slot = d_final;
-  if (split) reverse_start.push_back(group_sums(opcode::add_partials, true));
+  if (split) reverse_start.push_back(group_sums(opcode::add_partials, true, true));
   // The rows again: o = causal(φQ·φKᵀ)·[V|1] + φQ·S.
   auto rows_again = [&](std::vector<instruction>& body) {
     body.push_back(b.product(a, q, false, k, true, false));
@@ -630,7 +635,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     adj.push_back(b.product(st, q, true, g, false, true));
     p.passes.emplace_back(std::move(adj), false,
                           s.normalized ? std::vector<instruction>{builder::zero(st)} : std::vector<instruction>{});
-    p.epilogue.push_back(group_sums(opcode::store_partial, true));
+    p.epilogue.push_back(group_sums(opcode::store_partial, true, true));
   } else if (s.causal) {
     std::vector<instruction> fwd, rev;
     bool const kept = s.normalized && part == backward_part::walks;  // ĝ from the adjoint sums' launch
@@ -686,12 +691,25 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     kv.push_back(b.product(o, k, false, st, false, false));
     kv.push_back(builder::store_to(o, 1, m));
     b.finish_grad(kv, dx, gx, 1, s.map_k, 0);
-    p.passes.emplace_back(std::move(sum));
-    p.passes.back().keys = true;
-    p.passes.emplace_back(std::move(rows));
-    p.passes.emplace_back(std::move(adj), false, std::vector<instruction>{builder::zero(st)});
-    p.passes.emplace_back(std::move(kv));
-    p.passes.back().keys = true;
+    // Split: the sums over groups of K's rows; S from all of them, each group
+    // of Q's rows its rows, ĝ, ∂Q and Σ φQᵀ·ĝ; R from all of those, each group
+    // of K's rows ∂K and ∂V.
+    bool const all = part == backward_part::whole;
+    if (all || part == backward_part::sums) {
+      p.passes.emplace_back(std::move(sum));
+      p.passes.back().keys = true;
+    }
+    if (all || part == backward_part::adjoint_sums) {
+      p.passes.emplace_back(std::move(rows));
+      p.passes.emplace_back(std::move(adj), false, std::vector<instruction>{builder::zero(st)});
+    }
+    if (all || part == backward_part::walks) {
+      p.passes.emplace_back(std::move(kv));
+      p.passes.back().keys = true;
+    }
+    p.key_major = part == backward_part::sums || part == backward_part::walks;  // (groups of K's rows)
+    if (part == backward_part::sums) p.epilogue.push_back(group_sums(opcode::store_partial, false));
+    if (part == backward_part::adjoint_sums) p.epilogue.push_back(group_sums(opcode::store_partial, true));
   }
   return p;
 }
@@ -1084,7 +1102,7 @@ void drop_unused_registers(program& p) {
 }  // namespace
 
 std::vector<program> split_backward_programs_of(attention_spec const& s) {
-  if (s.softmax || !s.causal || s.step || s.d == 0 || s.m == 0 || parametric(s.map_q) || parametric(s.map_k)) return {};
+  if (s.softmax || s.step || s.d == 0 || s.m == 0 || parametric(s.map_q) || parametric(s.map_k)) return {};
   check_maps(s);
   std::optional<program> const whole = fitting_backward(s, false);
   if (!whole) return {};  // (split over M's columns instead)
@@ -1199,7 +1217,8 @@ split_programs split_programs_of(attention_spec const& s) {
   partials.kernel_name += "_partials";
   partials.description = "the sums of φ(K)ᵀ" + std::string(s.normalized ? "[V|1]" : "V") +
                          " per group of rows (the chunk-parallel form's first launch) of: " + plan_text(s);
-  partials.extras = {{"partials", dtype::f32, "Σ φ(K)ᵀ[V|1] per group of rows, fp32 [B, H, groups·C, W]"}};
+  partials.extras = {{.name = "partials", .type = dtype::f32,
+                      .comment = "Σ φ(K)ᵀ[V|1] per group of rows, fp32 [B, H, groups·C, W]", .keys = true}};
   scan.prologue.push_back(add_op);  // after load_state, when chained: S0 + the groups before
   scan.split = true;
   scan.kernel_name += "_split";

@@ -1342,8 +1342,10 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     attention_spec s = detail::bound_spec(plan, opt, in);
     s.chained = chained;
     std::int64_t const n_rows = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
-    // The chunk-parallel form where asked for and the plan has one (causal linear; N = 0 has no group).
-    std::vector<program> ps = opt.split_rows > 0 && n_rows > 0 ? split_backward_programs_of(s) : std::vector<program>{};
+    std::int64_t const n_keys = static_cast<std::int64_t>(F::k::input::rows::extent(in.table));
+    // The chunk-parallel form where asked for and the plan has one (linear; no rows or keys: no group).
+    std::vector<program> ps =
+        opt.split_rows > 0 && n_rows > 0 && n_keys > 0 ? split_backward_programs_of(s) : std::vector<program>{};
     if (ps.empty()) ps = backward_programs_of(s);  // one launch, or softmax's two or three
     program const& p = ps.front();
     std::vector<std::uint16_t> stores[max_inputs];
@@ -1359,7 +1361,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     a.batch = static_cast<std::int64_t>(in.batch);
     a.heads = static_cast<std::int64_t>(in.heads);
     a.n = n_rows;
-    a.n_keys = static_cast<std::int64_t>(F::k::input::rows::extent(in.table));
+    a.n_keys = n_keys;
     if (p.split) a.group_rows = opt.split_rows;
     std::size_t const bh = in.batch * in.heads, n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
     shape4 const sq{in.batch, in.heads, n, s.d}, sk{in.batch, in.heads, nk, s.d}, sv{in.batch, in.heads, nk, s.m};
@@ -1478,7 +1480,9 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     forward_args a = detail::device_args<F>(device_view<T>{}, in, 4);  // W after ∂out
     a.in[3] = detail::device_operand(dv);
     // Too few (batch, head) blocks for the device: the chunk-parallel form, where the plan has one.
-    if (std::int64_t const rows = ps.size() == 1 && a.n > 0 ? split_rows(blocks_of(ps.front(), a), a.n, ps.front().tiles.chunk, dev.sms) : 0)
+    if (std::int64_t const rows = ps.size() == 1 && a.n > 0 && keys_of(a) > 0
+                                      ? split_rows(blocks_of(ps.front(), a), a.n, ps.front().tiles.chunk, dev.sms)
+                                      : 0)
       if (std::vector<program> sp = split_backward_programs_of(s); !sp.empty()) ps = std::move(sp), a.group_rows = rows;
     program const& p = ps.front();
     std::size_t const n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);

@@ -487,10 +487,11 @@ struct split_programs {
 };
 split_programs split_programs_of(attention_spec const& s);
 
-// The chunk-parallel form of a causal linear backward (splitting N when the
-// B·H blocks of backward_programs_of cannot fill the device): three launches
-// over groups of group_rows rows, on ONE forward_args with the backward's
-// buffers and two more, fp32 [B, H, groups·C, W] (extra_buffer::per_group):
+// The chunk-parallel form of a linear backward (splitting N when the B·H
+// blocks of backward_programs_of cannot fill the device): three launches over
+// groups of group_rows rows, on ONE forward_args with the backward's buffers
+// and two more, fp32 [B, H, groups·C, W] (extra_buffer::per_group; groups of
+// K's rows, then of Q's). Causal:
 //   1. `sums` — each group's Σ φ(K)ᵀ[V|1] (store_partial to "partials");
 //   2. `adjoint sums` — each group's Σ φ(Q)ᵀĝ (to "∂ partials"): a normalised
 //      plan first recomputes the group's rows from S0 + the groups before it,
@@ -499,11 +500,14 @@ split_programs split_programs_of(attention_spec const& s);
 //      walk from S0 + the groups before it (ĝ read from the scratch rows), the
 //      reverse walk from ∂(the state out) + the groups after it (add_partials,
 //      later); chained, the first group stores ∂S0.
+// Non-causal: 1. each group of K's rows its sums (key-major); 2. each group
+// of Q's rows, from all of them, its rows, ĝ, ∂Q and Σ φ(Q)ᵀĝ; 3. each group
+// of K's rows, from all of those, ∂K and ∂V (key-major).
 // Every gradient row is summed by one block; launches in order on one stream.
-// Returns no programs where the backward has no such form: softmax,
-// non-causal or step specs, parametric maps (∂W sums over every row) and
-// specs split over M's columns. The results equal backward_programs_of(s)'s up
-// to the order of the state's sums.
+// Returns no programs where the backward has no such form: softmax or step
+// specs, parametric maps (∂W sums over every row), poly2 through its kernel
+// and specs split over M's columns. The results equal backward_programs_of(s)'s
+// up to the order of the state's sums.
 std::vector<program> split_backward_programs_of(attention_spec const& s);
 
 // out += in[0], both [B, H, n, cols] of element type t (the gradient of an
@@ -579,9 +583,10 @@ inline forward_args arguments_for(program const& p, forward_args a) {
 // The rows of a program's scratch buffer (extra_buffer::cols > 0) on these
 // arguments: fp32 [B, H, rows, cols].
 inline std::int64_t scratch_rows(extra_buffer const& e, forward_args const& a) {
-  std::int64_t const rows = e.rows ? static_cast<std::int64_t>(e.rows) : e.keys ? keys_of(a) : a.n;
+  std::int64_t const side = e.keys ? keys_of(a) : a.n;  // (per group: the groups of K's or of Q's rows)
+  std::int64_t const rows = e.rows ? static_cast<std::int64_t>(e.rows) : side;
   if (!e.per_group) return rows;
-  return a.group_rows > 0 ? rows * ((a.n + a.group_rows - 1) / a.group_rows) : 0;
+  return a.group_rows > 0 ? rows * ((side + a.group_rows - 1) / a.group_rows) : 0;
 }
 
 // Blocks to launch for a program on these arguments.
