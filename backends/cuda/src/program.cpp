@@ -794,7 +794,8 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   int const ds = b.reg("ds", t, t, "ĝ·" + v1 + "ᵀ, then ∂S = " + (squared ? "2·S∘" : "scale·E∘") + "(ĝ·" + v1 + "ᵀ) (T, T)");
   int const mx = s.normalized && !squared ? b.reg("mx", t, 1, "each query row's shift m (T, 1)") : -1;
   int const o = s.normalized && !key_side ? b.reg("o", t, w, "the shifted rows [num | den] again (T, W)") : -1;
-  int const dx = b.reg(key_side ? "dk" : "dq", t, c, (key_side ? "∂φ(K)" : "∂φ(Q)") + std::string(" of ") + mine + " (T, " + cdim + ")");
+  std::string const dname = squared ? (key_side ? "∂K" : "∂Q") : (key_side ? "∂φ(K)" : "∂φ(Q)");
+  int const dx = b.reg(key_side ? "dk" : "dq", t, c, dname + " of " + mine + " (T, " + cdim + ")");
   int const dv = key_side ? b.reg("dv", t, w, "∂" + v1 + " of " + mine + " (T, W)") : -1;
   int const gx = row_map ? b.reg("gx", t, d, "∂Q or ∂K rows through the row map (T, D)") : -1;
   // ∂φ rows → the gradient; a parametric map's go to scratch for the third program (∂W sums over every block).
