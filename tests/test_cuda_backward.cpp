@@ -548,10 +548,15 @@ TEST_CASE("backward, split: the chunk-parallel form (groups of rows, three launc
   auto const fp = cuda::split_backward_programs_of(full);
   REQUIRE(fp.size() == 3);
   CHECK((fp[0].key_major && !fp[1].key_major && fp[2].key_major));  // groups of K's rows, Q's, K's
-  // No split form: softmax, parametric maps (∂W sums over every row), a state
-  // split over M's columns.
-  for (auto other : {cuda::spec_of(compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V)),
-                     cuda::spec_of(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V))}) {
+  // A causal parametric map: a fourth launch adds the groups' shares of ∂W
+  // (test_cuda_parametric.cpp); non-causal, ∂W's shares come from two launches
+  // over different groups: no split form, nor for softmax or a state split
+  // over M's columns.
+  auto fv = cuda::spec_of(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V));
+  fv.d = fv.m = fv.f = 16;
+  CHECK(cuda::split_backward_programs_of(fv).size() == 4);
+  fv.causal = false;
+  for (auto other : {cuda::spec_of(compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V)), fv}) {
     other.d = other.m = other.f = 16;
     CHECK(cuda::split_backward_programs_of(other).empty());
   }

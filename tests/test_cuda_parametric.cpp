@@ -219,6 +219,26 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector
       one(K, "∂K");
       one(V, "∂V");
       (one(ws, "∂W"), ...);
+      // A causal linear plan's chunk-parallel form, groups of one chunk: each
+      // group's share of ∂W, added in the groups' order by a fourth launch.
+      auto split_spec = cuda::spec_of(plan, opt);
+      split_spec.d = s.d, split_spec.m = s.m, split_spec.f = f;
+      if (auto const sp = cuda::split_backward_programs_of(split_spec); !sp.empty()) {
+        cuda::options split = opt;
+        split.split_rows = sp[0].tiles.chunk;
+        auto gs = std::apply([&](auto const&... w) { return cuda::emulate_gradient(plan, split, dout, Q = q, K = k, V = v, w...); }, wb);
+        double const same = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt);
+        auto agree = [&](auto const& x, std::string const& name) {
+          CAPTURE(name);
+          CHECK(relative_rms(gs[x], g[x]) <= same);
+        };
+        agree(Q, "split ∂Q");
+        agree(K, "split ∂K");
+        agree(V, "split ∂V");
+        (agree(ws, "split ∂W"), ...);
+        if (compiles && s.n == 70 && dt == cuda::dtype::f32)
+          for (auto const& p : sp) check_compiles(p);
+      }
       auto spec = cuda::spec_of(plan, opt);
       spec.d = s.d, spec.m = s.m, spec.f = f;
       if (compiles && s.n == 70 && dt == cuda::dtype::f32)

@@ -231,7 +231,7 @@ struct emitter {
         line(ind, "tl::add_partials<{}, {}, {}, {}>({}, args.extra[{}], extra{}_base, {} * args.extra[{}].stride[2], {}, m0, {});",
              rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, i.slot, i.slot, rows(i.dst), i.slot,
              i.later         ? std::string("group + 1, groups")
-             : p.spec.causal ? std::string("0, group")
+             : i.causal      ? std::string("0, group")
                              : fmt::format("0, ({} + args.group_rows - 1) / args.group_rows",  // every group of its side
                                            p.extras.at(static_cast<std::size_t>(i.slot)).keys ? "keys_n" : "args.n"),
              width(i));
@@ -297,7 +297,8 @@ struct emitter {
       if (derivative) line(2, "__device__ static float derivative(float x) {{ return {}; }}", u.cuda_derivative);
       line(0, "}};");
     }
-    line(0, "constexpr int chunk = {};", p.tiles.chunk);
+    if (!p.passes.empty() || p.quadratic)  // (a program without passes walks no chunks: a split ∂W's sum)
+      line(0, "constexpr int chunk = {};", p.tiles.chunk);
     bool by_m = p.spec.chained;  // load_state and store_state always start at m0
     for (auto const* i : all) by_m = by_m || i->by_m_tile;
     if (by_m) line(0, "constexpr int tile_m = {};", p.tiles.tile_m);
@@ -333,7 +334,7 @@ struct emitter {
       bool stores = false;
       for (auto const* i : all) stores = stores || i->op == opcode::store || i->op == opcode::store_state;
       for (auto const& i : p.epilogue)
-        if (i.op == opcode::store_partial && !stores && (i.later || p.spec.causal))
+        if (i.op == opcode::store_partial && !stores && (i.later || i.causal))
           line(2, "if (group == {}) return;  // nobody reads this group's sums", i.later ? "0" : "groups - 1");
       line(2, "const long long row_begin = group * args.group_rows;");
       line(2, "const long long row_end = {} - row_begin < args.group_rows ? {} : row_begin + args.group_rows;", n, n);
@@ -458,7 +459,7 @@ struct emitter {
         line(2, "if (group == {}) {{", i.later ? "0" : "groups - 1");
         instruction(4, i);
         line(2, "}}");
-      } else if (i.op == opcode::store_partial && (i.later || p.spec.causal)) {  // (the group nobody reads)
+      } else if (i.op == opcode::store_partial && (i.later || i.causal)) {  // (the group nobody reads)
         line(2, "if (group != {}) {{", i.later ? "0" : "groups - 1");
         instruction(4, i);
         line(2, "}}");

@@ -232,7 +232,7 @@ struct block {
         // causal: the groups before this one (later: after it); else every group of K's rows
         std::int64_t const from = i.later ? group + 1 : 0;
         std::int64_t const side = p.extras.at(static_cast<std::size_t>(i.slot)).keys ? keys_of(a) : a.n;  // its groups' rows
-        std::int64_t const upto = i.later ? groups : p.spec.causal ? group : (side + a.group_rows - 1) / a.group_rows;
+        std::int64_t const upto = i.later ? groups : i.causal ? group : (side + a.group_rows - 1) / a.group_rows;
         for (std::int64_t g = from; g < upto; ++g) {
           std::int64_t const base = slice_offset(s) + g * t.rows * s.stride[2];
           for (int r = 0; r < t.rows; ++r)
@@ -421,7 +421,7 @@ struct block {
   // the first): its store_partial does nothing, nor do its blocks at all when
   // they store nothing else (program.hpp).
   bool unread(instruction const& i) const {
-    return i.op == opcode::store_partial && (i.later ? group == 0 : p.spec.causal && group + 1 == groups);
+    return i.op == opcode::store_partial && (i.later ? group == 0 : i.causal && group + 1 == groups);
   }
   bool idle() const {
     if (!p.split) return false;

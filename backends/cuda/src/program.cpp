@@ -478,14 +478,15 @@ void check_maps(attention_spec const& s) {
 
 // What lay_out_backward lays out: the whole backward, or one launch of its
 // chunk-parallel form (program.hpp, split_backward_programs_of).
-enum class backward_part { whole, sums, adjoint_sums, walks };
+enum class backward_part { whole, sums, adjoint_sums, walks, weight_sums };
 
 // The backward program of a (valid) spec at chunk T (program.hpp,
 // backward_program_of). Slots: Q, K, V, ∂out in 0–3, W (and φ(K)'s own W) in
 // 4 (5); extra[0] ∂K, extra[1] ∂V, extra[2] the scratch rows ĝ (normalised
 // only), then ∂W (and ∂W2) for a parametric map, then ∂state (chained), then
-// a split part's groups' sums ("partials", "∂ partials"). A split part has the
-// whole program's registers (drop_unused_registers trims them).
+// a split part's groups' sums ("partials", "∂ partials"; a parametric map's
+// "∂W partials", "∂W2 partials"). A split part has the whole program's
+// registers (drop_unused_registers trims them).
 program lay_out_backward(attention_spec const& s, int t, backward_part part = backward_part::whole) {
   builder b;
   program& p = b.p;
@@ -538,6 +539,13 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
                           .cols = static_cast<std::size_t>(m) + (s.normalized ? 1 : 0),
                           .rows = static_cast<std::size_t>(c), .per_group = true});
   }
+  int const w_sums_at = split && param ? static_cast<int>(p.extras.size()) : -1;  // each group's ∂W (∂W2) share
+  if (w_sums_at >= 0)
+    for (std::string const& x : {s.w_name, s.w_k_name})
+      if (!x.empty())
+        p.extras.push_back({.name = "∂" + x + " partials", .type = dtype::f32,
+                            .comment = "each group's share of ∂" + x + ", fp32 [B, H, groups·D, F]",
+                            .cols = static_cast<std::size_t>(s.f), .rows = static_cast<std::size_t>(d), .per_group = true});
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
   std::string const cdim = row_map ? "C" : "D";
@@ -577,7 +585,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   // suffix); non-causal, of all of them.
   auto group_sums = [&](opcode op, bool r, bool later = false) {
     return instruction{.op = op, .dst = st, .slot = sums_at + (r ? 1 : 0), .width = m, .by_m_tile = true,
-                       .z_column = s.normalized, .later = later};
+                       .z_column = s.normalized, .causal = s.causal, .later = later};
   };
   // The sums S: the whole backward reads them; causal, the walks and a
   // normalised plan's adjoint sums (its rows), non-causal the adjoint sums
@@ -594,13 +602,27 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     p.epilogue.back().later = split;
   }
   b.load_w(p.prologue);
-  for (auto [r, at] : {std::pair{dw, dw_at}, std::pair{dwk, dw_at + 1}})
-    if (r >= 0) {
-      p.prologue.push_back(builder::zero(r));
-      instruction out = builder::store_to(r, at, f);
-      out.whole = true;
-      p.epilogue.push_back(out);
-    }
+  // ∂W (∂W2): a sum over every row; split, each group's walks store their share
+  // and a last launch (weight_sums) adds the shares in the order of the groups.
+  std::vector<instruction> w_first, w_last;
+  for (auto [r, at, share] : {std::tuple{dw, dw_at, w_sums_at}, std::tuple{dwk, dw_at + 1, w_sums_at + 1}}) {
+    if (r < 0 || part == backward_part::sums || part == backward_part::adjoint_sums) continue;
+    w_first.push_back(builder::zero(r));
+    instruction shares{.op = opcode::add_partials, .dst = r, .slot = share, .width = f, .by_m_tile = true};
+    if (part == backward_part::weight_sums) w_first.push_back(shares);
+    instruction out = builder::store_to(r, at, f);
+    out.whole = true;
+    if (part == backward_part::walks) out = shares, out.op = opcode::store_partial;
+    w_last.push_back(out);
+  }
+  if (part == backward_part::weight_sums) {  // a block per (batch, head), no rows: the groups' shares added, stored
+    p.prologue = std::move(w_first);
+    p.epilogue = std::move(w_last);
+    p.split = false;
+    return p;
+  }
+  p.prologue.insert(p.prologue.end(), w_first.begin(), w_first.end());
+  p.epilogue.insert(p.epilogue.end(), w_last.begin(), w_last.end());
   std::vector<instruction> reverse_start{builder::zero(st)};
   if (s.chained) reverse_start[0] = builder::load_state(st, m, s.normalized), reverse_start[0].slot = d_final;
   if (split) reverse_start.push_back(group_sums(opcode::add_partials, true, true));
@@ -1103,7 +1125,8 @@ void drop_unused_registers(program& p) {
 }  // namespace
 
 std::vector<program> split_backward_programs_of(attention_spec const& s) {
-  if (s.softmax || s.step || s.d == 0 || s.m == 0 || parametric(s.map_q) || parametric(s.map_k)) return {};
+  bool const param = parametric(s.map_q) || parametric(s.map_k);
+  if (s.softmax || s.step || s.d == 0 || s.m == 0 || (param && !s.causal)) return {};
   check_maps(s);
   std::optional<program> const whole = fitting_backward(s, false);
   if (!whole) return {};  // (split over M's columns instead)
@@ -1120,7 +1143,10 @@ std::vector<program> split_backward_programs_of(attention_spec const& s) {
                 "each group's Σ φ(Q)ᵀĝ, its rows' adjoint ĝ kept (the chunk-parallel form's second launch)"},
         part_of{backward_part::walks, "_split_walks",
                 "each group's forward and reverse walks from the sums of the groups before and after it (the "
-                "chunk-parallel form's third launch)"}}) {
+                "chunk-parallel form's third launch)"},
+        part_of{backward_part::weight_sums, "_split_w_sums",
+                "the groups' shares of ∂W added in their order (a parametric map's fourth launch)"}}) {
+    if (part == backward_part::weight_sums && !param) continue;
     program p = lay_out_backward(s, t, part);
     drop_unused_registers(p);
     p.kernel_name += suffix;
@@ -1189,9 +1215,9 @@ split_programs split_programs_of(attention_spec const& s) {
   };
   int const st = reg("state"), k = reg("k");
   instruction const partial_op{.op = opcode::store_partial, .dst = st, .slot = 0, .width = scan.tiles.tile_m, .by_m_tile = true,
-                               .z_column = s.normalized};
+                               .z_column = s.normalized, .causal = s.causal};
   instruction const add_op{.op = opcode::add_partials, .dst = st, .slot = 0, .width = scan.tiles.tile_m, .by_m_tile = true,
-                           .z_column = s.normalized};
+                           .z_column = s.normalized, .causal = s.causal};
   if (s.causal) {
     // partials: the group's Σ φ(K)ᵀ[V|1] — the scan's loads of K and V and its state update.
     // K's block runs from its load to the instruction that writes φ(K) into k
@@ -1386,13 +1412,13 @@ std::string listing(program const& p) {
         return fmt::format("rowdiv_grad {} (rows {}) eps={}{}", nm(i.dst), nm(i.a), i.eps,
                            i.b >= 0 ? fmt::format("·exp(−{})", nm(i.b)) : "");
       case opcode::store_partial:
-        return fmt::format("store_partial {} → {}[group, :, m_tile·tile_m + {} cols{}] (not the {} group)", nm(i.dst),
+        return fmt::format("store_partial {} → {}[group, :, m_tile·tile_m + {} cols{}]{}", nm(i.dst),
                            p.extras.at(static_cast<std::size_t>(i.slot)).name, i.width, i.z_column ? " | z (m_tile 0)" : "",
-                           i.later ? "first" : "last");
+                           i.later ? " (not the first group)" : i.causal ? " (not the last group)" : "");
       case opcode::add_partials:
-        return fmt::format("add_partials {} += Σ {}[g {} group, :, m_tile·tile_m + {} cols{}]", nm(i.dst),
-                           p.extras.at(static_cast<std::size_t>(i.slot)).name, i.later ? ">" : "<", i.width,
-                           i.z_column ? " | z" : "");
+        return fmt::format("add_partials {} += Σ {}[{}, :, m_tile·tile_m + {} cols{}]", nm(i.dst),
+                           p.extras.at(static_cast<std::size_t>(i.slot)).name,
+                           i.later ? "g > group" : i.causal ? "g < group" : "every group", i.width, i.z_column ? " | z" : "");
       case opcode::load_state:
         return fmt::format("load_state {} ← {}[:, m_tile·tile_m + {} cols{}]", nm(i.dst),
                            i.slot >= 0 ? p.extras.at(static_cast<std::size_t>(i.slot)).name : std::string("state_in"),

@@ -148,17 +148,19 @@
 //                          row_divide's divisor) and s = Σ_{j<W−1} t[i][j] · (o[i][j] / d) as one
 //                          fp32 fma chain in increasing j: t[i][W−1] = −s / d, then
 //                          t[i][j] = t[i][j] / d for j < W−1; rows ≥ rows stay as they are
-//   store_partial t        (a partials program) extra[s](group·C + i, c0 + j) = t[i][j]
-//                          (s: the slot) for the columns store_state writes, the z
-//                          column from m_tile 0 alone: this group's sums; causal,
-//                          blocks of the last group do nothing at all (nobody reads
-//                          their sums) — `later` (a suffix's sums): of the first group
+//   store_partial t        (a split program) extra[s](group·C + i, c0 + j) = t[i][j]
+//                          (s: the slot, C: t's rows) for the columns store_state
+//                          writes, the z column from m_tile 0 alone: this group's
+//                          sums; `causal` (a prefix's sums), not by the last group
+//                          (nobody reads them) — `later` (a suffix's sums), not by the
+//                          first; a block that stores nothing else then does nothing
 //   add_partials t         (a split scan) t[i][j] += extra[s](g·C + i, c0 + j) for
-//                          g = 0 … group − 1 in increasing g (non-causal: every
-//                          group of K's rows, g < ⌈n_keys / group_rows⌉; `later`:
-//                          g = group + 1 … groups − 1, the groups after it), for the
-//                          columns load_state reads (z column included): the sums
-//                          of the rows before this block's group (of all rows; after it)
+//                          g = 0 … group − 1 in increasing g when `causal` (`later`:
+//                          g = group + 1 … groups − 1, the groups after it), else
+//                          every group of the rows the buffer was summed over (K's
+//                          or Q's: extra_buffer::keys), g < ⌈rows / group_rows⌉ —
+//                          also in a program that is not split — for the columns
+//                          load_state reads (z column included)
 //   store_state t          state_out(i, c0 + j) = t[i][j] for the same (i, j); the z
 //                          column (z_column) only from the block with m_tile = 0 —
 //                          every block of a (batch, head) holds the same z. In a
@@ -311,7 +313,8 @@ struct instruction {
   feature_map map = feature_map::identity;  // map
   float eps = 0;                // row_divide
   float scale = 1;              // exp_rows, exp_grad; map with a parametric map: s = D^−¼
-  bool causal = false;          // exp_rows, exp_grad: mask keys after the query row
+  bool causal = false;          // exp_rows, exp_grad, square_rows, square_grad: mask keys after the query row;
+                                // store_partial, add_partials: a prefix's sums (the groups before)
   bool mask_scores = false;     // exp_rows, exp_grad: the scores of keys after the query row are 0 (exp(causal(S)))
   bool later = false;           // store_partial, add_partials, store_state in a split program: the sums of the
                                 // groups after this block's (a reverse walk's suffix), not before it
@@ -502,11 +505,14 @@ split_programs split_programs_of(attention_spec const& s);
 //      later); chained, the first group stores ∂S0.
 // Non-causal: 1. each group of K's rows its sums (key-major); 2. each group
 // of Q's rows, from all of them, its rows, ĝ, ∂Q and Σ φ(Q)ᵀĝ; 3. each group
-// of K's rows, from all of those, ∂K and ∂V (key-major).
+// of K's rows, from all of those, ∂K and ∂V (key-major). A causal plan with a
+// parametric map (FAVOR+, random features) sums ∂W over every row: its walks
+// store each group's share ("∂W partials", fp32 [B, H, groups·D, F]), and a
+// fourth launch, a block per (batch, head), adds them in the groups' order.
 // Every gradient row is summed by one block; launches in order on one stream.
 // Returns no programs where the backward has no such form: softmax or step
-// specs, parametric maps (∂W sums over every row), poly2 through its kernel
-// and specs split over M's columns. The results equal backward_programs_of(s)'s
+// specs, non-causal parametric maps (∂W's shares come from two launches over
+// different groups), poly2 through its kernel and specs split over M's columns. The results equal backward_programs_of(s)'s
 // up to the order of the state's sums.
 std::vector<program> split_backward_programs_of(attention_spec const& s);
 
