@@ -133,6 +133,17 @@ double operand_roundoff(cuda::dtype in) {
   }
 }
 
+// The relative RMS error a linear plan's backward on the tensor cores may have
+// against the expression in double. Tensor-core products round every operand
+// they read by u. A term of an unnormalised gradient carries at most four
+// rounded factors (∂out or ĝ, [v|1] or φq, then the chunk's score and φk, or
+// the state); a normalised one also rounds the recomputed rows (three
+// factors) that ĝ divides by, twice (numerator and denominator): 4u and 10u on
+// the RMS, plus the output's rounding.
+double backward_mma_bound(cuda::dtype in, bool normalized) {
+  return tolerance(in) + (normalized ? 10 : 4) * operand_roundoff(in);
+}
+
 // The plan a test runs: the linear order, or compile()'s plan for softmax
 // (exp never linearises).
 template <class Expr>

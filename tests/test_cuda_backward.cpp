@@ -62,13 +62,7 @@ void check_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> con
             CHECK(e2 <= tolerance(dt));
             worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
           } else {
-            // Tensor-core products round every operand they read by u. A term of
-            // an unnormalised gradient carries at most four rounded factors
-            // (∂out or ĝ, [v|1] or φq, then the chunk's score and φk, or the
-            // state); a normalised one also rounds the recomputed rows (three
-            // factors) that ĝ divides by, twice (numerator and denominator):
-            // 4u and 10u on the RMS, plus the output's rounding.
-            double const bound = tolerance(dt) + (normalized ? 10 : 4) * u;
+            double const bound = backward_mma_bound(dt, normalized);
             CAPTURE(bound);
             CHECK(e2 <= bound);
             worst_mma = std::max(worst_mma, e2 / bound);

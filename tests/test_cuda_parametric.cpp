@@ -207,8 +207,8 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector
         CHECK(e1 <= tolerance(dt));
         CHECK(e2 <= tolerance(dt));
         worst = std::max({worst, e1 / tolerance(dt), e2 / tolerance(dt)});
-        if (mma) {  // the bound of check_backward (test_cuda_backward.cpp): 4u unnormalised, 10u normalised
-          double const bound = tolerance(dt) + (normalized ? 10 : 4) * operand_roundoff(dt);
+        if (mma) {
+          double const bound = backward_mma_bound(dt, normalized);
           double const e = relative_rms((*mma)[x], as_float(dense(exact[x])));
           CAPTURE(bound);
           CHECK(e <= bound);
