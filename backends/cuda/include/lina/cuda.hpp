@@ -69,7 +69,7 @@ struct options {
   bool exact_products = false;
   // The emulation of the chunk-parallel form (split_programs_of): groups of
   // this many rows (a multiple of the chunk; 0: one pass) for linear plans,
-  // causal (chained or not) or not; emulate_gradient: the causal backward's
+  // causal (chained or not) or not; emulate_gradient: a linear backward's
   // (split_backward_programs_of), where the plan has one. Launches choose it
   // from the device (split_rows).
   std::int64_t split_rows = 0;
