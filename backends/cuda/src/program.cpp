@@ -1297,6 +1297,7 @@ tile_config choose_tiles(attention_spec const& s) {
   // multiply that traffic; a shorter chunk only costs more state passes.
   constexpr int order[][2] = {{64, 64}, {64, 32}, {32, 64}, {32, 32}, {16, 64}, {16, 32},
                               {64, 16}, {32, 16}, {16, 16}, {64, 8},  {32, 8},  {16, 8}};
+  auto const lay_out = quadratic_form(s) ? lay_out_softmax : lay_out_linear;  // (decided once, not per candidate)
   for (auto const& [t, tm] : order) {
     if (s.step && t != 16) continue;
     std::size_t use = std::min(static_cast<std::size_t>(tm), s.m);
