@@ -11,6 +11,7 @@
 //   LINA_UPDATE_GOLDEN=1 build/release/tests/lina_cuda_tests -tc="*golden*"
 // and review the diff.
 #include "cuda_support.hpp"
+#include <lina/cuda/tiles.cuh>
 
 TEST_CASE("numeric: fp16 and bf16 conversions round to nearest even") {
   using namespace lina::cuda;
@@ -31,6 +32,60 @@ TEST_CASE("numeric: fp16 and bf16 conversions round to nearest even") {
   CHECK(from_f16_bits(f16_bits(0x1.7fep-15f)) == 0x1.8p-15f);  // a subnormal half
   CHECK(std::isnan(from_bf16_bits(bf16_bits(NAN))));
   CHECK(std::isnan(from_f16_bits(f16_bits(NAN))));
+}
+
+// The lane arithmetic of tiles.cuh's tensor-core products (its host-compilable
+// part), against the PTX ISA's description of the instructions: ldmatrix gives
+// thread t, for each 8 × 8 matrix m, the pair at row t / 4, columns 2(t % 4) and
+// 2(t % 4) + 1 of the matrix whose rows lanes 8m … 8m + 7 point at (.trans: the
+// pair at column t / 4 of rows 2(t % 4), 2(t % 4) + 1). Each register must hold
+// the pair of elements the mma.m16n8k16 fragment (mma16::a_row, a_k, b_k, b_col)
+// puts there — for operands stored either way — and every row address must be
+// 16-byte aligned (bf16 pitches are multiples of 8 elements).
+TEST_CASE("tile fragments: ldmatrix's rows give mma.m16n8k16's bf16 fragments, either storage order") {
+  using lina::tile::mma16;
+  for (int const pitch : {24, 40, 72, 136}) {
+    for (bool const k_major : {false, true}) {  // k along the stored rows (a transposed A, a non-transposed B)
+      CAPTURE(pitch);
+      CAPTURE(k_major);
+      // The element at (row or column "outer", k) of the operand, as an offset in its register.
+      auto offset = [&](int outer, int k) { return k_major ? k * pitch + outer : outer * pitch + k; };
+      // ldmatrix's register m of thread t: the offsets of its two elements.
+      auto loaded = [&](bool x4, int t, int m) {
+        auto row = [&](int lane) { return mma16::ldmatrix_offset(lane, x4, k_major, pitch); };
+        return k_major ? std::pair{row(8 * m + 2 * (t % 4)) + t / 4, row(8 * m + 2 * (t % 4) + 1) + t / 4}
+                       : std::pair{row(8 * m + t / 4) + 2 * (t % 4), row(8 * m + t / 4) + 2 * (t % 4) + 1};
+      };
+      for (int lane = 0; lane < 32; ++lane) {
+        CAPTURE(lane);
+        CHECK(mma16::ldmatrix_offset(lane, true, k_major, pitch) % 8 == 0);
+        CHECK(mma16::ldmatrix_offset(lane, false, k_major, pitch) % 8 == 0);
+        for (int r = 0; r < 4; ++r) {  // A (16 × 16): rows of A are "outer"
+          int const i = mma16::a_row(lane, r), k = mma16::a_k(lane, r);
+          CHECK(loaded(true, lane, r) == std::pair{offset(i, k), offset(i, k + 1)});
+        }
+        for (int r = 0; r < 2; ++r) {  // B (16 × 8): columns of B are "outer"
+          int const j = mma16::b_col(lane), k = mma16::b_k(lane, r);
+          CHECK(loaded(false, lane, r) == std::pair{offset(j, k), offset(j, k + 1)});
+        }
+      }
+    }
+  }
+  // The fragments cover each operand element once, and the accumulator's 16 × 8 once.
+  std::set<std::pair<int, int>> a, b, c;
+  for (int lane = 0; lane < 32; ++lane)
+    for (int r = 0; r < 4; ++r) {
+      for (int e : {0, 1}) a.insert({mma16::a_row(lane, r), mma16::a_k(lane, r) + e});
+      if (r < 2)
+        for (int e : {0, 1}) b.insert({mma16::b_k(lane, r) + e, mma16::b_col(lane)});
+      c.insert({mma16::c_row(lane, r), mma16::c_col(lane, r)});
+    }
+  CHECK(a.size() == 256);
+  CHECK(b.size() == 128);
+  CHECK(c.size() == 128);
+  CHECK(std::all_of(a.begin(), a.end(), [](auto e) { return e.first < 16 && e.second < 16; }));
+  CHECK(std::all_of(b.begin(), b.end(), [](auto e) { return e.first < 16 && e.second < 8; }));
+  CHECK(std::all_of(c.begin(), c.end(), [](auto e) { return e.first < 16 && e.second < 8; }));
 }
 
 // A user-defined map with no CUDA formulas: the CPU runs it, the kernels cannot.

@@ -39,6 +39,44 @@ struct forward_args {
 static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 19 * 48 + 40,
               "forward_args must keep the layout of lina::cuda::forward_args (program.hpp)");
 
+// ---- where a lane's tensor-core operands live ----------------------------------------
+// Plain arithmetic, so this part also compiles as host C++ (without __CUDACC__
+// the header stops after it): tests/test_cuda.cpp checks it against the PTX
+// ISA's description of mma.m16n8k16 and ldmatrix.
+#if defined(__CUDACC__)
+#define LINA_TILE_FN __host__ __device__ __forceinline__ constexpr
+#else
+#define LINA_TILE_FN constexpr
+#endif
+// mma.sync.m16n8k16 (bf16), lane l = (g, q) = (l / 4, l % 4). A (16 × 16):
+// register r holds the pair (row a_row, column a_k and a_k + 1); B (16 × 8):
+// register r holds (row b_k and b_k + 1, column g); the accumulator's element
+// r is (c_row, c_col) — rows g, g + 8 × columns 2q, 2q + 1. (m16n8k8, tf32: A
+// rows g, g + 8 × columns q, q + 4; B rows q, q + 4 — one element per register;
+// the same accumulator.)
+struct mma16 {
+  static LINA_TILE_FN int a_row(int lane, int r) { return (lane >> 2) + (r & 1) * 8; }
+  static LINA_TILE_FN int a_k(int lane, int r) { return 2 * (lane & 3) + (r >> 1) * 8; }
+  static LINA_TILE_FN int b_k(int lane, int r) { return 2 * (lane & 3) + r * 8; }
+  static LINA_TILE_FN int b_col(int lane) { return lane >> 2; }
+  static LINA_TILE_FN int c_row(int lane, int r) { return (lane >> 2) + (r >> 1) * 8; }
+  static LINA_TILE_FN int c_col(int lane, int r) { return 2 * (lane & 3) + (r & 1); }
+  // ldmatrix.x4 (an A fragment) or .x2 (a B fragment, seen as op(b)ᵀ: 8 rows
+  // × 16 k) loads 8 × 8 matrices of 16-bit elements whose 8 rows, 16 bytes
+  // each, lanes 8m … 8m + 7 point at. For the fragments above matrix m holds
+  // rows (m & 1)·8… and k (m >> 1)·8… of A, or k m·8… of op(b)ᵀ; stored with k
+  // along its rows it is loaded with .trans. The element of the operand's
+  // (row or column, k) lane l points at, as an offset from the fragment's
+  // first, for an operand stored with pitch P (k-major: k indexes the rows):
+  static LINA_TILE_FN int ldmatrix_offset(int lane, bool x4, bool k_major, int P) {
+    const int m = x4 ? lane >> 3 : (lane >> 3) & 1, r = lane & 7;
+    const int outer = x4 ? (m & 1) * 8 : 0, k = x4 ? (m >> 1) * 8 : m * 8;
+    return k_major ? (k + r) * P + outer : (outer + r) * P + k;
+  }
+};
+
+#if defined(__CUDACC__)
+
 // ---- element types ----------------------------------------------------------------
 struct f32 {};
 struct f16 {};
@@ -294,11 +332,7 @@ __device__ void ones_column(S* t, int rows) {
   __syncthreads();
 }
 
-// ---- tensor-core fragments (mma.sync, sm_80+) --------------------------------------
-// Lane l of a warp is (g, q) = (l / 4, l % 4). m16n8k16 (bf16): A holds rows
-// g, g+8 × columns 2q, 2q+1, 2q+8, 2q+9; B columns g × rows 2q, 2q+1, 2q+8,
-// 2q+9; m16n8k8 (tf32): A rows g, g+8 × columns q, q+4; B rows q, q+4. The
-// accumulator: rows g, g+8 × columns 2q, 2q+1 (both shapes).
+// ---- tensor-core fragments (mma.sync, sm_80+; where each lane's live: mma16) --------
 __device__ __forceinline__ unsigned pack(mma_bf16, float lo, float hi) {
   unsigned r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -323,11 +357,85 @@ template <class Prec> struct mma_k;
 template <> struct mma_k<mma_bf16> { static constexpr int value = 16; };
 template <> struct mma_k<mma_tf32> { static constexpr int value = 8; };
 
+// ldmatrix on bf16 registers: the bits mma reads, so the same operands as
+// reading each element and packing it again (a bf16 value packs to itself).
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+  return a;
+}
+template <bool Trans>
+__device__ __forceinline__ void ldmatrix(unsigned (&r)[4], const bf16_bits* p) {
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+template <bool Trans>
+__device__ __forceinline__ void ldmatrix(unsigned (&r)[2], const bf16_bits* p) {
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(shared_address(p)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(shared_address(p)));
+}
+
 // op(a)(i, k) of an R × K operand stored with pitch P (K × R when T), 0 outside.
 template <int R, int K, bool T, int P, class S>
 __device__ __forceinline__ float operand_at(const S* a, int i, int k) {
   if ((R % 16 != 0 && i >= R) || (K % 16 != 0 && k >= K)) return 0.0f;
   return get(a, T ? k * P + i : i * P + k);
+}
+
+// A's fragment at (i0, k0) of op(a) and B's at (k0, column j0) of op(b),
+// packed to Prec: from bf16 registers with ldmatrix where the 16 × 16 (or
+// 8 × 16) elements it reads lie in the register (outside R or C but inside
+// the pitch they only reach results that are not stored), else element by
+// element (fp32 pairs adjacent in k: the compiler already loads them as one
+// 64-bit word, the registers' offsets being constants).
+template <class Prec, int R, int K, bool T, int P, class S>
+__device__ __forceinline__ void a_fragment(unsigned (&af)[4], const S* a, int i0, int k0, int lane) {
+  if constexpr (mma_k<Prec>::value == 16) {
+    if constexpr (same<S, bf16_bits>::value) {
+      if ((K % 16 == 0 || k0 + 16 <= K) && (T ? i0 + 16 <= P : i0 + 16 <= R)) {
+        ldmatrix<T>(af, a + i0 * (T ? 1 : P) + k0 * (T ? P : 1) + mma16::ldmatrix_offset(lane, true, T, P));
+        return;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = i0 + mma16::a_row(lane, r), k = k0 + mma16::a_k(lane, r);
+      af[r] = pack(Prec{}, operand_at<R, K, T, P>(a, i, k), operand_at<R, K, T, P>(a, i, k + 1));
+    }
+  } else {
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) af[r] = pack(Prec{}, operand_at<R, K, T, P>(a, i0 + g + (r & 1) * 8, k0 + q + (r >> 1) * 4));
+  }
+}
+// b is K × C (C × K when T); its fragment is read as op(b)ᵀ, C × K, whose row j is column j of op(b).
+template <class Prec, int C, int K, bool T, int P, class S>
+__device__ __forceinline__ void b_fragment(unsigned (&bf)[2], const S* b, int j0, int k0, int lane) {
+  if constexpr (mma_k<Prec>::value == 16) {
+    if constexpr (same<S, bf16_bits>::value) {
+      if ((K % 16 == 0 || k0 + 16 <= K) && (T ? j0 + 8 <= C : j0 + 8 <= P)) {
+        ldmatrix<!T>(bf, b + j0 * (T ? P : 1) + k0 * (T ? 1 : P) + mma16::ldmatrix_offset(lane, false, !T, P));
+        return;
+      }
+    }
+    const int j = j0 + mma16::b_col(lane);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int k = k0 + mma16::b_k(lane, r);
+      bf[r] = pack(Prec{}, operand_at<C, K, !T, P>(b, j, k), operand_at<C, K, !T, P>(b, j, k + 1));
+    }
+  } else {
+    const int j = j0 + (lane >> 2), q = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) bf[r] = pack(Prec{}, operand_at<C, K, !T, P>(b, j, k0 + q + r * 4));
+  }
 }
 
 // fma_f32: one fmaf chain per element of t, in increasing k.
@@ -366,7 +474,7 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
   constexpr int KS = mma_k<Prec>::value;
   constexpr int MT = (R + 15) / 16, NT = (C + 7) / 8, KT = (K + KS - 1) / KS;
   constexpr int NB = mma_split<MT, NT>::nb, NG = (NT + NB - 1) / NB;
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int lane = threadIdx.x & 31;
   for (int task = threadIdx.x >> 5; task < MT * NG; task += blockDim.x >> 5) {
     const int i0 = task / NG * 16, n0 = task % NG * NB;
     float acc[NB][4];
@@ -374,38 +482,19 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int i = i0 + g + (r >> 1) * 8, j = (n0 + nb) * 8 + 2 * q + (r & 1);
+        const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
         acc[nb][r] = Acc && i < R && j < C ? t[i * PT + j] : 0.0f;
       }
 #pragma unroll 2
     for (int kt = 0; kt < KT; ++kt) {
       const int k0 = kt * KS;
       unsigned af[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = i0 + g + (r & 1) * 8;
-        if constexpr (KS == 16) {
-          const int k = k0 + 2 * q + (r >> 1) * 8;
-          af[r] = pack(Prec{}, operand_at<R, K, TA, PA>(a, i, k), operand_at<R, K, TA, PA>(a, i, k + 1));
-        } else {
-          af[r] = pack(Prec{}, operand_at<R, K, TA, PA>(a, i, k0 + q + (r >> 1) * 4));
-        }
-      }
+      a_fragment<Prec, R, K, TA, PA>(af, a, i0, k0, lane);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         if (NT % NB != 0 && n0 + nb >= NT) break;
-        const int j = (n0 + nb) * 8 + g;
         unsigned bf[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          // b as the transposed operand: op(b)ᵀ is C × K, so column j of op(b) is its row j.
-          if constexpr (KS == 16) {
-            const int k = k0 + 2 * q + r * 8;
-            bf[r] = pack(Prec{}, operand_at<C, K, !TB, PB>(b, j, k), operand_at<C, K, !TB, PB>(b, j, k + 1));
-          } else {
-            bf[r] = pack(Prec{}, operand_at<C, K, !TB, PB>(b, j, k0 + q + r * 4));
-          }
-        }
+        b_fragment<Prec, C, K, TB, PB>(bf, b, (n0 + nb) * 8, k0, lane);
         mma(Prec{}, acc[nb], af, bf);
       }
     }
@@ -413,7 +502,7 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int i = i0 + g + (r >> 1) * 8, j = (n0 + nb) * 8 + 2 * q + (r & 1);
+        const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
         if (i < R && j < C) t[i * PT + j] = acc[nb][r];
       }
   }
@@ -744,6 +833,8 @@ __device__ void add_partials(float* t, const operand& s, long long base, long lo
   }
   __syncthreads();
 }
+
+#endif  // __CUDACC__
 
 }  // namespace tile
 }  // namespace lina
