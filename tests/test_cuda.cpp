@@ -179,6 +179,70 @@ void check_golden(Plan const& plan, cuda::options opt, std::string const& file) 
 }
 }  // namespace
 
+// Which registers a program stores as bf16 (program.cpp, narrow_registers):
+// those only bf16 tensor-core products read — their operands round to bf16 as
+// they are read anyway — and that other instructions only write (loads of
+// bf16 inputs, maps). Never a sum, a gradient or what another instruction
+// reads; none in fp32 or f16 programs. Half the bytes lets the backward at
+// D = M = 128 take chunks of 32 rows (151 KB) where fp32 tiles need 16.
+TEST_CASE("registers stored as bf16: the operands that only bf16 products read") {
+  auto bf16_registers = [](cuda::program const& p) {
+    std::set<std::string> r;
+    for (cuda::tile_register const& x : p.registers)
+      if (x.storage == cuda::dtype::bf16) r.insert(x.name);
+    // The rule, checked on the result: any instruction reading a bf16 register
+    // is an mma_bf16 product reading it as an operand, or a map in place.
+    cuda::for_each_instruction(p, [&](cuda::instruction const& i) {
+      auto bf16 = [&](int x) { return x >= 0 && p.registers[static_cast<std::size_t>(x)].storage == cuda::dtype::bf16; };
+      CAPTURE(cuda::name_of(i.op));
+      if (i.op == cuda::opcode::product) {
+        CHECK_FALSE(bf16(i.dst));
+        if (bf16(i.a) || bf16(i.b)) CHECK(i.prec == cuda::precision::mma_bf16);
+      } else {
+        CHECK_FALSE(bf16(i.a));
+        CHECK_FALSE(bf16(i.b));
+        if (bf16(i.dst))
+          CHECK((i.op == cuda::opcode::load || i.op == cuda::opcode::map || i.op == cuda::opcode::zero ||
+                 i.op == cuda::opcode::ones_column));
+      }
+    });
+    return r;
+  };
+  using names = std::set<std::string>;
+  cuda::attention_spec s;
+  s.map_q = s.map_k = cuda::feature_map::elu_plus_one;
+  s.d = s.m = 128;
+  s.in = s.out = cuda::dtype::bf16;
+  CHECK(bf16_registers(cuda::program_of(s)) == names{"q", "k", "v"});
+  cuda::program const backward = cuda::backward_program_of(s);
+  CHECK(bf16_registers(backward) == names{"q", "k", "v"});
+  CHECK(backward.tiles.chunk == 32);
+  CHECK(backward.shared_bytes() <= cuda::shared_memory_budget);
+  std::size_t wide = 0;  // the same registers in fp32
+  for (cuda::tile_register r : backward.registers) wide += (r.storage = cuda::dtype::f32, r.rows * r.pitch() * 4);
+  CHECK(wide > cuda::shared_memory_budget);
+  for (cuda::program const& p : cuda::split_backward_programs_of(s)) CHECK(bf16_registers(p).count("state") == 0);
+  for (cuda::program const& p : cuda::backward_programs_of([&] {
+         auto x = s;
+         x.softmax = true, x.scale = 0.125, x.map_q = x.map_k = cuda::feature_map::identity;
+         return x;
+       }()))
+    CHECK(bf16_registers(p).count("g") == 0);
+  // FAVOR+: W is a forward product's operand alone; the backward's param_grad reads it too.
+  auto f = s;
+  f.map_q = f.map_k = cuda::feature_map::favor, f.f = 32, f.d = f.m = 32;
+  CHECK(bf16_registers(cuda::program_of(f)) == names{"q", "k", "v", "w"});
+  CHECK(bf16_registers(cuda::backward_program_of(f)) == names{"q", "k", "v"});
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::f16}) {
+    auto x = s;
+    x.in = x.out = dt;
+    CHECK(bf16_registers(cuda::program_of(x)).empty());
+    CHECK(bf16_registers(cuda::backward_program_of(x)).empty());
+  }
+  s.exact_products = true;  // fp32 FMA products of bf16 inputs read the registers exactly
+  CHECK(bf16_registers(cuda::backward_program_of(s)).empty());
+}
+
 TEST_CASE("golden: the emitted sources of a few small plans") {
   constexpr auto Ds = dim<"D", 16>;
   constexpr auto Ms = dim<"M", 8>;

@@ -130,10 +130,56 @@ std::size_t program::shared_bytes() const {
 
 namespace {
 
-// The element type of the chunk tiles φ(Q), φ(K), [V|1]: bf16 where only
-// mma_bf16 products read them (tile_register::storage).
-dtype chunk_storage(attention_spec const& s) {
-  return precision_of(s) == precision::mma_bf16 ? dtype::bf16 : dtype::f32;
+// f(list) for every instruction list of p, in the order a block runs them:
+// the prologue, each pass's `before` and body, the epilogue.
+template <class F>
+void for_each_list(program& p, F&& f) {
+  f(p.prologue);
+  for (auto& pass : p.passes) {
+    f(pass.before);
+    f(static_cast<std::vector<instruction>&>(pass));
+  }
+  f(p.epilogue);
+}
+
+// Registers stored as bf16 (tile_register::storage) where that changes no
+// result: in a program whose products round their operands to bf16 as they
+// read them (mma_bf16), a register qualifies when such products read it and
+// every other instruction naming it only writes it — zero, ones_column, a
+// load of one of the plan's inputs (bf16, so exact), a map out of place, or
+// in place right after the load it maps (reading the exact values loaded).
+// Every read of it then sees what the product would have rounded anyway, and
+// it takes half the bytes: the chunk tiles φ(Q), φ(K), [V|1] and W of the
+// forward and backward programs, never the state, scores or gradients that
+// products or other instructions accumulate into or read.
+void narrow_registers(program& p) {
+  if (precision_of(p.spec) != precision::mma_bf16) return;
+  std::size_t const n = p.registers.size();
+  std::vector<bool> read_by_product(n, false), other_use(n, false);
+  auto exact_load = [](instruction const& i) {
+    return i.op == opcode::load && !i.accumulate && i.slot >= 0 && i.slot < max_inputs;
+  };
+  for_each_list(p, [&](std::vector<instruction>& list) {
+    for (std::size_t x = 0; x < list.size(); ++x) {
+      instruction const& i = list[x];
+      auto use = [&](int r, std::vector<bool>& v) {
+        if (r >= 0) v.at(static_cast<std::size_t>(r)) = true;
+      };
+      if (i.op == opcode::product) {
+        use(i.dst, other_use);
+        for (int r : {i.a, i.b}) use(r, i.prec == precision::mma_bf16 ? read_by_product : other_use);
+        continue;
+      }
+      bool const writes_only =
+          i.op == opcode::zero || i.op == opcode::ones_column || exact_load(i) ||
+          (i.op == opcode::map && (i.a >= 0 || (x > 0 && exact_load(list[x - 1]) && list[x - 1].dst == i.dst)));
+      if (!writes_only) use(i.dst, other_use);
+      use(i.a, other_use);
+      use(i.b, other_use);
+    }
+  });
+  for (std::size_t r = 0; r < n; ++r)
+    p.registers[r].storage = read_by_product[r] && !other_use[r] ? dtype::bf16 : dtype::f32;
 }
 
 // The ids used in kernel names: letters, digits and underscores only.
@@ -184,7 +230,7 @@ struct builder {
   // own W (slot 4) when it has one.
   int x = -1, z = -1, w = -1, wk = -1, d = 0;
   int w_slot = 3;  // W's input slot (φ(K)'s own: the next): 3 in a forward, 4 in a backward (after ∂out)
-  void feature_registers(attention_spec const& s, int t, dtype w_storage) {
+  void feature_registers(attention_spec const& s, int t) {
     d = static_cast<int>(s.d);
     bool const param = parametric(s.map_q) || parametric(s.map_k);
     if (param || s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2)  // (also at D = 1: C = D)
@@ -193,11 +239,10 @@ struct builder {
     int const f = static_cast<int>(s.f);
     z = reg("z", t, f, "x·W (T, F)");
     bool const own_k = !s.w_k_name.empty();
-    w = reg("w", d, f, s.w_name + (own_k ? ": φ(Q)'s random projections (D, F)" : ": the random projections (D, F)"),
-            w_storage);
+    w = reg("w", d, f, s.w_name + (own_k ? ": φ(Q)'s random projections (D, F)" : ": the random projections (D, F)"));
     p.inputs.push_back({s.w_name, "w"});  // slot w_slot
     if (!own_k) return;
-    wk = reg("wk", d, f, s.w_k_name + ": φ(K)'s random projections (D, F)", w_storage);
+    wk = reg("wk", d, f, s.w_k_name + ": φ(K)'s random projections (D, F)");
     p.inputs.push_back({s.w_k_name, "w"});  // slot w_slot + 1
   }
   void load_w(std::vector<instruction>& list) const {
@@ -336,14 +381,13 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   std::string const cdim = row_map ? "C" : "D";
   std::string const fq = squared ? "Q" : "φ(Q)", fk = squared ? "K" : "φ(K)";
   feature_map const map_q = squared ? feature_map::identity : s.map_q, map_k = squared ? feature_map::identity : s.map_k;
-  dtype const cs = chunk_storage(s);
-  int const q = b.reg("q", t, c, fq + " of this block's query rows (T, " + cdim + ")", cs);
-  int const k = b.reg("k", t, c, fk + " chunk (T, " + cdim + ")", cs);
+  int const q = b.reg("q", t, c, fq + " of this block's query rows (T, " + cdim + ")");
+  int const k = b.reg("k", t, c, fk + " chunk (T, " + cdim + ")");
   if (squared)
     b.d = static_cast<int>(s.d);  // (the loads' width: feature_registers sets it for the maps)
   else
-    b.feature_registers(s, t, cs);
-  int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)", cs);
+    b.feature_registers(s, t);
+  int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)");
   int const a = b.reg("a", t, t, squared ? "the scores q·k, then (q·k)² (T, T)" : "the scores, then exp(scale·score − shift) (T, T)");
   int const o = b.reg("o", t, w, (squared ? "Σ (q·k)²·" : "Σ exp(·)·") + v1 + " over the key chunks so far (T, W)");
   int const mx = s.normalized && !squared
@@ -371,6 +415,7 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
     p.epilogue.push_back(div);
   }
   p.epilogue.push_back(builder::store(o, tm));
+  narrow_registers(p);
   return p;
 }
 
@@ -394,11 +439,10 @@ program lay_out_linear(attention_spec const& s, tile_config tiles) {
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
   std::string const cdim = row_map ? "C" : "D";
-  dtype const cs = chunk_storage(s);  // read by products alone
-  int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")", cs);
-  int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")", cs);
-  b.feature_registers(s, t, cs);
-  int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)", cs);
+  int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")");
+  int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")");
+  b.feature_registers(s, t);
+  int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)");
   int const st = b.reg("state", c, w, "Σ φ(K)ᵀ" + v1 + " over the chunks so far, fp32 (" + cdim + ", W)");
   int const o = b.reg("o", t, w, "output rows (T, W)");
   float const eps = static_cast<float>(s.eps);
@@ -442,6 +486,7 @@ program lay_out_linear(attention_spec const& s, tile_config tiles) {
     p.passes.back().keys = true;  // K's and V's rows (cross-attention: not Q's)
     p.passes.push_back(std::move(rows));
   }
+  narrow_registers(p);
   return p;
 }
 
@@ -552,7 +597,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   int const q = b.reg("q", t, c, "φ(Q) chunk (T, " + cdim + ")");
   int const k = b.reg("k", t, c, "φ(K) chunk (T, " + cdim + ")");
   b.w_slot = 4;
-  b.feature_registers(s, t, dtype::f32);
+  b.feature_registers(s, t);
   int const f = static_cast<int>(s.f);
   int const dw = b.dw = param ? b.reg("dw", d, f, "∂" + s.w_name + " = Σ xᵀ·∂z over the rows so far, fp32 (D, F)") : -1;
   int const dwk = b.dwk = own_k ? b.reg("dwk", d, f, "∂" + s.w_k_name + " = Σ kᵀ·∂z over K's rows so far, fp32 (D, F)") : -1;
@@ -619,6 +664,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     p.prologue = std::move(w_first);
     p.epilogue = std::move(w_last);
     p.split = false;
+    narrow_registers(p);
     return p;
   }
   p.prologue.insert(p.prologue.end(), w_first.begin(), w_first.end());
@@ -733,6 +779,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     if (part == backward_part::sums) p.epilogue.push_back(group_sums(opcode::store_partial, false));
     if (part == backward_part::adjoint_sums) p.epilogue.push_back(group_sums(opcode::store_partial, true));
   }
+  narrow_registers(p);
   return p;
 }
 
@@ -807,7 +854,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   if (squared)
     b.d = d;  // (the loads' width: feature_registers sets it for the maps)
   else
-    b.feature_registers(s, t, dtype::f32);
+    b.feature_registers(s, t);
   b.load_w(p.prologue);
   int const v = b.reg("v", t, w, v1 + (key_side ? " of " + mine : std::string(" chunk")) + " (T, W)");
   int const g = b.reg("g", t, w, s.normalized ? "ĝ: the adjoint of the shifted rows [num | den] (T, W)" : "∂out rows (T, M)");
@@ -894,6 +941,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
     p.epilogue.push_back(builder::store_to(dv, 1, m));
     finish(p.epilogue, dx, 1, map_k, 0);
   }
+  narrow_registers(p);
   return p;
 }
 
@@ -916,7 +964,7 @@ program lay_out_softmax_param_grad(attention_spec const& s, int t) {
   p.out_name = "∂" + s.q_name;
   p.extras = softmax_backward_extras(s);
   b.w_slot = 4;
-  b.feature_registers(s, t, dtype::f32);
+  b.feature_registers(s, t);
   int const dx = b.reg("dx", t, c, "∂φ(Q) or ∂φ(K) rows (T, C)");
   int const gx = b.reg("gx", t, d, "∂Q or ∂K rows through x·W (T, D)");
   b.dw = b.reg("dw", d, f, "∂" + s.w_name + " = Σ xᵀ·∂z over the rows so far, fp32 (D, F)");
@@ -938,23 +986,12 @@ program lay_out_softmax_param_grad(attention_spec const& s, int t) {
     p.passes.emplace_back(std::move(rows));
     p.passes.back().keys = keys;
   }
+  narrow_registers(p);
   return p;
 }
 }  // namespace
 
 namespace {
-// f(list) for every instruction list of p, in the order a block runs them:
-// the prologue, each pass's `before` and body, the epilogue.
-template <class F>
-void for_each_list(program& p, F&& f) {
-  f(p.prologue);
-  for (auto& pass : p.passes) {
-    f(pass.before);
-    f(static_cast<std::vector<instruction>&>(pass));
-  }
-  f(p.epilogue);
-}
-
 // A plan that reads one input twice (program.hpp, backward_programs_of): in
 // the order the programs store them, each later share's stores add to the
 // buffer the first share of its input wrote, and the kernels are named for it.

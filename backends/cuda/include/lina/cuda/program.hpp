@@ -37,8 +37,8 @@
 //
 // Registers are tiles (rows × cols) in shared memory, rows `pitch` elements
 // apart (pitch_of: padded so that a warp's column reads hit distinct banks),
-// of fp32 — or of bf16 for the chunk tiles of bf16 programs, which only
-// tensor-core products read (see tile_register::storage); they persist across
+// of fp32 — or of bf16 for the tiles of bf16 programs that only tensor-core
+// products read (see tile_register::storage); they persist across
 // chunks and passes (the state is just a tile that no pass zeroes). Every
 // instruction is block-wide and completes before the next starts.
 //
@@ -281,9 +281,10 @@ struct tile_register {
   int rows = 0, cols = 0;
   std::string comment;  // what it holds, e.g. "φ(Q) chunk (T, D)"
   // The element type in shared memory: f32, or bf16 — then every value written
-  // to the register is rounded to bf16 (nearest even). Only registers that
-  // nothing but mma_bf16 products read are bf16, which round their operands
-  // to bf16 anyway: the results do not change, the tiles take half the bytes.
+  // to the register is rounded to bf16 (nearest even). The layouts make bf16
+  // the registers that nothing but mma_bf16 products read (other instructions
+  // only write them), which round their operands to bf16 anyway: the results
+  // do not change, the tiles take half the bytes (program.cpp, narrow_registers).
   dtype storage = dtype::f32;
   int bytes() const { return storage == dtype::f32 ? 4 : 2; }
   int pitch() const { return pitch_of(cols, bytes()); }
