@@ -243,6 +243,52 @@ TEST_CASE("registers stored as bf16: the operands that only bf16 products read")
   CHECK(bf16_registers(cuda::backward_program_of(s)).empty());
 }
 
+// A causal chunk's products that a mask follows or reads (program.cpp,
+// skip_masked_tiles) compute only the mask's triangle of 16-row tiles: the
+// scores past it are 0 without a product, and the product reading them skips
+// those k tiles. Past the diagonal's stripe no term is computed, so a NaN in V
+// reaches no row of an earlier stripe of its chunk (0·NaN was NaN); the
+// property tests show the finite results unchanged.
+TEST_CASE("masked products compute one triangle of tiles: a NaN of V stays out of earlier stripes") {
+  constexpr auto causal_plan = compile<order::linear>(causal_expr);
+  auto triangles = [](cuda::program const& p) {
+    std::vector<std::pair<cuda::triangle, cuda::triangle>> r;
+    cuda::for_each_instruction(p, [&](cuda::instruction const& i) {
+      if (i.op == cuda::opcode::product && (i.tri_t != cuda::triangle::none || i.tri_a != cuda::triangle::none))
+        r.push_back({i.tri_t, i.tri_a});
+    });
+    return r;
+  };
+  using tri = cuda::triangle;
+  using pairs = std::vector<std::pair<tri, tri>>;
+  cuda::attention_spec s = cuda::spec_of(causal_plan);
+  s.d = 16, s.m = 8;
+  CHECK(triangles(cuda::program_of(s)) == pairs{{tri::lower, tri::none}, {tri::none, tri::lower}});  // a = q·kᵀ; o = a·v
+  CHECK(cuda::listing(cuda::program_of(s)).find("a = q·kᵀ (fma_f32, a's lower tiles alone)") != std::string::npos);
+  // The backward: the forward walk's a = q·kᵀ, o = a·v, a = g·vᵀ, dx = a·k; the
+  // reverse walk's a = v·gᵀ, dx = a·q, a = k·qᵀ, o = a·g under the anticausal mask.
+  CHECK(triangles(cuda::backward_program_of(s)) ==
+        pairs{{tri::lower, tri::none}, {tri::none, tri::lower}, {tri::lower, tri::none}, {tri::none, tri::lower},
+              {tri::upper, tri::none}, {tri::none, tri::upper}, {tri::upper, tri::none}, {tri::none, tri::upper}});
+  s.causal = false;
+  CHECK(triangles(cuda::program_of(s)).empty());
+  CHECK(triangles(cuda::backward_program_of(s)).empty());
+
+  shape const sh{1, 1, 100, 16, 8};
+  test::rng r{46};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt));
+    auto [q, k, v] = random_inputs(sh, dt, r, false);
+    std::size_t const bad = 20;  // row 4 of the chunk's second stripe
+    v(0, 0, bad, 3) = std::nanf("");
+    auto const o = cuda::emulate(causal_plan, {dt, cuda::dtype::f32}, Q = q, K = k, V = v);
+    for (std::size_t i = 0; i < sh.n; ++i) {
+      CAPTURE(i);
+      CHECK(std::isnan(o(0, 0, i, 3)) == (i >= 16));  // rows 16–19: the diagonal stripe's 0·NaN
+    }
+  }
+}
+
 TEST_CASE("golden: the emitted sources of a few small plans") {
   constexpr auto Ds = dim<"D", 16>;
   constexpr auto Ms = dim<"M", 8>;

@@ -129,9 +129,14 @@ struct emitter {
         break;
       case opcode::product: {
         std::string inner = i.transpose_a ? rows(i.a) : cols(i.a);
-        line(ind, "tl::product<tl::{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {});  // {} {} {}{}·{}{}", name_of(i.prec),
+        // The triangles of a masked product (tl::tri_*), only where there is one.
+        auto tri = [](triangle x) { return x == triangle::lower ? "tl::tri_lower" : "tl::tri_upper"; };
+        std::string const tris = i.tri_t == triangle::none && i.tri_a == triangle::none ? ""
+                                 : i.tri_a == triangle::none ? fmt::format(", {}", tri(i.tri_t))
+                                 : fmt::format(", {}, {}", i.tri_t == triangle::none ? "tl::tri_none" : tri(i.tri_t), tri(i.tri_a));
+        line(ind, "tl::product<tl::{}, {}, {}, {}, {}, {}, {}, {}, {}, {}{}>({}, {}, {});  // {} {} {}{}·{}{}", name_of(i.prec),
              rows(i.dst), cols(i.dst), inner, yes(i.transpose_a), yes(i.transpose_b), yes(i.accumulate), pitch(i.dst),
-             pitch(i.a), pitch(i.b), t, name(i.a), name(i.b), t, i.accumulate ? "+=" : "=", name(i.a),
+             pitch(i.a), pitch(i.b), tris, t, name(i.a), name(i.b), t, i.accumulate ? "+=" : "=", name(i.a),
              i.transpose_a ? "ᵀ" : "", name(i.b), i.transpose_b ? "ᵀ" : "");
         break;
       }

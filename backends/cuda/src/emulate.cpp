@@ -295,13 +295,23 @@ struct block {
         std::size_t const cols = static_cast<std::size_t>(t.cols);
         std::size_t const a_row = i.transpose_a ? 1 : inner, a_k = i.transpose_a ? static_cast<std::size_t>(x.cols) : 1;
         std::size_t const b_col = i.transpose_b ? inner : 1, b_k = i.transpose_b ? 1 : cols;
+        // A masked product's triangles (program.hpp): row r's stripe starts at s.
+        auto span = [](triangle tri, std::size_t s, std::size_t n) {
+          return tri == triangle::lower   ? std::pair{std::size_t{0}, std::min(s + 16, n)}
+                 : tri == triangle::upper ? std::pair{std::min(s, n), n}
+                                          : std::pair{std::size_t{0}, n};
+        };
         for (std::size_t r = 0; r < static_cast<std::size_t>(t.rows); ++r) {
           float* acc = t.v.data() + r * cols;
-          if (!i.accumulate) std::fill(acc, acc + cols, 0.0f);
-          for (std::size_t k = 0; k < inner; ++k) {
+          auto const [c0, c1] = span(i.tri_t, r / 16 * 16, cols);
+          auto const [k0, k1] = span(i.tri_a, r / 16 * 16, inner);
+          std::fill(acc, acc + c0, 0.0f);
+          std::fill(acc + c1, acc + cols, 0.0f);
+          if (!i.accumulate) std::fill(acc + c0, acc + c1, 0.0f);
+          for (std::size_t k = k0; k < k1; ++k) {
             float const u = x.v[r * a_row + k * a_k];
             float const* w = y.v.data() + k * b_k;
-            for (std::size_t c = 0; c < cols; ++c) acc[c] = std::fma(u, w[c * b_col], acc[c]);
+            for (std::size_t c = c0; c < c1; ++c) acc[c] = std::fma(u, w[c * b_col], acc[c]);
           }
         }
         break;

@@ -182,6 +182,37 @@ void narrow_registers(program& p) {
     p.registers[r].storage = read_by_product[r] && !other_use[r] ? dtype::bf16 : dtype::f32;
 }
 
+// The products of a causal chunk that need only a triangle of 16-row tiles
+// (instruction::tri_t, tri_a): one whose result a mask zeroes next computes
+// only the tiles that mask keeps, and one whose first operand was last
+// written by a mask in the same list skips that operand's zero tiles — at
+// T = 64, 6 of 16 tiles of the scores and 6 of 16 k-tiles of the product
+// that reads them.
+void skip_masked_tiles(program& p) {
+  auto kept_by = [](opcode o) {
+    return o == opcode::mask_causal ? triangle::lower : o == opcode::mask_anticausal ? triangle::upper : triangle::none;
+  };
+  for_each_list(p, [&](std::vector<instruction>& list) {
+    for (std::size_t x = 0; x < list.size(); ++x) {
+      instruction& i = list[x];
+      if (i.op != opcode::product) continue;
+      if (x + 1 < list.size() && list[x + 1].dst == i.dst) i.tri_t = kept_by(list[x + 1].op);
+      if (i.transpose_a) continue;
+      for (std::size_t y = x; y-- > 0;)
+        if (list[y].dst == i.a) {
+          i.tri_a = kept_by(list[y].op);
+          break;
+        }
+    }
+  });
+}
+
+// What every layout ends with.
+void finish_layout(program& p) {
+  narrow_registers(p);
+  skip_masked_tiles(p);
+}
+
 // The ids used in kernel names: letters, digits and underscores only.
 std::string_view id_of(feature_map m) {
   switch (m) {
@@ -415,7 +446,7 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
     p.epilogue.push_back(div);
   }
   p.epilogue.push_back(builder::store(o, tm));
-  narrow_registers(p);
+  finish_layout(p);
   return p;
 }
 
@@ -486,7 +517,7 @@ program lay_out_linear(attention_spec const& s, tile_config tiles) {
     p.passes.back().keys = true;  // K's and V's rows (cross-attention: not Q's)
     p.passes.push_back(std::move(rows));
   }
-  narrow_registers(p);
+  finish_layout(p);
   return p;
 }
 
@@ -664,7 +695,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     p.prologue = std::move(w_first);
     p.epilogue = std::move(w_last);
     p.split = false;
-    narrow_registers(p);
+    finish_layout(p);
     return p;
   }
   p.prologue.insert(p.prologue.end(), w_first.begin(), w_first.end());
@@ -779,7 +810,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     if (part == backward_part::sums) p.epilogue.push_back(group_sums(opcode::store_partial, false));
     if (part == backward_part::adjoint_sums) p.epilogue.push_back(group_sums(opcode::store_partial, true));
   }
-  narrow_registers(p);
+  finish_layout(p);
   return p;
 }
 
@@ -941,7 +972,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
     p.epilogue.push_back(builder::store_to(dv, 1, m));
     finish(p.epilogue, dx, 1, map_k, 0);
   }
-  narrow_registers(p);
+  finish_layout(p);
   return p;
 }
 
@@ -986,7 +1017,7 @@ program lay_out_softmax_param_grad(attention_spec const& s, int t) {
     p.passes.emplace_back(std::move(rows));
     p.passes.back().keys = keys;
   }
-  narrow_registers(p);
+  finish_layout(p);
   return p;
 }
 }  // namespace
@@ -1413,9 +1444,13 @@ std::string listing(program const& p) {
         if (i.b >= 0) return fmt::format("map {} ← φ[{}]({}; {} = {}·W)", nm(i.dst), name_of(i.map), nm(i.a), nm(i.b), nm(i.a));
         return i.a >= 0 ? fmt::format("map {} ← φ[{}]({})", nm(i.dst), name_of(i.map), nm(i.a))
                         : fmt::format("map {} φ[{}]", nm(i.dst), name_of(i.map));
-      case opcode::product:
-        return fmt::format("{} {} {}{}·{}{} ({})", nm(i.dst), i.accumulate ? "+=" : "=", nm(i.a), i.transpose_a ? "ᵀ" : "",
-                           nm(i.b), i.transpose_b ? "ᵀ" : "", name_of(i.prec));
+      case opcode::product: {
+        auto tri = [](triangle t) { return t == triangle::lower ? "lower" : "upper"; };
+        return fmt::format("{} {} {}{}·{}{} ({}{}{})", nm(i.dst), i.accumulate ? "+=" : "=", nm(i.a),
+                           i.transpose_a ? "ᵀ" : "", nm(i.b), i.transpose_b ? "ᵀ" : "", name_of(i.prec),
+                           i.tri_t == triangle::none ? "" : fmt::format(", {}'s {} tiles alone", nm(i.dst), tri(i.tri_t)),
+                           i.tri_a == triangle::none ? "" : fmt::format(", {}'s {} tiles alone", nm(i.a), tri(i.tri_a)));
+      }
       case opcode::row_divide:
         return i.b >= 0 ? fmt::format("row_divide {} eps={}·exp(−{})", nm(i.dst), i.eps, nm(i.b))
                         : fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);

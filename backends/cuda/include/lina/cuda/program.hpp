@@ -74,7 +74,13 @@
 //                          rounded to bf16 (nearest even) / tf32 (10 stored
 //                          bits, nearest, ties away: cvt.rna), products exact,
 //                          sums in fp32 in an order the tensor cores choose
-//                          (the emulation: increasing k)
+//                          (the emulation: increasing k). By 16-row stripes,
+//                          with s = 16·⌊i/16⌋: tri_t lower (upper): t[i][j] = 0
+//                          for j ≥ s + 16 (j < s), not computed — the tiles a
+//                          causal (anticausal) mask right after zeroes whole;
+//                          tri_a lower (upper): the terms k ≥ s + 16 (k < s) of
+//                          row i are skipped — the zero tiles of a masked op(a),
+//                          so a NaN or ∞ of b there does not reach row i
 //   mask_causal t          t[i][j] = 0 for j > i
 //   row_divide t, eps      t[i][j] /= (t[i][cols-1] + eps) for j < cols-1. With a
 //                          register m (b ≥ 0: softmax rows shifted by their max),
@@ -290,6 +296,10 @@ struct tile_register {
   int pitch() const { return pitch_of(cols, bytes()); }
 };
 
+// Which triangle of a T × T tile a masked product keeps (instruction::tri_t, tri_a):
+// lower, j ≤ i (a causal mask); upper, j ≥ i (the anticausal mask of reverse walks).
+enum class triangle : std::uint8_t { none, lower, upper };
+
 enum class opcode : std::uint8_t {
   zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state,
   mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows, param_grad, exp_grad, square_rows,
@@ -320,6 +330,8 @@ struct instruction {
   bool later = false;           // store_partial, add_partials, store_state in a split program: the sums of the
                                 // groups after this block's (a reverse walk's suffix), not before it
   precision prec = precision::fma_f32;  // product
+  triangle tri_t = triangle::none;      // product: t's tiles past the triangle a mask keeps are 0, not computed
+  triangle tri_a = triangle::none;      // product: op(a) is a masked triangle; the terms of its zero tiles are skipped
 
   bool operator==(instruction const&) const = default;
 };

@@ -438,13 +438,28 @@ __device__ __forceinline__ void b_fragment(unsigned (&bf)[2], const S* b, int j0
   }
 }
 
+// The triangles of a masked product (lina::cuda::triangle), by 16-row
+// stripes s = 16·⌊i/16⌋: with TriT, t's elements past the triangle (j ≥ s + 16
+// lower, j < s upper) are 0, not computed; with TriA, the terms k past op(a)'s
+// triangle are skipped.
+constexpr int tri_none = 0, tri_lower = 1, tri_upper = 2;
+template <int Tri>
+__device__ __forceinline__ bool past(int i, int j) {
+  return Tri == tri_lower ? j >= (i / 16 + 1) * 16 : Tri == tri_upper ? j < i / 16 * 16 : false;
+}
+
 // fma_f32: one fmaf chain per element of t, in increasing k.
-template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, class SA, class SB>
+template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, class SA, class SB>
 __device__ void fma_product(float* t, const SA* a, const SB* b) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
+    if (past<TriT>(i, j)) {
+      t[i * PT + j] = 0.0f;
+      continue;
+    }
     float acc = Acc ? t[i * PT + j] : 0.0f;
-    for (int k = 0; k < K; ++k) {
+    const int k0 = TriA == tri_upper ? i / 16 * 16 : 0, k1 = TriA == tri_lower && (i / 16 + 1) * 16 < K ? (i / 16 + 1) * 16 : K;
+    for (int k = k0; k < k1; ++k) {
       const float u = get(a, TA ? k * PA + i : i * PA + k);
       const float w = get(b, TB ? j * PB + k : k * PB + j);
       acc = fmaf(u, w, acc);
@@ -469,7 +484,8 @@ struct mma_split {
   static constexpr int nb = pick();
 };
 
-template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, class SA, class SB>
+template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, class SA,
+          class SB>
 __device__ void mma_product(float* t, const SA* a, const SB* b) {
   constexpr int KS = mma_k<Prec>::value;
   constexpr int MT = (R + 15) / 16, NT = (C + 7) / 8, KT = (K + KS - 1) / KS;
@@ -477,22 +493,26 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
   const int lane = threadIdx.x & 31;
   for (int task = threadIdx.x >> 5; task < MT * NG; task += blockDim.x >> 5) {
     const int i0 = task / NG * 16, n0 = task % NG * NB;
+    // The 8-column tiles [lo, hi) of this stripe inside t's triangle, the k steps [k_lo, k_hi) inside op(a)'s.
+    const int lo = TriT == tri_upper ? i0 / 8 : 0, hi = TriT == tri_lower ? (i0 + 16) / 8 : NT;
+    const int k_lo = TriA == tri_upper ? i0 / KS : 0, k_hi = TriA == tri_lower && (i0 + 16) / KS < KT ? (i0 + 16) / KS : KT;
     float acc[NB][4];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
-        acc[nb][r] = Acc && i < R && j < C ? t[i * PT + j] : 0.0f;
+        acc[nb][r] = Acc && i < R && j < C && n0 + nb >= lo && n0 + nb < hi ? t[i * PT + j] : 0.0f;
       }
 #pragma unroll 2
-    for (int kt = 0; kt < KT; ++kt) {
+    for (int kt = n0 < hi && n0 + NB > lo ? k_lo : k_hi; kt < k_hi; ++kt) {
       const int k0 = kt * KS;
       unsigned af[4];
       a_fragment<Prec, R, K, TA, PA>(af, a, i0, k0, lane);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         if (NT % NB != 0 && n0 + nb >= NT) break;
+        if (n0 + nb < lo || n0 + nb >= hi) continue;
         unsigned bf[2];
         b_fragment<Prec, C, K, TB, PB>(bf, b, (n0 + nb) * 8, k0, lane);
         mma(Prec{}, acc[nb], af, bf);
@@ -511,13 +531,15 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
 
 // t (R × C, pitch PT) = (Acc ? t : 0) + op(a)·op(b) at precision Prec, inner
 // dimension K; a is R × K (K × R when TA, pitch PA), b is K × C (C × K when
-// TB, pitch PB). t is neither a nor b.
-template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, class SA, class SB>
+// TB, pitch PB); TriT, TriA: a masked product's triangles (past<>). t is
+// neither a nor b.
+template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT = tri_none,
+          int TriA = tri_none, class SA, class SB>
 __device__ void product(float* t, const SA* a, const SB* b) {
   if constexpr (same<Prec, fma_f32>::value)
-    fma_product<R, C, K, TA, TB, Acc, PT, PA, PB>(t, a, b);
+    fma_product<R, C, K, TA, TB, Acc, PT, PA, PB, TriT, TriA>(t, a, b);
   else
-    mma_product<Prec, R, C, K, TA, TB, Acc, PT, PA, PB>(t, a, b);
+    mma_product<Prec, R, C, K, TA, TB, Acc, PT, PA, PB, TriT, TriA>(t, a, b);
 }
 
 template <int R, int C, int P>
