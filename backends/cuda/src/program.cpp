@@ -159,12 +159,12 @@ void narrow_registers(program& p) {
   auto exact_load = [](instruction const& i) {
     return i.op == opcode::load && !i.accumulate && i.slot >= 0 && i.slot < max_inputs;
   };
+  auto use = [](int r, std::vector<bool>& v) {
+    if (r >= 0) v.at(static_cast<std::size_t>(r)) = true;
+  };
   for_each_list(p, [&](std::vector<instruction>& list) {
     for (std::size_t x = 0; x < list.size(); ++x) {
       instruction const& i = list[x];
-      auto use = [&](int r, std::vector<bool>& v) {
-        if (r >= 0) v.at(static_cast<std::size_t>(r)) = true;
-      };
       if (i.op == opcode::product) {
         use(i.dst, other_use);
         for (int r : {i.a, i.b}) use(r, i.prec == precision::mma_bf16 ? read_by_product : other_use);
@@ -250,8 +250,8 @@ struct builder {
     prec = precision_of(s);
     p.m_tiles = static_cast<int>((s.m + static_cast<std::size_t>(tiles.tile_m) - 1) / static_cast<std::size_t>(tiles.tile_m));
   }
-  int reg(std::string name, int rows, int cols, std::string comment, dtype storage = dtype::f32) {
-    p.registers.push_back({std::move(name), rows, cols, std::move(comment), storage});
+  int reg(std::string name, int rows, int cols, std::string comment) {  // (fp32 until narrow_registers)
+    p.registers.push_back({std::move(name), rows, cols, std::move(comment)});
     return static_cast<int>(p.registers.size()) - 1;
   }
 

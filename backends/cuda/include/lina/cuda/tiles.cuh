@@ -441,25 +441,29 @@ __device__ __forceinline__ void b_fragment(unsigned (&bf)[2], const S* b, int j0
 // The triangles of a masked product (lina::cuda::triangle), by 16-row
 // stripes s = 16·⌊i/16⌋: with TriT, t's elements past the triangle (j ≥ s + 16
 // lower, j < s upper) are 0, not computed; with TriA, the terms k past op(a)'s
-// triangle are skipped.
+// triangle are skipped. What a triangle keeps of the n columns (or k) of the
+// stripe at row s, counted in units of u (a divisor of 8): [tri_first, tri_end).
 constexpr int tri_none = 0, tri_lower = 1, tri_upper = 2;
 template <int Tri>
-__device__ __forceinline__ bool past(int i, int j) {
-  return Tri == tri_lower ? j >= (i / 16 + 1) * 16 : Tri == tri_upper ? j < i / 16 * 16 : false;
+__device__ __forceinline__ int tri_first(int s, int u) {
+  return Tri == tri_upper ? s / u : 0;
+}
+template <int Tri>
+__device__ __forceinline__ int tri_end(int s, int u, int n) {
+  return Tri == tri_lower && (s + 16) / u < n ? (s + 16) / u : n;
 }
 
 // fma_f32: one fmaf chain per element of t, in increasing k.
 template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, class SA, class SB>
 __device__ void fma_product(float* t, const SA* a, const SB* b) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
-    const int i = e / C, j = e % C;
-    if (past<TriT>(i, j)) {
+    const int i = e / C, j = e % C, s = i / 16 * 16;
+    if (j < tri_first<TriT>(s, 1) || j >= tri_end<TriT>(s, 1, C)) {
       t[i * PT + j] = 0.0f;
       continue;
     }
     float acc = Acc ? t[i * PT + j] : 0.0f;
-    const int k0 = TriA == tri_upper ? i / 16 * 16 : 0, k1 = TriA == tri_lower && (i / 16 + 1) * 16 < K ? (i / 16 + 1) * 16 : K;
-    for (int k = k0; k < k1; ++k) {
+    for (int k = tri_first<TriA>(s, 1); k < tri_end<TriA>(s, 1, K); ++k) {
       const float u = get(a, TA ? k * PA + i : i * PA + k);
       const float w = get(b, TB ? j * PB + k : k * PB + j);
       acc = fmaf(u, w, acc);
@@ -494,8 +498,8 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
   for (int task = threadIdx.x >> 5; task < MT * NG; task += blockDim.x >> 5) {
     const int i0 = task / NG * 16, n0 = task % NG * NB;
     // The 8-column tiles [lo, hi) of this stripe inside t's triangle, the k steps [k_lo, k_hi) inside op(a)'s.
-    const int lo = TriT == tri_upper ? i0 / 8 : 0, hi = TriT == tri_lower ? (i0 + 16) / 8 : NT;
-    const int k_lo = TriA == tri_upper ? i0 / KS : 0, k_hi = TriA == tri_lower && (i0 + 16) / KS < KT ? (i0 + 16) / KS : KT;
+    const int lo = tri_first<TriT>(i0, 8), hi = tri_end<TriT>(i0, 8, NT);
+    const int k_lo = tri_first<TriA>(i0, KS), k_hi = tri_end<TriA>(i0, KS, KT);
     float acc[NB][4];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
@@ -531,7 +535,7 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
 
 // t (R × C, pitch PT) = (Acc ? t : 0) + op(a)·op(b) at precision Prec, inner
 // dimension K; a is R × K (K × R when TA, pitch PA), b is K × C (C × K when
-// TB, pitch PB); TriT, TriA: a masked product's triangles (past<>). t is
+// TB, pitch PB); TriT, TriA: a masked product's triangles (tri_first). t is
 // neither a nor b.
 template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT = tri_none,
           int TriA = tri_none, class SA, class SB>
