@@ -182,9 +182,10 @@ void check_golden(Plan const& plan, cuda::options opt, std::string const& file) 
 // Which registers a program stores as bf16 (program.cpp, narrow_registers):
 // those only bf16 tensor-core products read — their operands round to bf16 as
 // they are read anyway — and that other instructions only write (loads of
-// bf16 inputs, maps). Never a sum, a gradient or what another instruction
-// reads; none in fp32 or f16 programs. Half the bytes lets the backward at
-// D = M = 128 take chunks of 32 rows (151 KB) where fp32 tiles need 16.
+// bf16 inputs, maps, masks, products that do not accumulate). Never a sum, a
+// gradient or what another instruction reads; none in fp32 or f16 programs.
+// Half the bytes lets the backward at D = M = 128 take chunks of 32 rows
+// where fp32 tiles need 16.
 TEST_CASE("registers stored as bf16: the operands that only bf16 products read") {
   auto bf16_registers = [](cuda::program const& p) {
     std::set<std::string> r;
@@ -196,14 +197,15 @@ TEST_CASE("registers stored as bf16: the operands that only bf16 products read")
       auto bf16 = [&](int x) { return x >= 0 && p.registers[static_cast<std::size_t>(x)].storage == cuda::dtype::bf16; };
       CAPTURE(cuda::name_of(i.op));
       if (i.op == cuda::opcode::product) {
-        CHECK_FALSE(bf16(i.dst));
+        if (bf16(i.dst)) CHECK_FALSE(i.accumulate);
         if (bf16(i.a) || bf16(i.b)) CHECK(i.prec == cuda::precision::mma_bf16);
       } else {
         CHECK_FALSE(bf16(i.a));
         CHECK_FALSE(bf16(i.b));
         if (bf16(i.dst))
           CHECK((i.op == cuda::opcode::load || i.op == cuda::opcode::map || i.op == cuda::opcode::zero ||
-                 i.op == cuda::opcode::ones_column));
+                 i.op == cuda::opcode::ones_column || i.op == cuda::opcode::mask_causal ||
+                 i.op == cuda::opcode::mask_anticausal));
       }
     });
     return r;
@@ -213,9 +215,9 @@ TEST_CASE("registers stored as bf16: the operands that only bf16 products read")
   s.map_q = s.map_k = cuda::feature_map::elu_plus_one;
   s.d = s.m = 128;
   s.in = s.out = cuda::dtype::bf16;
-  CHECK(bf16_registers(cuda::program_of(s)) == names{"q", "k", "v"});
+  CHECK(bf16_registers(cuda::program_of(s)) == names{"q", "k", "v", "a"});  // a: the chunk's masked scores
   cuda::program const backward = cuda::backward_program_of(s);
-  CHECK(bf16_registers(backward) == names{"q", "k", "v"});
+  CHECK(bf16_registers(backward) == names{"q", "k", "v", "a"});
   CHECK(backward.tiles.chunk == 32);
   CHECK(backward.shared_bytes() <= cuda::shared_memory_budget);
   std::size_t wide = 0;  // the same registers in fp32
@@ -231,8 +233,10 @@ TEST_CASE("registers stored as bf16: the operands that only bf16 products read")
   // FAVOR+: W is a forward product's operand alone; the backward's param_grad reads it too.
   auto f = s;
   f.map_q = f.map_k = cuda::feature_map::favor, f.f = 32, f.d = f.m = 32;
+  CHECK(bf16_registers(cuda::program_of(f)) == names{"q", "k", "v", "w", "a"});
+  CHECK(bf16_registers(cuda::backward_program_of(f)) == names{"q", "k", "v", "a"});
+  f.causal = false;  // no scores: the state and the rows are sums
   CHECK(bf16_registers(cuda::program_of(f)) == names{"q", "k", "v", "w"});
-  CHECK(bf16_registers(cuda::backward_program_of(f)) == names{"q", "k", "v"});
   for (auto dt : {cuda::dtype::f32, cuda::dtype::f16}) {
     auto x = s;
     x.in = x.out = dt;

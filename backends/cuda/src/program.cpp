@@ -146,12 +146,13 @@ void for_each_list(program& p, F&& f) {
 // result: in a program whose products round their operands to bf16 as they
 // read them (mma_bf16), a register qualifies when such products read it and
 // every other instruction naming it only writes it — zero, ones_column, a
-// load of one of the plan's inputs (bf16, so exact), a map out of place, or
-// in place right after the load it maps (reading the exact values loaded).
-// Every read of it then sees what the product would have rounded anyway, and
-// it takes half the bytes: the chunk tiles φ(Q), φ(K), [V|1] and W of the
-// forward and backward programs, never the state, scores or gradients that
-// products or other instructions accumulate into or read.
+// mask (zeros by position), a product that does not accumulate, a load of
+// one of the plan's inputs (bf16, so exact), a map out of place, or in place
+// right after the load it maps (reading the exact values loaded). Every read
+// of it then sees what the product would have rounded anyway, and it takes
+// half the bytes: the chunk tiles φ(Q), φ(K), [V|1], W in a forward and a
+// causal chunk's masked scores, never the state, the rows or gradients that
+// products accumulate into or other instructions read.
 void narrow_registers(program& p) {
   if (precision_of(p.spec) != precision::mma_bf16) return;
   std::size_t const n = p.registers.size();
@@ -166,12 +167,13 @@ void narrow_registers(program& p) {
     for (std::size_t x = 0; x < list.size(); ++x) {
       instruction const& i = list[x];
       if (i.op == opcode::product) {
-        use(i.dst, other_use);
+        if (i.accumulate) use(i.dst, other_use);
         for (int r : {i.a, i.b}) use(r, i.prec == precision::mma_bf16 ? read_by_product : other_use);
         continue;
       }
       bool const writes_only =
-          i.op == opcode::zero || i.op == opcode::ones_column || exact_load(i) ||
+          i.op == opcode::zero || i.op == opcode::ones_column || i.op == opcode::mask_causal ||
+          i.op == opcode::mask_anticausal || exact_load(i) ||
           (i.op == opcode::map && (i.a >= 0 || (x > 0 && exact_load(list[x - 1]) && list[x - 1].dst == i.dst)));
       if (!writes_only) use(i.dst, other_use);
       use(i.a, other_use);

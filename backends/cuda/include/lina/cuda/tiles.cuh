@@ -454,21 +454,22 @@ __device__ __forceinline__ int tri_end(int s, int u, int n) {
 }
 
 // fma_f32: one fmaf chain per element of t, in increasing k.
-template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, class SA, class SB>
-__device__ void fma_product(float* t, const SA* a, const SB* b) {
+template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, class ST, class SA,
+          class SB>
+__device__ void fma_product(ST* t, const SA* a, const SB* b) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, j = e % C, s = i / 16 * 16;
     if (j < tri_first<TriT>(s, 1) || j >= tri_end<TriT>(s, 1, C)) {
-      t[i * PT + j] = 0.0f;
+      put(t, i * PT + j, 0.0f);
       continue;
     }
-    float acc = Acc ? t[i * PT + j] : 0.0f;
+    float acc = Acc ? get(t, i * PT + j) : 0.0f;
     for (int k = tri_first<TriA>(s, 1); k < tri_end<TriA>(s, 1, K); ++k) {
       const float u = get(a, TA ? k * PA + i : i * PA + k);
       const float w = get(b, TB ? j * PB + k : k * PB + j);
       acc = fmaf(u, w, acc);
     }
-    t[i * PT + j] = acc;
+    put(t, i * PT + j, acc);
   }
   __syncthreads();
 }
@@ -488,9 +489,9 @@ struct mma_split {
   static constexpr int nb = pick();
 };
 
-template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, class SA,
-          class SB>
-__device__ void mma_product(float* t, const SA* a, const SB* b) {
+template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, class ST,
+          class SA, class SB>
+__device__ void mma_product(ST* t, const SA* a, const SB* b) {
   constexpr int KS = mma_k<Prec>::value;
   constexpr int MT = (R + 15) / 16, NT = (C + 7) / 8, KT = (K + KS - 1) / KS;
   constexpr int NB = mma_split<MT, NT>::nb, NG = (NT + NB - 1) / NB;
@@ -506,7 +507,7 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
-        acc[nb][r] = Acc && i < R && j < C && n0 + nb >= lo && n0 + nb < hi ? t[i * PT + j] : 0.0f;
+        acc[nb][r] = Acc && i < R && j < C && n0 + nb >= lo && n0 + nb < hi ? get(t, i * PT + j) : 0.0f;
       }
 #pragma unroll 2
     for (int kt = n0 < hi && n0 + NB > lo ? k_lo : k_hi; kt < k_hi; ++kt) {
@@ -527,7 +528,7 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
-        if (i < R && j < C) t[i * PT + j] = acc[nb][r];
+        if (i < R && j < C) put(t, i * PT + j, acc[nb][r]);
       }
   }
   __syncthreads();
@@ -538,26 +539,26 @@ __device__ void mma_product(float* t, const SA* a, const SB* b) {
 // TB, pitch PB); TriT, TriA: a masked product's triangles (tri_first). t is
 // neither a nor b.
 template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT = tri_none,
-          int TriA = tri_none, class SA, class SB>
-__device__ void product(float* t, const SA* a, const SB* b) {
+          int TriA = tri_none, class ST, class SA, class SB>
+__device__ void product(ST* t, const SA* a, const SB* b) {
   if constexpr (same<Prec, fma_f32>::value)
     fma_product<R, C, K, TA, TB, Acc, PT, PA, PB, TriT, TriA>(t, a, b);
   else
     mma_product<Prec, R, C, K, TA, TB, Acc, PT, PA, PB, TriT, TriA>(t, a, b);
 }
 
-template <int R, int C, int P>
-__device__ void mask_causal(float* t) {
+template <int R, int C, int P, class S>
+__device__ void mask_causal(S* t) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x)
-    if (e % C > e / C) t[(e / C) * P + e % C] = 0.0f;
+    if (e % C > e / C) put(t, (e / C) * P + e % C, 0.0f);
   __syncthreads();
 }
 
 // t[i][j] = 0 for j < i: the transposed mask of the backward's reverse pass.
-template <int R, int C, int P>
-__device__ void mask_anticausal(float* t) {
+template <int R, int C, int P, class S>
+__device__ void mask_anticausal(S* t) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x)
-    if (e % C < e / C) t[(e / C) * P + e % C] = 0.0f;
+    if (e % C < e / C) put(t, (e / C) * P + e % C, 0.0f);
   __syncthreads();
 }
 
