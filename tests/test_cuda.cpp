@@ -44,22 +44,26 @@ TEST_CASE("numeric: fp16 and bf16 conversions round to nearest even") {
 // 16-byte aligned (bf16 pitches are multiples of 8 elements).
 TEST_CASE("tile fragments: ldmatrix's rows give mma.m16n8k16's bf16 fragments, either storage order") {
   using lina::tile::mma16;
-  for (int const pitch : {24, 40, 72, 136}) {
+  for (int const pitch : {24, 40, 72, 136})
+    for (int const origin : {0, 8, 16})  // the fragment's first row (or column); its first k is origin + 16
     for (bool const k_major : {false, true}) {  // k along the stored rows (a transposed A, a non-transposed B)
       CAPTURE(pitch);
+      CAPTURE(origin);
       CAPTURE(k_major);
-      // The element at (row or column "outer", k) of the operand, as an offset in its register.
-      auto offset = [&](int outer, int k) { return k_major ? k * pitch + outer : outer * pitch + k; };
+      // The element at (row or column "outer", k) of the fragment, as an offset in its register.
+      auto offset = [&](int outer, int k) {
+        return k_major ? (origin + 16 + k) * pitch + origin + outer : (origin + outer) * pitch + origin + 16 + k;
+      };
       // ldmatrix's register m of thread t: the offsets of its two elements.
       auto loaded = [&](bool x4, int t, int m) {
-        auto row = [&](int lane) { return mma16::ldmatrix_offset(lane, x4, k_major, pitch); };
+        auto row = [&](int lane) { return mma16::ldmatrix_offset(lane, x4, k_major, pitch, origin, origin + 16); };
         return k_major ? std::pair{row(8 * m + 2 * (t % 4)) + t / 4, row(8 * m + 2 * (t % 4) + 1) + t / 4}
                        : std::pair{row(8 * m + t / 4) + 2 * (t % 4), row(8 * m + t / 4) + 2 * (t % 4) + 1};
       };
       for (int lane = 0; lane < 32; ++lane) {
         CAPTURE(lane);
-        CHECK(mma16::ldmatrix_offset(lane, true, k_major, pitch) % 8 == 0);
-        CHECK(mma16::ldmatrix_offset(lane, false, k_major, pitch) % 8 == 0);
+        CHECK(mma16::ldmatrix_offset(lane, true, k_major, pitch, origin, origin + 16) % 8 == 0);
+        CHECK(mma16::ldmatrix_offset(lane, false, k_major, pitch, origin, origin + 16) % 8 == 0);
         for (int r = 0; r < 4; ++r) {  // A (16 × 16): rows of A are "outer"
           int const i = mma16::a_row(lane, r), k = mma16::a_k(lane, r);
           CHECK(loaded(true, lane, r) == std::pair{offset(i, k), offset(i, k + 1)});
@@ -70,7 +74,6 @@ TEST_CASE("tile fragments: ldmatrix's rows give mma.m16n8k16's bf16 fragments, e
         }
       }
     }
-  }
   // The fragments cover each operand element once, and the accumulator's 16 × 8 once.
   std::set<std::pair<int, int>> a, b, c;
   for (int lane = 0; lane < 32; ++lane)

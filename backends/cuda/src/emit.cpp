@@ -129,11 +129,13 @@ struct emitter {
         break;
       case opcode::product: {
         std::string inner = i.transpose_a ? rows(i.a) : cols(i.a);
-        // The triangles of a masked product (tl::tri_*), only where there is one.
-        auto tri = [](triangle x) { return x == triangle::lower ? "tl::tri_lower" : "tl::tri_upper"; };
-        std::string const tris = i.tri_t == triangle::none && i.tri_a == triangle::none ? ""
-                                 : i.tri_a == triangle::none ? fmt::format(", {}", tri(i.tri_t))
-                                 : fmt::format(", {}, {}", i.tri_t == triangle::none ? "tl::tri_none" : tri(i.tri_t), tri(i.tri_a));
+        // A masked product's triangles (tl::tri_*), where it has one.
+        auto tri = [](triangle x) {
+          return x == triangle::lower ? "tl::tri_lower" : x == triangle::upper ? "tl::tri_upper" : "tl::tri_none";
+        };
+        std::string const tris = i.tri_t == triangle::none && i.tri_a == triangle::none
+                                     ? ""
+                                     : fmt::format(", {}, {}", tri(i.tri_t), tri(i.tri_a));
         line(ind, "tl::product<tl::{}, {}, {}, {}, {}, {}, {}, {}, {}, {}{}>({}, {}, {});  // {} {} {}{}·{}{}", name_of(i.prec),
              rows(i.dst), cols(i.dst), inner, yes(i.transpose_a), yes(i.transpose_b), yes(i.accumulate), pitch(i.dst),
              pitch(i.a), pitch(i.b), tris, t, name(i.a), name(i.b), t, i.accumulate ? "+=" : "=", name(i.a),

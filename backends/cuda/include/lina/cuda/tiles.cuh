@@ -65,12 +65,12 @@ struct mma16 {
   // × 16 k) loads 8 × 8 matrices of 16-bit elements whose 8 rows, 16 bytes
   // each, lanes 8m … 8m + 7 point at. For the fragments above matrix m holds
   // rows (m & 1)·8… and k (m >> 1)·8… of A, or k m·8… of op(b)ᵀ; stored with k
-  // along its rows it is loaded with .trans. The element of the operand's
-  // (row or column, k) lane l points at, as an offset from the fragment's
-  // first, for an operand stored with pitch P (k-major: k indexes the rows):
-  static LINA_TILE_FN int ldmatrix_offset(int lane, bool x4, bool k_major, int P) {
+  // along its rows it is loaded with .trans. The offset of the element lane
+  // l points at, for the fragment whose first element is the operand's (row
+  // or column outer0, k0), stored with pitch P (k-major: k indexes the rows):
+  static LINA_TILE_FN int ldmatrix_offset(int lane, bool x4, bool k_major, int P, int outer0, int k0) {
     const int m = x4 ? lane >> 3 : (lane >> 3) & 1, r = lane & 7;
-    const int outer = x4 ? (m & 1) * 8 : 0, k = x4 ? (m >> 1) * 8 : m * 8;
+    const int outer = outer0 + (x4 ? (m & 1) * 8 : 0), k = k0 + (x4 ? (m >> 1) * 8 : m * 8);
     return k_major ? (k + r) * P + outer : (outer + r) * P + k;
   }
 };
@@ -400,7 +400,7 @@ __device__ __forceinline__ void a_fragment(unsigned (&af)[4], const S* a, int i0
   if constexpr (mma_k<Prec>::value == 16) {
     if constexpr (same<S, bf16_bits>::value) {
       if ((K % 16 == 0 || k0 + 16 <= K) && (T ? i0 + 16 <= P : i0 + 16 <= R)) {
-        ldmatrix<T>(af, a + i0 * (T ? 1 : P) + k0 * (T ? P : 1) + mma16::ldmatrix_offset(lane, true, T, P));
+        ldmatrix<T>(af, a + mma16::ldmatrix_offset(lane, true, T, P, i0, k0));
         return;
       }
     }
@@ -421,7 +421,7 @@ __device__ __forceinline__ void b_fragment(unsigned (&bf)[2], const S* b, int j0
   if constexpr (mma_k<Prec>::value == 16) {
     if constexpr (same<S, bf16_bits>::value) {
       if ((K % 16 == 0 || k0 + 16 <= K) && (T ? j0 + 8 <= C : j0 + 8 <= P)) {
-        ldmatrix<!T>(bf, b + j0 * (T ? P : 1) + k0 * (T ? 1 : P) + mma16::ldmatrix_offset(lane, false, !T, P));
+        ldmatrix<!T>(bf, b + mma16::ldmatrix_offset(lane, false, !T, P, j0, k0));
         return;
       }
     }
