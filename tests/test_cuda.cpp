@@ -349,6 +349,24 @@ TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp: forward, backward, s
     for (auto const& p : cuda::split_backward_programs_of(spec)) check_compiles(p, true);  // (B·H below the SMs)
     spec.chained = spec.step = true;  // its decode steps
     check_compiles(cuda::program_of(spec), true);
+    // The schedules its --tiles sweep takes by default (64x64p, 32x64, 64x128, 32x128, 32x128p, 16x128),
+    // and the backward's other chunks, prefetching or not.
+    spec.chained = spec.step = false;
+    for (cuda::tile_request t : {cuda::tile_request{64, 64, true}, {32, 64}, {64, 128}, {32, 128}, {32, 128, true}, {16, 128},
+                                 {16, 0}, {0, 0, true}}) {
+      spec.tiles = t;
+      CAPTURE(t.chunk);
+      CAPTURE(t.tile_m);
+      CAPTURE(t.prefetch);
+      check_compiles(cuda::program_of(spec));
+      if (t.tile_m == 0) check_compiles(cuda::backward_program_of(spec));
+      if (t.prefetch) {
+        auto const split = cuda::split_programs_of(spec);
+        check_compiles(split.partials);
+        check_compiles(split.scan);
+        for (auto const& p : cuda::split_backward_programs_of(spec)) check_compiles(p);
+      }
+    }
   }
 }
 
@@ -719,12 +737,16 @@ TEST_CASE("NVRTC on-disk cache: keyed by source and architecture, checked on rea
   s.m = 4;
   auto p = cuda::program_of(s);
   auto src = cuda::emit(p);
+  cuda::cache_counts const before = cuda::cache_statistics();
   auto first = cuda::compile_cached(src, p.kernel_name, "sm_90");
   auto again = cuda::compile_cached(src, p.kernel_name, "sm_90");
   auto other = cuda::compile_cached(src, p.kernel_name, "sm_80");
   CHECK(!first.from_cache);
   CHECK(again.from_cache);
   CHECK(!other.from_cache);
+  cuda::cache_counts const after = cuda::cache_statistics();  // (what a benchmark reports)
+  CHECK(after.hits - before.hits == 1);
+  CHECK(after.compiled - before.compiled == 2);
   CHECK(again.image == first.image);
   CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator()) == 2);
   // A damaged file is recompiled, not trusted.

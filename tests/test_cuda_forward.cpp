@@ -151,3 +151,113 @@ TEST_CASE("softmax: the quadratic program, its source, and what it does not do")
   split.split_rows = 64;
   CHECK(max_abs_diff(cuda::emulate(plan, split, Q = q, K = k, V = v), cuda::emulate(plan, Q = q, K = k, V = v)) == 0.0);
 }
+
+// The caller's tiles (options::tiles) are a schedule, not another computation:
+// every chunk and M tile that fits gives the attention as written — fp32
+// within the summation order's tolerance, 16-bit on the tensor cores within
+// their operands' rounding — forward (causal, non-causal, softmax; one pass,
+// split over N, chained) and backward (one pass and split); a request that
+// does not fit shared memory, or is no schedule, throws before anything runs.
+TEST_CASE("requested tiles: every chunk and M tile that fits computes the same attention") {
+  shape const s{1, 2, 150, 24, 40};
+  auto forward = [&](auto const& expr, std::uint64_t seed) {
+    auto const plan = plan_of(expr);
+    test::rng r{seed};
+    for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
+      double const bound = tolerance(dt) + rounding_bound(expr, dt, q, k, v, exact);
+      for (int t : {16, 32, 64})
+        for (int tm : {0, 8, 24, 40, 100}) {
+          CAPTURE(cuda::name_of(dt)); CAPTURE(t); CAPTURE(tm);
+          cuda::options opt{dt, dt};
+          opt.tiles = {t, tm};
+          auto const p = cuda::program_of(plan, opt, D = s.d, M = s.m);
+          CHECK(p.tiles.chunk == t);
+          CHECK(p.tiles.tile_m == (tm == 0 ? 40 : std::min(tm, 40)));  // (lina's own: min(M, 64); past M: M)
+          auto const got = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+          CHECK(relative_rms(got, exact) <= bound);
+          // Prefetching the next chunk's rows is a hint: the same program with
+          // a prefetch before each chunk's loads, the same numbers.
+          cuda::options hinted = opt;
+          hinted.tiles.prefetch = true;
+          auto const hp = cuda::program_of(plan, hinted, D = s.d, M = s.m);
+          CHECK(hp.kernel_name == p.kernel_name + "_pf");
+          CHECK(cuda::listing(hp).find("prefetch " + p.inputs.at(p.quadratic ? 1 : 0).name + "[next chunk") != std::string::npos);
+          CHECK(cuda::emit(hp).find("tl::prefetch<in_type>") != std::string::npos);
+          CHECK(max_abs_diff(cuda::emulate(plan, hinted, Q = q, K = k, V = v), got) == 0.0);
+          if (p.quadratic) continue;
+          opt.split_rows = 2 * t;  // the chunk-parallel form at these tiles
+          CHECK(relative_rms(cuda::emulate(plan, opt, Q = q, K = k, V = v), exact) <= bound);
+        }
+    }
+  };
+  forward(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 71);
+  forward(normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 72);
+  forward(normalize(causal(exp(Q * transpose(K) * 0.25))) * V, 73);
+
+  constexpr auto expr = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+  constexpr auto plan = compile<order::linear>(expr);
+  test::rng r{74};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    auto [q, k, v] = random_inputs(s, dt, r, false);
+    auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+    auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
+    auto exact_grad = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
+    double const bound = tolerance(dt) + rounding_bound(expr, dt, q, k, v, exact);
+    double const grad_bound = dt == cuda::dtype::f32 ? tolerance(dt) : backward_mma_bound(dt, true);
+    for (int t : {16, 32, 64}) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(t);
+      cuda::options opt{dt, dt};
+      opt.tiles = {t, 16};
+      // Chained: two blocks through a state, at these tiles, = the attention in one.
+      tensor<float> chained({s.b, s.h, s.n, s.m});
+      cuda::state st(plan, s.b, s.h, cuda::memory::host);
+      cuda::emulate_into(plan, opt, rows_of(chained, 0, 70), st, Q = test::tokens(q, 0, 70), K = test::tokens(k, 0, 70),
+                         V = test::tokens(v, 0, 70));
+      cuda::emulate_into(plan, opt, rows_of(chained, 70, s.n), st, Q = test::tokens(q, 70, s.n),
+                         K = test::tokens(k, 70, s.n), V = test::tokens(v, 70, s.n));
+      CHECK(relative_rms(chained, exact) <= bound);
+      // The backward's chunk (it holds every column of M: tile_m is the forward's alone).
+      auto spec = cuda::spec_of(plan, opt);
+      spec.d = s.d, spec.m = s.m;
+      CHECK(cuda::backward_program_of(spec).tiles.chunk == t);
+      for (std::int64_t split : {std::int64_t{0}, std::int64_t{2 * t}}) {
+        CAPTURE(split);
+        opt.split_rows = split;
+        auto g = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+        CHECK(relative_rms(g[Q], as_float(exact_grad[Q])) <= grad_bound);
+        CHECK(relative_rms(g[K], as_float(exact_grad[K])) <= grad_bound);
+        CHECK(relative_rms(g[V], as_float(exact_grad[V])) <= grad_bound);
+      }
+    }
+  }
+
+  // What does not fit or is no schedule: an error that says what was asked, before anything is written.
+  auto spec = cuda::spec_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16});
+  spec.d = spec.m = 256;
+  spec.tiles = {64, 256};
+  CHECK_THROWS_WITH_AS(cuda::program_of(spec), doctest::Contains("requested tiles (T = 64, M tile = 256) need"),
+                       std::invalid_argument);
+  spec.d = spec.m = 128;
+  spec.tiles = {64, 0};  // the forward fits; the backward's state at T = 64 does not, so its launches slice M
+  CHECK(cuda::program_of(spec).tiles.chunk == 64);
+  CHECK_THROWS_WITH_AS(cuda::backward_program_of(spec), doctest::Contains("T = 64 (requested)"), std::invalid_argument);
+  for (auto const& p : cuda::backward_programs_of(spec)) CHECK(p.tiles.chunk == 64);
+  spec.tiles = {48, 0};
+  CHECK_THROWS_WITH_AS(cuda::program_of(spec), doctest::Contains("a chunk of 48 rows was requested"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(cuda::backward_programs_of(spec), doctest::Contains("a chunk of 48 rows"), std::invalid_argument);
+  spec.tiles = {0, -8};
+  CHECK_THROWS_WITH_AS(cuda::program_of(spec), doctest::Contains("an M tile of -8 columns"), std::invalid_argument);
+  spec.tiles = {32, 0};
+  spec.chained = spec.step = true;  // a decoding step keeps its chunk of 16 (a recurrent's prefill takes the request)
+  CHECK(cuda::program_of(spec).tiles.chunk == 16);
+  auto q = tensor<float>::random({1, 1, 20, 8}, 1), k = tensor<float>::random({1, 1, 20, 8}, 2),
+       v = tensor<float>::random({1, 1, 20, 8}, 3);
+  tensor<float> out({1, 1, 20, 8});
+  out.data()[0] = 7.0f;
+  cuda::options bad{};
+  bad.tiles = {20, 0};
+  CHECK_THROWS_AS(cuda::emulate_into(plan, bad, out.view(), Q = q, K = k, V = v), std::invalid_argument);
+  CHECK(out.data()[0] == 7.0f);
+}

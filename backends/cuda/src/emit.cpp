@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
@@ -109,6 +110,12 @@ struct emitter {
   }
 
   void instruction(int ind, cuda::instruction const& i) {
+    if (i.op == opcode::prefetch) {  // the next chunk's rows (r_next, rows_next: the loop's); no register
+      memory const m = source(i.slot);
+      line(ind, "tl::prefetch<{}>({}, {}, r_next, {}, rows_next, {});  // the next chunk's rows, to L2", m.type, m.operand,
+           m.base, i.by_m_tile ? "m0" : "0", width(i));
+      return;
+    }
     std::string const& t = name(i.dst);
     switch (i.op) {
       case opcode::zero: line(ind, "tl::zero<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t); break;
@@ -243,6 +250,7 @@ struct emitter {
                                            p.extras.at(static_cast<std::size_t>(i.slot)).keys ? "keys_n" : "args.n"),
              width(i));
         break;
+      case opcode::prefetch: break;  // (above: it names no register)
     }
   }
 
@@ -367,7 +375,8 @@ struct emitter {
     std::vector<bool> loaded(p.inputs.size()), extra(p.extras.size());  // likewise memory no instruction touches
     for (auto const* i : all) {
       bool const reads =
-          (i->op == opcode::load || i->op == opcode::map_grad || i->op == opcode::param_grad) && i->slot >= 0;
+          (i->op == opcode::load || i->op == opcode::prefetch || i->op == opcode::map_grad || i->op == opcode::param_grad) &&
+          i->slot >= 0;
       if (reads && i->slot < max_inputs) loaded.at(static_cast<std::size_t>(i->slot)) = true;
       if (reads && i->slot >= max_inputs) extra.at(static_cast<std::size_t>(i->slot - max_inputs)) = true;
       if (i->op == opcode::store && i->slot >= 0) extra.at(static_cast<std::size_t>(i->slot)) = true;
@@ -449,6 +458,17 @@ struct emitter {
         line(4, "const int rows = static_cast<int>(keys_n - r0 < chunk ? keys_n - r0 : chunk);");
       else
         line(4, "const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);");
+      if (std::any_of(pass.begin(), pass.end(), [](cuda::instruction const& i) { return i.op == opcode::prefetch; })) {
+        // The chunk the loop visits next, and its rows (0: none).
+        if (pass.reverse) {
+          line(4, "const long long r_next = r0 - chunk;");
+          line(4, "const int rows_next = r_next >= {} ? chunk : 0;  // (only the last chunk is short)", p.split ? "row_begin" : "0");
+        } else {
+          std::string_view const end = p.split ? "row_end" : p.key_major ? "args.n" : p.quadratic ? "keys_end" : pass.keys ? "keys_n" : "args.n";
+          line(4, "const long long r_next = r0 + chunk;");
+          line(4, "const int rows_next = static_cast<int>({} - r_next < chunk ? {} - r_next : chunk);", end, end);
+        }
+      }
       body(4, pass);
       line(2, "}}");
     }

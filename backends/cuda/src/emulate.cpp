@@ -120,6 +120,7 @@ struct block {
   bool valid(instruction const& i, score x) const { return x.query < a.n && x.key < keys_of(a) && (!i.causal || x.key <= x.query); }
 
   void run(instruction const& i, std::int64_t r0, int rows) {
+    if (i.op == opcode::prefetch) return;  // a hint to the memory system: no register changes
     tile& t = reg[static_cast<std::size_t>(i.dst)];
     switch (i.op) {
       case opcode::zero: std::fill(t.v.begin(), t.v.end(), 0.0f); break;
@@ -350,6 +351,7 @@ struct block {
         }
         break;
       }
+      case opcode::prefetch: break;  // (returned above)
       case opcode::square_rows:
         for (int r = 0; r < t.rows; ++r)
           for (int c = 0; c < t.cols; ++c) t.at(r, c) = valid(i, score_at(r0, r, c)) ? t.at(r, c) * t.at(r, c) : 0.0f;

@@ -3,6 +3,8 @@
 #include "lina/cuda/nvrtc.hpp"
 
 #include <fmt/format.h>
+
+#include <atomic>
 #include <nvrtc.h>
 
 #include <cstdint>
@@ -110,6 +112,8 @@ std::string cache_directory() {
 }
 
 namespace {
+std::atomic<int> cache_hits{0}, cache_compiled{0};
+
 std::uint64_t fnv1a(std::string_view s) {
   std::uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
@@ -117,10 +121,15 @@ std::uint64_t fnv1a(std::string_view s) {
 }
 }  // namespace
 
+cache_counts cache_statistics() { return {cache_hits.load(), cache_compiled.load()}; }
+
 compiled_kernel compile_cached(std::string_view source, std::string_view kernel_name, std::string_view arch,
                                std::vector<std::string> const& extra_options) {
   std::string const dir = cache_directory();
-  if (dir.empty()) return compile(source, kernel_name, arch, extra_options);
+  if (dir.empty()) {
+    ++cache_compiled;
+    return compile(source, kernel_name, arch, extra_options);
+  }
   // The key: everything that changes the image.
   std::string key = fmt::format("lina-kernel-cache 1\nnvrtc {}\narch {}\ninclude {}\n", nvrtc_version(), arch,
                                 toolkit_include_dir());
@@ -141,11 +150,13 @@ compiled_kernel compile_cached(std::string_view source, std::string_view kernel_
         out.arch = std::string(arch);
         out.image.assign(data.begin() + static_cast<std::ptrdiff_t>(key.size()), data.end());
         out.from_cache = true;
+        ++cache_hits;
         return out;
       }
     }
   }
   compiled_kernel out = compile(source, kernel_name, arch, extra_options);
+  ++cache_compiled;
   std::error_code ec;
   fs::create_directories(dir, ec);
   fs::path const tmp = file.string() + fmt::format(".{:x}.tmp", reinterpret_cast<std::uintptr_t>(&out));

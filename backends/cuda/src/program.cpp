@@ -66,6 +66,7 @@ std::string_view name_of(opcode o) {
     case opcode::exp_grad: return "exp_grad";
     case opcode::square_rows: return "square_rows";
     case opcode::square_grad: return "square_grad";
+    case opcode::prefetch: return "prefetch";
   }
   return "?";
 }
@@ -209,10 +210,30 @@ void skip_masked_tiles(program& p) {
   });
 }
 
+// spec.tiles.prefetch: each pass's chunk first requests the next chunk's rows
+// of the inputs it loads into L2 — a prefetch per input slot and columns
+// (a hint: results do not change). The kernel name says so (_pf).
+void add_prefetches(program& p) {
+  if (!p.spec.tiles.prefetch) return;
+  bool any = false;
+  for (pass& ps : p.passes) {
+    std::vector<instruction> hints;
+    for (instruction const& i : ps) {
+      if (i.op != opcode::load || i.slot < 0 || i.slot >= max_inputs || i.whole || i.accumulate) continue;
+      instruction const h{.op = opcode::prefetch, .slot = i.slot, .width = i.width, .by_m_tile = i.by_m_tile};
+      if (std::find(hints.begin(), hints.end(), h) == hints.end()) hints.push_back(h);
+    }
+    any = any || !hints.empty();
+    ps.insert(ps.begin(), hints.begin(), hints.end());
+  }
+  if (any) p.kernel_name += "_pf";
+}
+
 // What every layout ends with.
 void finish_layout(program& p) {
   narrow_registers(p);
   skip_masked_tiles(p);
+  add_prefetches(p);
 }
 
 // The ids used in kernel names: letters, digits and underscores only.
@@ -529,6 +550,25 @@ bool quadratic_form(attention_spec const& s) {
   if (s.softmax) return true;
   if (!kernel_trick(s)) return false;
   return lay_out_linear(s, {16, static_cast<int>(std::min<std::size_t>(8, s.m)), 256}).shared_bytes() > shared_memory_budget;
+}
+
+// A spec's tile request is one choose_tiles can keep (tile_request).
+void check_request(attention_spec const& s) {
+  int const t = s.tiles.chunk;
+  if (t != 0 && t != 16 && t != 32 && t != 64)
+    throw std::invalid_argument(fmt::format("lina::cuda: a chunk of {} rows was requested; it is 16, 32 or 64 (0: lina chooses)", t));
+  if (s.tiles.tile_m < 0)
+    throw std::invalid_argument(fmt::format("lina::cuda: an M tile of {} columns was requested; it is at least 1 (0: lina chooses)",
+                                            s.tiles.tile_m));
+}
+
+// The chunk lengths a spec's programs may take, longest first: the requested
+// one alone, if any; a decoding step's 16 whatever was requested (its
+// recurrent prefill keeps the request).
+std::vector<int> chunks_of(attention_spec const& s) {
+  if (s.step) return {16};
+  if (s.tiles.chunk > 0) return {s.tiles.chunk};
+  return {64, 32, 16};
 }
 
 // The program of a (valid) spec at these tile sizes; choose_tiles measures
@@ -1060,7 +1100,8 @@ namespace {
 // The backward program of a linear spec at the longest chunk that fits, if
 // any; its shares of an input read twice tied (tie_shares), unless `tie` is false.
 std::optional<program> fitting_backward(attention_spec const& s, bool tie = true) {
-  for (int t : {64, 32, 16}) {
+  check_request(s);
+  for (int t : chunks_of(s)) {
     std::vector<program> p{lay_out_backward(s, t)};
     if (p[0].shared_bytes() > shared_memory_budget) continue;
     if (tie) tie_shares(p);
@@ -1070,9 +1111,11 @@ std::optional<program> fitting_backward(attention_spec const& s, bool tie = true
 }
 
 std::string too_large(attention_spec const& s, std::string_view why) {
+  int const t = chunks_of(s).back();
   return fmt::format("lina::cuda: D = {}, M = {} is too large for the backward kernel: one block holds the whole C × "
-                     "(M+1) state and, at T = 16, needs {} bytes of shared memory, more than the {} a block may use{}",
-                     s.d, s.m, lay_out_backward(s, 16).shared_bytes(), shared_memory_budget, why);
+                     "(M+1) state and, at T = {}{}, needs {} bytes of shared memory, more than the {} a block may use{}",
+                     s.d, s.m, t, s.tiles.chunk > 0 ? " (requested)" : "", lay_out_backward(s, t).shared_bytes(),
+                     shared_memory_budget, why);
 }
 
 // A linear spec's backward over slices of M's columns (program.hpp,
@@ -1244,7 +1287,8 @@ std::vector<program> backward_programs_of(attention_spec const& s) {
   if (s.chained) throw std::invalid_argument("lina::cuda: softmax attention has no state to carry");
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
   check_maps(s);
-  for (int t : {64, 32, 16}) {
+  check_request(s);
+  for (int t : chunks_of(s)) {
     std::vector<program> ps{lay_out_softmax_backward(s, t, false), lay_out_softmax_backward(s, t, true)};
     if (parametric(s.map_q) || parametric(s.map_k)) ps.push_back(lay_out_softmax_param_grad(s, t));
     if (std::any_of(ps.begin(), ps.end(), [](program const& p) { return p.shared_bytes() > shared_memory_budget; })) continue;
@@ -1253,8 +1297,9 @@ std::vector<program> backward_programs_of(attention_spec const& s) {
   }
   throw std::invalid_argument(fmt::format(
       "lina::cuda: D = {}, M = {} is too large for softmax's backward kernels: one block holds every column and, at "
-      "T = 16, needs {} bytes of shared memory, more than the {} a block may use (splitting M over blocks: not yet)",
-      s.d, s.m, lay_out_softmax_backward(s, 16, false).shared_bytes(), shared_memory_budget));
+      "T = {}{}, needs {} bytes of shared memory, more than the {} a block may use (splitting M over blocks: not yet)",
+      s.d, s.m, chunks_of(s).back(), s.tiles.chunk > 0 ? " (requested)" : "",
+      lay_out_softmax_backward(s, chunks_of(s).back(), false).shared_bytes(), shared_memory_budget));
 }
 
 program backward_program_of(attention_spec const& s) {
@@ -1296,7 +1341,8 @@ split_programs split_programs_of(attention_spec const& s) {
     bool in_k = false;
     for (auto const& i : scan.passes.at(0)) {
       in_k = in_k || (i.op == opcode::load && i.slot == 1);
-      bool const v = (i.op == opcode::load && i.slot == 2) || i.op == opcode::ones_column;
+      bool const v = (i.op == opcode::load && i.slot == 2) || i.op == opcode::ones_column ||
+                     (i.op == opcode::prefetch && (i.slot == 1 || i.slot == 2));  // (K's too: a hint)
       bool const maps_k = i.op == opcode::map && i.dst == k;  // (an element-wise map after the load of k)
       if (in_k || v || maps_k || (i.op == opcode::product && i.dst == st)) sum.push_back(i);
       if (in_k && (i.op == opcode::load || i.op == opcode::map) && i.dst == k) in_k = false;
@@ -1362,17 +1408,33 @@ std::int64_t split_rows(std::int64_t blocks, std::int64_t n, int chunk, int sms)
 
 tile_config choose_tiles(attention_spec const& s) {
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
+  check_request(s);
   // The first (T, M tile) that fits. M tiles of 32 or more come first: every
   // block of a (batch, head) reloads the φ(Q), φ(K) chunks, so narrow M tiles
   // multiply that traffic; a shorter chunk only costs more state passes.
   constexpr int order[][2] = {{64, 64}, {64, 32}, {32, 64}, {32, 32}, {16, 64}, {16, 32},
                               {64, 16}, {32, 16}, {16, 16}, {64, 8},  {32, 8},  {16, 8}};
   auto const lay_out = quadratic_form(s) ? lay_out_softmax : lay_out_linear;  // (decided once, not per candidate)
-  for (auto const& [t, tm] : order) {
-    if (s.step && t != 16) continue;
-    std::size_t use = std::min(static_cast<std::size_t>(tm), s.m);
-    tile_config const c{t, static_cast<int>(use), 256};
-    if (lay_out(s, c).shared_bytes() <= shared_memory_budget) return c;
+  auto const fits = [&](int t, int tm) {
+    tile_config const c{t, static_cast<int>(std::min(static_cast<std::size_t>(tm), s.m)), 256};
+    return lay_out(s, c).shared_bytes() <= shared_memory_budget ? std::optional<tile_config>(c) : std::nullopt;
+  };
+  std::vector<int> const chunks = chunks_of(s);
+  if (s.tiles.tile_m > 0) {  // that M tile, at the requested chunk or the longest that fits
+    for (int t : chunks)
+      if (auto c = fits(t, s.tiles.tile_m)) return *c;
+  } else {
+    for (auto const& [t, tm] : order)
+      if (std::find(chunks.begin(), chunks.end(), t) != chunks.end())
+        if (auto c = fits(t, tm)) return *c;
+  }
+  if (s.tiles.chunk > 0 || s.tiles.tile_m > 0) {
+    int const t = chunks.back();
+    int const tm = static_cast<int>(std::min<std::size_t>(s.tiles.tile_m > 0 ? static_cast<std::size_t>(s.tiles.tile_m) : 8, s.m));
+    throw std::invalid_argument(fmt::format(
+        "lina::cuda: the requested tiles (T = {}, M tile = {}) need {} bytes of shared memory at D = {}, M = {}, more "
+        "than the {} a block may use: ask for a shorter chunk or a narrower M tile (0 leaves either to lina)",
+        t, tm, lay_out(s, {t, tm, 256}).shared_bytes(), s.d, s.m, shared_memory_budget));
   }
   throw std::invalid_argument(fmt::format(
       "lina::cuda: D = {} is too large: the smallest tiles (T = 16, 8 columns of M) need {} bytes of shared "
@@ -1436,6 +1498,9 @@ std::string listing(program const& p) {
   auto one = [&](instruction const& i) {
     auto nm = [&](int x) { return p.registers[static_cast<std::size_t>(x)].name; };
     switch (i.op) {
+      case opcode::prefetch:
+        return fmt::format("prefetch {}[next chunk, {}{} cols] to L2", source(i.slot), i.by_m_tile ? "m_tile·tile_m + " : "",
+                           i.width);
       case opcode::load: {
         std::string_view const op = i.accumulate ? "+=" : "←";  // (a split backward adds the earlier slices' sums)
         if (i.whole) return fmt::format("load {} {} {} (all {} rows, {} cols)", nm(i.dst), op, source(i.slot), p.registers[static_cast<std::size_t>(i.dst)].rows, i.width);

@@ -73,6 +73,11 @@ struct options {
   // (split_backward_programs_of), where the plan has one. Launches choose it
   // from the device (split_rows).
   std::int64_t split_rows = 0;
+  // The chunk (T = 16, 32, 64) and M tile of the kernels (tile_request in
+  // lina/cuda/program.hpp; 0: lina chooses, choose_tiles): results differ
+  // only in the order of sums; a request that does not fit shared memory
+  // throws std::invalid_argument saying how many bytes it needs.
+  tile_request tiles{};
 };
 
 namespace diagnose {
@@ -471,6 +476,7 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
   s.in = opt.in;
   s.out = opt.out;
   s.exact_products = opt.exact_products;
+  s.tiles = opt.tiles;
   s.description = to_string(plan);
   return s;
 }

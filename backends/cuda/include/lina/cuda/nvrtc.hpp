@@ -48,6 +48,14 @@ compiled_kernel compile_cached(std::string_view source, std::string_view kernel_
                                std::vector<std::string> const& extra_options = {});
 std::string cache_directory();  // "" when off
 
+// compile_cached's calls in this process so far: read from the cache, or
+// compiled (thread-safe). A benchmark prints it to show where its first
+// launches' time went.
+struct cache_counts {
+  int hits = 0, compiled = 0;
+};
+cache_counts cache_statistics();
+
 // The folder of the toolkit's headers NVRTC is pointed at (-I): the environment's
 // LINA_CUDA_INCLUDE_DIR when set, else the one this library was built against.
 std::string toolkit_include_dir();

@@ -121,6 +121,10 @@
 //   square_grad t, e       the adjoint of square_rows: with t = ∂A and e the scores
 //                          before squaring, t[i][j] = 2·(e[i][j]·t[i][j]) where
 //                          valid, else 0
+//   prefetch in[s]         no effect on any register: the next chunk's rows of
+//                          in[s] (those of the load of the same slot, columns
+//                          and `by_m_tile`) are requested into L2, so that its
+//                          loads wait less (spec.tiles.prefetch; a hint alone).
 //   load from slot s ≥ max_inputs reads extra[s − max_inputs] in its dtype.
 //   load_state t           (from extra[slot] instead of state_in when slot ≥ 0)
 //                          t[i][j] = state_in(i, c0 + j) for i < t.rows, j < width,
@@ -220,6 +224,21 @@ std::string_view name_of(dtype t);
 std::string_view name_of(feature_map m);
 std::size_t size_of(dtype t);
 
+// What a caller fixes of a kernel's tiles (attention_spec::tiles,
+// options::tiles); 0 leaves the choice to choose_tiles. chunk: rows per chunk,
+// T ∈ {16, 32, 64} (every program: forward, backward, softmax's); tile_m:
+// columns of M per block of a forward (the backward holds every column; a
+// decoding step always takes T = 16); prefetch: each chunk first requests the
+// next chunk's input rows into L2 (opcode::prefetch). The schedule changes how a
+// kernel walks its tiles, not what it computes: results differ only in the
+// order of sums (prefetching changes nothing at all).
+struct tile_request {
+  int chunk = 0;
+  int tile_m = 0;
+  bool prefetch = false;
+  bool operator==(tile_request const&) const = default;
+};
+
 // What program_of needs to know about a forward attention plan. Filled from a
 // plan's type by lina::cuda::spec_of (lina/cuda.hpp) and the run-time extents.
 struct attention_spec {
@@ -240,6 +259,7 @@ struct attention_spec {
   std::string q_name = "Q", k_name = "K", v_name = "V", w_name = "W";  // the plan's input symbols
   std::string w_k_name;     // φ(K)'s own W (input slot 4; same map, same F), or empty: φ(K) reads φ(Q)'s
   user_map user[2];         // feature_map::user0 and user1
+  tile_request tiles{};     // the caller's choice of chunk and M tile, if any
   std::string description;  // the plan as the user's program printed it (messages)
 };
 
@@ -260,8 +280,9 @@ inline constexpr std::size_t shared_memory_budget = 160 * 1024;
 
 // T = 64 when the tiles fit, else 32, then 16 (always 16 for a step spec: a
 // decode step reads one row, and a short chunk leaves more shared memory to
-// other blocks); the M tile is min(M, 64) (or smaller when needed). Throws
-// std::invalid_argument when nothing fits.
+// other blocks); the M tile is min(M, 64) (or smaller when needed). What
+// s.tiles requests is kept (an M tile past M is M). Throws
+// std::invalid_argument when nothing fits, or the request is not a schedule.
 tile_config choose_tiles(attention_spec const& s);
 
 // How a product multiplies (see the semantics above). 16-bit programs use the
@@ -303,7 +324,7 @@ enum class triangle : std::uint8_t { none, lower, upper };
 enum class opcode : std::uint8_t {
   zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state,
   mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows, param_grad, exp_grad, square_rows,
-  square_grad
+  square_grad, prefetch
 };
 std::string_view name_of(opcode o);
 

@@ -294,6 +294,26 @@ __device__ void load(S* t, const operand& in, long long base, long long r0, long
   load_map<E, identity, R, C, P>(t, in, base, r0, c0, rows, width);
 }
 
+// A hint that changes no tile: rows r0 … r0 + rows − 1 of `in` (columns c0 …
+// c0 + width − 1, as a load reads them) requested into L2, one 128-byte line
+// per thread and step, so that the next chunk's loads find them there
+// (`prefetch.L2`: a generic address; an instruction that cannot fault). Rows
+// whose columns are not contiguous are left alone.
+template <class E>
+__device__ void prefetch(const operand& in, long long base, long long r0, long long c0, int rows, int width) {
+  if (rows <= 0 || in.stride[3] != 1 || c0 >= in.cols) return;
+  constexpr int bytes = vector_of<E>::n == 8 ? 2 : 4;
+  const long long row_bytes = (in.cols - c0 < width ? in.cols - c0 : width) * bytes;
+  const int lines = static_cast<int>((row_bytes + 127) / 128) + 1;  // (a row that starts mid-line ends in one more)
+  const char* const data = static_cast<const char*>(in.data);
+  for (int e = threadIdx.x; e < rows * lines; e += blockDim.x) {
+    const char* const row = data + (base + (r0 + e / lines) * in.stride[2] + c0) * bytes;
+    const char* const at =
+        reinterpret_cast<const char*>(reinterpret_cast<unsigned long long>(row) & ~127ull) + (e % lines) * 128;
+    if (at < row + row_bytes) asm volatile("prefetch.L2 [%0];" : : "l"(at));
+  }
+}
+
 // t[i][j] += in(base + (r0+i)·row_stride + (c0+j)·col_stride) for i < rows,
 // j < width, c0 + j < cols; t unchanged elsewhere (fp32 buffers: a split
 // backward's sums of the earlier slices).
