@@ -9,7 +9,7 @@
 // (batch, head), so a fast wrong kernel does not pass for a benchmark.
 //
 //   cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget seconds] [--tsv file] [--check-rows n]
-//                [--copy-mib m] [--ablate]
+//                [--copy-mib m] [--ablate] [--tiles TxTM,…] [--compile-only sm_XY [--sms n]]
 //
 // Per shape also the backward (--no-backward skips it): the generated backward
 // kernel (cuda::backward_program_of) launched on preallocated ∂Q, ∂K, ∂V (bf16)
@@ -26,6 +26,21 @@
 // step), against the copy. The first step is checked against the emulation.
 // Its tsv row has T = 1.
 //
+// --tiles TxTM[p],… (default 64x64p,32x64,64x128,32x128,32x128p,16x128; "none":
+// no sweep) times the forward again at each of these schedules (options::tiles:
+// T rows per chunk, TM columns of M per block, p: the next chunk's rows
+// prefetched to L2; those that give lina's own tiles are
+// skipped, those that do not fit say so), split along N where evaluate_into
+// would split, and the backward at each other T; each with a sixth of the
+// budget, checked against the emulation at its own tiles: where lina's choice
+// (choose_tiles: 64x64 at D = 64 and 128) leaves time on the table.
+//
+// --compile-only sm_XY [--sms n] needs no device: it compiles, through NVRTC's
+// on-disk cache (LINA_CUDA_CACHE), every kernel a run with the same options
+// would launch on a device of that architecture with n SMs (default 132, an
+// H200), so that a device session starts with its kernels compiled
+// (scripts/gpu-prebuild).
+//
 // --ablate adds, per shape, the times of the same program launched with
 // cuda::launch (no host-side checks: the host overhead of evaluate_into)
 // and of variants with one kind of instruction left out (their results are
@@ -37,16 +52,24 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <lina/cuda.hpp>
+#include <lina/cuda/emit.hpp>
+#include <lina/cuda/nvrtc.hpp>
 #include <lina/lina.hpp>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 using namespace lina;
@@ -134,6 +157,71 @@ cuda::forward_args args_of(shape const& s, cuda::tensor<cuda::bf16> const& q, cu
   return a;
 }
 
+cuda::options const bf16{cuda::dtype::bf16, cuda::dtype::bf16};
+
+// The kernel spec of one shape (M = D) at a schedule ({0, 0}: lina's own).
+cuda::attention_spec spec_at(shape const& s, cuda::tile_request tiles = {}) {
+  auto spec = cuda::spec_of(plan, bf16);
+  spec.d = spec.m = s.d;
+  spec.tiles = tiles;
+  return spec;
+}
+
+cuda::forward_args extents_of(shape const& s) {
+  cuda::forward_args a;
+  a.batch = static_cast<std::int64_t>(s.b), a.heads = static_cast<std::int64_t>(s.h), a.n = static_cast<std::int64_t>(s.t);
+  return a;
+}
+
+// What evaluate_into launches for a spec on a device of `sms` SMs: the
+// one-pass program, or the chunk-parallel form over groups of `rows` rows
+// where split_rows chooses it (the one pass is timed beside it).
+struct forward_launch {
+  cuda::program one;
+  std::vector<cuda::split_programs> split;  // none, or one
+  std::int64_t rows = 0;
+};
+forward_launch forward_launch_of(cuda::attention_spec const& spec, shape const& s, int sms) {
+  forward_launch f{cuda::program_of(spec), {}, 0};
+  f.rows = cuda::split_rows(cuda::blocks_of(f.one, extents_of(s)), static_cast<std::int64_t>(s.t), f.one.tiles.chunk, sms);
+  if (f.rows > 0) f.split.push_back(cuda::split_programs_of(spec));
+  return f;
+}
+
+// The same for cuda::gradient: the backward's one pass, and its three
+// launches over groups of `rows` rows where it splits.
+struct backward_launch {
+  cuda::program one;
+  std::vector<cuda::program> split;
+  std::int64_t rows = 0;
+};
+backward_launch backward_launch_of(cuda::attention_spec const& spec, shape const& s, int sms) {
+  backward_launch b{cuda::backward_program_of(spec), cuda::split_backward_programs_of(spec), 0};
+  if (!b.split.empty())
+    b.rows = cuda::split_rows(cuda::blocks_of(b.one, extents_of(s)), static_cast<std::int64_t>(s.t), b.one.tiles.chunk, sms);
+  if (b.rows == 0) b.split.clear();
+  return b;
+}
+
+// "TxTM,…" → the schedules of --tiles.
+std::vector<cuda::tile_request> parse_tiles(std::string_view text) {
+  std::vector<cuda::tile_request> r;
+  while (!text.empty()) {
+    std::size_t comma = text.find(',');
+    std::string one(text.substr(0, comma));
+    cuda::tile_request t;
+    char p = 0, extra = 0;
+    int const got = std::sscanf(one.c_str(), "%dx%d%c%c", &t.chunk, &t.tile_m, &p, &extra);
+    if (got < 2 || got > 3 || (got == 3 && p != 'p') || t.chunk <= 0 || t.tile_m <= 0)
+      throw std::invalid_argument("cuda_forward: a schedule is TxTM (rows per chunk x columns of M per block), with p "
+                                  "for prefetching the next chunk, e.g. 32x128 or 64x64p; not '" + one + "'");
+    t.prefetch = got == 3;
+    r.push_back(t);
+    text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
+  }
+  return r;
+}
+
 // Device-to-device copy bandwidth: the median of cudaMemcpyAsync of `bytes`,
 // counting the bytes read and the bytes written.
 double copy_gbytes(std::size_t bytes, cudaStream_t stream, double* ms_out) {
@@ -192,15 +280,9 @@ double time_within(F const& f, double budget, double cap, cudaStream_t stream, i
   return time_launches(f, *reps, stream);
 }
 
-// The program with every instruction whose opcode is in `drop` removed from its passes.
-cuda::program without(cuda::program p, std::vector<cuda::opcode> const& drop, std::string const& tag) {
-  for (auto& pass : p.passes)
-    std::erase_if(pass, [&](cuda::instruction const& i) { return std::find(drop.begin(), drop.end(), i.op) != drop.end(); });
-  p.kernel_name += "_" + tag;
-  return p;
-}
-
-void ablate(cuda::program const& base, cuda::forward_args const& a, double full_ms, int reps, cudaStream_t stream) {
+// --ablate's variants of a program: each with every instruction of some
+// kinds removed from its passes (what it measures, the program).
+std::vector<std::pair<std::string, cuda::program>> ablation_variants(cuda::program const& base) {
   using cuda::opcode;
   struct variant {
     char const* what;
@@ -216,43 +298,61 @@ void ablate(cuda::program const& base, cuda::forward_args const& a, double full_
       {"products only", "products", {opcode::load, opcode::map, opcode::ones_column, opcode::mask_causal,
                                      opcode::row_divide, opcode::store}},
   };
+  std::vector<std::pair<std::string, cuda::program>> r;
+  for (auto const& v : variants) {
+    cuda::program p = base;
+    for (auto& pass : p.passes)
+      std::erase_if(pass, [&](cuda::instruction const& i) { return std::find(v.drop.begin(), v.drop.end(), i.op) != v.drop.end(); });
+    p.kernel_name += std::string("_") + v.tag;
+    r.emplace_back(v.what, std::move(p));
+  }
+  return r;
+}
+
+void ablate(cuda::program const& base, cuda::forward_args const& a, double full_ms, int reps, cudaStream_t stream) {
   fmt::print("\n| variant of {} | median ms | of the full kernel |\n|---|---|---|\n", base.kernel_name);
   fmt::print("| evaluate_into (the table above) | {:.3f} | 100 % |\n", full_ms);
-  for (auto const& v : variants) {
-    cuda::program p = without(base, v.drop, v.tag);
+  for (auto const& [what, p] : ablation_variants(base)) {
     double ms = time_launches([&] { cuda::launch(p, a, stream); }, reps, stream);
-    fmt::print("| {} | {:.3f} | {:.0f} % |\n", v.what, ms, 100.0 * ms / full_ms);
+    fmt::print("| {} | {:.3f} | {:.0f} % |\n", what, ms, 100.0 * ms / full_ms);
     std::fflush(stdout);
   }
 }
 
-// The backward of one shape: its kernels launched on preallocated gradients,
-// timed like the forward; prints a row. Where cuda::gradient splits N (too few
-// (batch, head) blocks for the SMs), the three launches of the chunk-parallel
-// form, with the one-pass kernel timed beside them. True when ∂Q's first rows
-// of the last (batch, head) match the emulation.
-bool time_backward(shape const& s, std::vector<std::uint16_t> const& hq, std::vector<std::uint16_t> const& hk,
-                   std::vector<std::uint16_t> const& hv, cuda::tensor<cuda::bf16> const& q, cuda::tensor<cuda::bf16> const& k,
-                   cuda::tensor<cuda::bf16> const& v, double fwd_ms, double copy_bw, double budget, std::size_t check_rows,
-                   int sms, cudaStream_t stream, double* ms_out) {
+// The backward of one shape at a schedule (`tiles`: lina's own when {0, 0}):
+// its kernels launched on preallocated gradients, as cuda::gradient would, and
+// timed like the forward; prints a row labelled `label`. Where cuda::gradient
+// splits N (too few (batch, head) blocks for the SMs), the three launches of
+// the chunk-parallel form, with the one-pass kernel timed beside them. True
+// when ∂Q's first rows of the last (batch, head) match the emulation at the
+// same tiles.
+bool time_backward(shape const& s, cuda::tile_request tiles, std::string const& label, std::vector<std::uint16_t> const& hq,
+                   std::vector<std::uint16_t> const& hk, std::vector<std::uint16_t> const& hv,
+                   cuda::tensor<cuda::bf16> const& q, cuda::tensor<cuda::bf16> const& k, cuda::tensor<cuda::bf16> const& v,
+                   double fwd_ms, double copy_bw, double budget, std::size_t check_rows, int sms, cudaStream_t stream,
+                   double* ms_out) {
   std::size_t const m = s.d;
+  backward_launch b;
+  try {
+    b = backward_launch_of(spec_at(s, tiles), s, sms);
+  } catch (std::invalid_argument const& e) {
+    fmt::print("| {}: not one block's ({}) | | | | | {} | | | | | | |\n", label, e.what(), tiles.chunk);
+    return true;
+  }
   shape4 const sq{s.b, s.h, s.t, s.d}, sv{s.b, s.h, s.t, m};
   auto hd = random_bf16(s.b * s.h * s.t * m, 99);
   cuda::tensor<cuda::bf16> dout(sv), gq(sq), gk(sq), gv(sv);
   cuda::tensor<float> scratch({s.b, s.h, s.t, m + 1});
   check(cudaMemcpy(dout.data(), hd.data(), dout.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
-  auto spec = cuda::spec_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16});
-  spec.d = s.d, spec.m = m;
-  cuda::program const p = cuda::backward_program_of(spec);
+  cuda::program const& p = b.one;
   cuda::forward_args a = args_of(s, q, k, v, gq);
   a.in[3] = cuda::detail::device_operand(dout.view());
   a.extra[0] = cuda::detail::device_operand(gk.view());
   a.extra[1] = cuda::detail::device_operand(gv.view());
   a.extra[2] = cuda::detail::device_operand(scratch.view());
   // The chunk-parallel form where cuda::gradient takes it: the groups' sums in two more fp32 buffers.
-  std::vector<cuda::program> const split = cuda::split_backward_programs_of(spec);
-  std::int64_t const group_rows =
-      split.empty() ? 0 : cuda::split_rows(cuda::blocks_of(p, a), static_cast<std::int64_t>(s.t), p.tiles.chunk, sms);
+  std::vector<cuda::program> const& split = b.split;
+  std::int64_t const group_rows = b.rows;
   std::size_t const groups = group_rows > 0 ? (s.t + static_cast<std::size_t>(group_rows) - 1) / static_cast<std::size_t>(group_rows) : 0;
   cuda::tensor<float> partials({s.b, s.h, groups * s.d, m + 1}), adjoint_partials({s.b, s.h, groups * s.d, m + 1});
   cuda::forward_args sa = a;
@@ -282,7 +382,9 @@ bool time_backward(shape const& s, std::vector<std::uint16_t> const& hq, std::ve
     cv.data()[i] = cuda::from_bf16_bits(hv[slice * s.t * m + i]);
     cd.data()[i] = cuda::from_bf16_bits(hd[slice * s.t * m + i]);
   }
-  auto want = cuda::emulate_gradient(plan, {cuda::dtype::bf16, cuda::dtype::bf16}, cd, Q = cq, K = ck, V = cv);
+  cuda::options at = bf16;
+  at.tiles = tiles;
+  auto want = cuda::emulate_gradient(plan, at, cd, Q = cq, K = ck, V = cv);
   std::vector<std::uint16_t> got(rows * s.d);
   check(cudaMemcpy(got.data(), gq.data() + slice * s.t * s.d, got.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
   double num = 0, den = 0;
@@ -295,8 +397,8 @@ bool time_backward(shape const& s, std::vector<std::uint16_t> const& hq, std::ve
   bool const ok = err <= std::ldexp(1.0, -8);
   double const bytes = 11.0 * 2.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d);  // D = M
   double const gbs = bytes / ((fwd_ms + ms) * 1e-3) / 1e9;
-  fmt::print("| ↳ backward | | | | {} | {} | {} | {:.3f} (fwd+bwd {:.3f}) | | {:.0f} (fwd+bwd floor bytes) | {:.1f} % | ∂Q {:.1e} {} |\n",
-             group_rows > 0 ? split.back().kernel_name : p.kernel_name, p.tiles.chunk, reps, ms, fwd_ms + ms, gbs,
+  fmt::print("| {} | | | | {} | {} | {} | {:.3f} (fwd+bwd {:.3f}) | | {:.0f} (fwd+bwd floor bytes) | {:.1f} % | ∂Q {:.1e} {} |\n",
+             label, group_rows > 0 ? split.back().kernel_name : p.kernel_name, p.tiles.chunk, reps, ms, fwd_ms + ms, gbs,
              100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
   if (group_rows > 0) {
     double const one_ms = time_launches([&] { cuda::launch(p, a, stream); }, std::min(reps, 20), stream);
@@ -375,6 +477,178 @@ bool decode_steps(std::string const& text, double budget, double copy_bw, cudaSt
 
 }  // namespace
 
+// The relative RMS error of `o`'s first rows of the last (batch, head)
+// against the emulation at `opt` (causal: those rows depend on the same rows
+// of the inputs alone).
+double forward_error(shape const& s, std::vector<std::uint16_t> const& hq, std::vector<std::uint16_t> const& hk,
+                     std::vector<std::uint16_t> const& hv, cuda::tensor<cuda::bf16> const& o, cuda::options const& opt,
+                     std::size_t check_rows) {
+  std::size_t const m = s.d, rows = std::min(check_rows, s.t), slice = (s.b - 1) * s.h + (s.h - 1);
+  lina::tensor<float> cq({1, 1, rows, s.d}), ck({1, 1, rows, s.d}), cv({1, 1, rows, m});
+  for (std::size_t i = 0; i < rows * s.d; ++i) {
+    cq.data()[i] = cuda::from_bf16_bits(hq[slice * s.t * s.d + i]);
+    ck.data()[i] = cuda::from_bf16_bits(hk[slice * s.t * s.d + i]);
+  }
+  for (std::size_t i = 0; i < rows * m; ++i) cv.data()[i] = cuda::from_bf16_bits(hv[slice * s.t * m + i]);
+  auto want = cuda::emulate(plan, opt, Q = cq, K = ck, V = cv);
+  std::vector<std::uint16_t> got(rows * m);
+  check(cudaMemcpy(got.data(), o.data() + slice * s.t * m, got.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    double g = cuda::from_bf16_bits(got[i]), w = want.data()[i];
+    num += (g - w) * (g - w);
+    den += w * w;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// The forward of one shape at a schedule of --tiles, launched as evaluate_into
+// would launch it at those tiles (split along N where split_rows says so); a
+// row of the table, against lina's own choice (`own_ms`). True when it
+// matches the emulation at the same tiles (or does not fit: a row saying so).
+bool time_schedule(shape const& s, cuda::tile_request tiles, std::vector<std::uint16_t> const& hq,
+                   std::vector<std::uint16_t> const& hk, std::vector<std::uint16_t> const& hv, cuda::tensor<cuda::bf16> const& q,
+                   cuda::tensor<cuda::bf16> const& k, cuda::tensor<cuda::bf16> const& v, cuda::tensor<cuda::bf16>& o,
+                   double own_ms, double copy_bw, double budget, std::size_t check_rows, int sms, cudaStream_t stream) {
+  forward_launch f;
+  try {
+    f = forward_launch_of(spec_at(s, tiles), s, sms);
+  } catch (std::invalid_argument const& e) {
+    fmt::print("| ↳ tiles T = {}, M tile = {}{}: does not fit ({}) | | | | | | | | | | | |\n", tiles.chunk, tiles.tile_m,
+               tiles.prefetch ? ", prefetch" : "", e.what());
+    return true;
+  }
+  cuda::forward_args const a = args_of(s, q, k, v, o);
+  auto run = [&] {
+    if (f.rows > 0)
+      cuda::launch_split(f.split.front(), a, f.rows, stream);
+    else
+      cuda::launch(f.one, a, stream);
+  };
+  int reps = 0;
+  double const ms = time_within(run, budget, 50, stream, &reps);
+  cuda::options at = bf16;
+  at.tiles = tiles;
+  double const err = forward_error(s, hq, hk, hv, o, at, check_rows);
+  bool const ok = err <= std::ldexp(1.0, -8);
+  double const flops = 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) * double(s.d);
+  double const gbs = 2.0 * 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) / (ms * 1e-3) / 1e9;
+  fmt::print("| ↳ tiles T = {}, M tile = {}{} ({} block(s) per (batch, head), {:.1f} KiB{}): {:.2f}× lina's choice | | | | {} | "
+             "{} | {} | {:.3f} | {:.2f} | {:.0f} | {:.1f} % | {:.1e} {} |\n",
+             f.one.tiles.chunk, f.one.tiles.tile_m, tiles.prefetch ? ", prefetch" : "", f.one.m_tiles, f.one.shared_bytes() / 1024.0,
+             f.rows > 0 ? fmt::format(", split into groups of {} rows", f.rows) : std::string(), own_ms / ms,
+             f.rows > 0 ? f.split.front().scan.kernel_name : f.one.kernel_name, f.one.tiles.chunk, reps, ms,
+             flops / (ms * 1e-3) / 1e12, gbs, 100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
+  std::fflush(stdout);
+  return ok;
+}
+
+// The schedules of --tiles that give a shape other tiles than lina's own and
+// than one another (an M tile past M is M), in their order; those that do not
+// fit are kept (their row says so).
+std::vector<cuda::tile_request> distinct_schedules(shape const& s, std::vector<cuda::tile_request> const& tiles) {
+  cuda::tile_config const own = cuda::program_of(spec_at(s)).tiles;
+  std::vector<std::tuple<int, int, bool>> seen = {{own.chunk, own.tile_m, false}};
+  std::vector<cuda::tile_request> r;
+  for (auto const& t : tiles) {
+    std::tuple<int, int, bool> const at{t.chunk, std::min(t.tile_m, static_cast<int>(s.d)), t.prefetch};
+    if (std::find(seen.begin(), seen.end(), at) != seen.end()) continue;
+    seen.push_back(at);
+    r.push_back(t);
+  }
+  return r;
+}
+
+// The chunk lengths --tiles asks the backward to run at, other than lina's own
+// for the shape (the backward holds every column of M: T alone is its schedule).
+std::vector<cuda::tile_request> backward_chunks(shape const& s, std::vector<cuda::tile_request> const& tiles) {
+  int own = 0;
+  try {
+    own = cuda::backward_program_of(spec_at(s)).tiles.chunk;
+  } catch (std::invalid_argument const&) {
+  }
+  std::vector<cuda::tile_request> r;
+  for (auto const& t : tiles) {
+    cuda::tile_request const b{t.chunk, 0, t.prefetch};
+    if ((t.chunk != own || t.prefetch) && std::find(r.begin(), r.end(), b) == r.end()) r.push_back(b);
+  }
+  return r;
+}
+
+// --compile-only: every kernel a run with these options would launch on a
+// device of architecture `arch` with `sms` SMs, compiled through NVRTC's
+// on-disk cache. No device needed.
+int compile_only(std::string const& arch, int sms, std::vector<shape> const& shapes, std::vector<cuda::tile_request> const& tiles,
+                 bool backward, std::string const& decode, bool ablation) {
+  std::vector<cuda::program> ps;
+  auto forward = [&](forward_launch const& f) {
+    ps.push_back(f.one);  // (timed beside a split)
+    for (auto const& sp : f.split) ps.push_back(sp.partials), ps.push_back(sp.scan);
+  };
+  auto backward_at = [&](shape const& s, cuda::tile_request t) {
+    backward_launch const b = backward_launch_of(spec_at(s, t), s, sms);
+    ps.push_back(b.one);
+    ps.insert(ps.end(), b.split.begin(), b.split.end());
+  };
+  for (shape const& s : shapes) {
+    forward_launch const own = forward_launch_of(spec_at(s), s, sms);
+    forward(own);
+    if (backward) backward_at(s, {});
+    if (ablation)
+      for (auto const& [what, p] : ablation_variants(own.one)) ps.push_back(p);
+    for (auto const& t : distinct_schedules(s, tiles)) try {
+        forward(forward_launch_of(spec_at(s, t), s, sms));
+      } catch (std::invalid_argument const&) {  // (does not fit: the run says so)
+      }
+    if (backward)
+      for (auto const& t : backward_chunks(s, tiles)) try {
+          backward_at(s, t);
+        } catch (std::invalid_argument const&) {
+        }
+  }
+  if (decode != "none") {  // cuda::recurrent: its prefill (a chained evaluation of 64 tokens), then its step kernel
+    std::size_t b = 0, h = 0, d = 0;
+    if (std::sscanf(decode.c_str(), "%zux%zux%zu", &b, &h, &d) != 3 || !b || !h || !d)
+      throw std::invalid_argument("cuda_forward: --decode is BxHxD, e.g. 64x32x128, or none; not '" + decode + "'");
+    auto spec = spec_at({b, 64, h, d});
+    spec.chained = true;
+    ps.push_back(cuda::program_of(spec));
+    spec.step = true;
+    ps.push_back(cuda::program_of(spec));
+  }
+  std::set<std::string> seen;
+  std::vector<std::pair<std::string, std::string>> work;  // (source, kernel name)
+  for (auto const& p : ps)
+    if (std::string src = cuda::emit(p); seen.insert(src).second) work.emplace_back(std::move(src), p.kernel_name);
+  auto const start = std::chrono::steady_clock::now();
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex print;
+  auto compile_some = [&] {
+    for (std::size_t i; (i = next++) < work.size();) try {
+        cuda::compiled_kernel const k = cuda::compile_cached(work[i].first, work[i].second, arch);
+        if (!k.log.empty()) {
+          std::lock_guard lock(print);
+          fmt::print(stderr, "cuda_forward: NVRTC's log for {}:\n{}\n", work[i].second, k.log);
+        }
+      } catch (std::exception const& e) {
+        std::lock_guard lock(print);
+        fmt::print(stderr, "cuda_forward: {}\n", e.what());
+        failed = true;
+      }
+  };
+  std::vector<std::thread> threads;
+  for (unsigned t = 1; t < std::max(1u, std::thread::hardware_concurrency()); ++t) threads.emplace_back(compile_some);
+  compile_some();
+  for (auto& t : threads) t.join();
+  double const secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::string const dir = cuda::cache_directory();
+  cuda::cache_counts const c = cuda::cache_statistics();
+  fmt::print("cuda_forward --compile-only {}: {} kernels for {} SMs, {} compiled and {} already in the cache {} ({:.1f} s)\n",
+             arch, work.size(), sms, c.compiled, c.hits, dir.empty() ? std::string("(off: LINA_CUDA_CACHE=off)") : dir, secs);
+  return failed || dir.empty() ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
   std::vector<shape> shapes = {{1, 8192, 96, 128}, {2, 16384, 16, 128}, {8, 2048, 32, 64}, {8, 1024, 8, 64}};
   double budget = 6.0;  // seconds of timed launches per shape, at most
@@ -383,6 +657,10 @@ int main(int argc, char** argv) {
   bool ablation = false;
   std::string decode = "64x32x128";
   bool backward = true;
+  std::vector<cuda::tile_request> tiles =
+      parse_tiles("64x64p,32x64,64x128,32x128,32x128p,16x128");  // (lina's own at D = 64, 128: 64x64)
+  std::string compile_arch;
+  int sms_given = 132;
   try {
     for (int i = 1; i < argc; ++i) {
       std::string_view a = argv[i];
@@ -392,7 +670,7 @@ int main(int argc, char** argv) {
       };
       if (a == "--help") {
         fmt::print("usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget seconds per shape] [--tsv file] "
-                   "[--check-rows n] [--copy-mib m] [--ablate]\n");
+                   "[--check-rows n] [--copy-mib m] [--ablate] [--tiles TxTM,…] [--compile-only sm_XY [--sms n]]\n");
         return 0;
       }
       if (a == "--shapes")
@@ -411,16 +689,28 @@ int main(int argc, char** argv) {
         copy_mib = std::stoul(std::string(value()));
       else if (a == "--ablate")
         ablation = true;
+      else if (a == "--tiles")
+        tiles = value() == std::string_view("none") ? std::vector<cuda::tile_request>{} : parse_tiles(argv[i]);
+      else if (a == "--compile-only")
+        compile_arch = value();
+      else if (a == "--sms")
+        sms_given = std::stoi(std::string(value()));
       else
         throw std::invalid_argument(fmt::format(
             "cuda_forward: unknown argument {}; usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget s] [--tsv file] "
-            "[--check-rows n] [--copy-mib m] [--ablate]",
+            "[--check-rows n] [--copy-mib m] [--ablate] [--tiles TxTM,…] [--compile-only sm_XY [--sms n]]",
             a));
     }
   } catch (std::exception const& e) {
     fmt::print(stderr, "{}\n", e.what());
     return 1;
   }
+  if (!compile_arch.empty()) try {
+      return compile_only(compile_arch, sms_given, shapes, tiles, backward, decode, ablation);
+    } catch (std::exception const& e) {
+      fmt::print(stderr, "cuda_forward --compile-only: {}\n", e.what());
+      return 1;
+    }
 
   cuda::device_status dev = cuda::probe_device();
   if (!dev.available) {
@@ -461,7 +751,9 @@ int main(int argc, char** argv) {
       check(cudaMemcpy(q.data(), hq.data(), q.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
       check(cudaMemcpy(k.data(), hk.data(), k.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
       check(cudaMemcpy(v.data(), hv.data(), v.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
-      auto program = cuda::program_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16}, D = s.d, M = m);
+      int const sms = prop.multiProcessorCount;
+      forward_launch const own = forward_launch_of(spec_at(s), s, sms);  // what evaluate_into launches
+      cuda::program const& program = own.one;
       auto launch = [&] { cuda::evaluate_into(plan, o.view(), stream, Q = q, K = k, V = v); };
 
       int reps = 0;
@@ -469,27 +761,7 @@ int main(int argc, char** argv) {
       double const flops = 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) * double(m);
       double const bytes = 2.0 * (2.0 * double(nq) + 2.0 * double(nv));  // q, k, v read, o written, bf16
       double const gbs = bytes / (ms * 1e-3) / 1e9;
-
-      // The first rows of the last (batch, head) against the emulation (causal:
-      // they depend on those rows of the inputs alone).
-      std::size_t const rows = std::min(check_rows, s.t);
-      std::size_t const slice = (s.b - 1) * s.h + (s.h - 1);
-      lina::tensor<float> cq({1, 1, rows, s.d}), ck({1, 1, rows, s.d}), cv({1, 1, rows, m});
-      for (std::size_t i = 0; i < rows * s.d; ++i) {
-        cq.data()[i] = cuda::from_bf16_bits(hq[slice * s.t * s.d + i]);
-        ck.data()[i] = cuda::from_bf16_bits(hk[slice * s.t * s.d + i]);
-      }
-      for (std::size_t i = 0; i < rows * m; ++i) cv.data()[i] = cuda::from_bf16_bits(hv[slice * s.t * m + i]);
-      auto want = cuda::emulate(plan, {cuda::dtype::bf16, cuda::dtype::bf16}, Q = cq, K = ck, V = cv);
-      std::vector<std::uint16_t> got(rows * m);
-      check(cudaMemcpy(got.data(), o.data() + slice * s.t * m, got.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
-      double num = 0, den = 0;
-      for (std::size_t i = 0; i < got.size(); ++i) {
-        double g = cuda::from_bf16_bits(got[i]), w = want.data()[i];
-        num += (g - w) * (g - w);
-        den += w * w;
-      }
-      double const err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      double const err = forward_error(s, hq, hk, hv, o, bf16, check_rows);
       bool const ok = err <= std::ldexp(1.0, -8);  // the tests' bf16 tolerance
       failures += ok ? 0 : 1;
 
@@ -498,21 +770,31 @@ int main(int argc, char** argv) {
                  100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
       std::fflush(stdout);
       // Split along N (the chunk-parallel form) where evaluate_into chose to: the one-pass kernel beside it.
-      std::int64_t const split = cuda::split_rows(static_cast<std::int64_t>(s.b * s.h) * program.m_tiles,
-                                                  static_cast<std::int64_t>(s.t), program.tiles.chunk, prop.multiProcessorCount);
-      if (split > 0) {
+      if (own.rows > 0) {
         cuda::forward_args const a = args_of(s, q, k, v, o);
         double const one_ms = time_launches([&] { cuda::launch(program, a, stream); }, std::min(reps, 20), stream);
         fmt::print("| ↳ above: split into groups of {} rows (two launches); one pass | | | | {} | {} | {} | {:.3f} | {:.2f} | | | |\n",
-                   split, program.kernel_name, program.tiles.chunk, std::min(reps, 20), one_ms,
+                   own.rows, program.kernel_name, program.tiles.chunk, std::min(reps, 20), one_ms,
                    flops / (one_ms * 1e-3) / 1e12);
       }
       double bwd_ms = 0;
       if (backward) {
-        bool const bwd_ok = time_backward(s, hq, hk, hv, q, k, v, ms, copy_bw, budget, check_rows, prop.multiProcessorCount,
+        bool const bwd_ok = time_backward(s, {}, "↳ backward", hq, hk, hv, q, k, v, ms, copy_bw, budget, check_rows, sms,
                                           stream, &bwd_ms);
         failures += bwd_ok ? 0 : 1;
       }
+      // --tiles: the same forward (and backward) at other schedules, a sixth of the budget each.
+      std::size_t const sweep_rows = std::min<std::size_t>(check_rows, 512);
+      for (auto const& t : distinct_schedules(s, tiles))
+        failures += time_schedule(s, t, hq, hk, hv, q, k, v, o, ms, copy_bw, budget / 6, sweep_rows, sms, stream) ? 0 : 1;
+      if (backward)
+        for (auto const& t : backward_chunks(s, tiles)) {
+          double other_ms = 0;
+          bool const bwd_ok = time_backward(s, t, fmt::format("↳ backward at T = {}{}", t.chunk, t.prefetch ? ", prefetch" : ""),
+                                            hq, hk, hv, q, k, v, ms, copy_bw,
+                                            budget / 6, sweep_rows, sms, stream, &other_ms);
+          failures += bwd_ok ? 0 : 1;
+        }
       if (out) {
         if (backward)
           std::fprintf(out, "%zu\t%zu\t%zu\t%zu\t%.6f\t%.6f\n", s.b, s.t, s.h, s.d, ms, bwd_ms);
@@ -526,6 +808,9 @@ int main(int argc, char** argv) {
       }
     }
     if (decode != "none") failures += decode_steps(decode, budget, copy_bw, stream, out) ? 0 : 1;
+    cuda::cache_counts const c = cuda::cache_statistics();
+    fmt::print("\nNVRTC: {} kernels read from the on-disk cache, {} compiled in this run (first launches)\n", c.hits,
+               c.compiled);
     if (out) std::fclose(out);
     cudaStreamDestroy(stream);
   } catch (std::exception const& e) {

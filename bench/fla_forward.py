@@ -21,6 +21,12 @@ sequence ([B, 1, H, D]) from an fp32 state (kv [B, H, D, D], z [B, 1, H, D]),
 normalize=True, output_final_state=True: what lina's cuda::recurrent step
 does. Its tsv row has T = 1, as bench/cuda_forward's.
 
+--warmup calls each op once per shape (forward, forward + backward, the
+decode step) and times nothing: Triton compiles fla's kernels into its cache
+(TRITON_CACHE_DIR), over a minute per shape on a fresh machine, so that a
+later timed run spends its time on the GPU. scripts/gpu-check runs it beside
+lina's device tests.
+
 Exits 3, printing why, when torch with CUDA or fla cannot be imported.
 """
 import argparse
@@ -37,6 +43,7 @@ def main():
                     help="skip forward + backward (autograd through chunk_linear_attn)")
     ap.add_argument("--budget", type=float, default=6.0, help="seconds of timed calls per shape, at most")
     ap.add_argument("--tsv", default="")
+    ap.add_argument("--warmup", action="store_true", help="call each op once per shape, time nothing (Triton compiles)")
     args = ap.parse_args()
 
     try:
@@ -63,6 +70,8 @@ def main():
     print(f"fla {getattr(fla, '__version__', '?')}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}: chunk_linear_attn({', '.join(f'{k}={v}' for k, v in kwargs.items())})")
     print()
+    if args.warmup:
+        return warm(args, kwargs, chunk_linear_attn, torch, F)
     print("| B | T | H | D = M | reps | median ms (fla) | TFLOP/s |" + (" fwd+bwd ms (fla) |" if args.backward else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if args.backward else ""))
     tsv = open(args.tsv, "w") if args.tsv else None  # a row per shape as it finishes: a timeout keeps the done ones
@@ -114,6 +123,34 @@ def main():
             print(f"\nfla decode step: failed: {e}")
     if tsv:
         tsv.close()
+    return 0
+
+
+def warm(args, kwargs, chunk_linear_attn, torch, F):
+    """--warmup: each op once per shape, nothing timed; a line per shape as it is done."""
+    import time
+    for text in args.shapes.split(","):
+        t0 = time.monotonic()
+        b, t, h, d = (int(x) for x in text.split("x"))
+        q, k, v = (torch.rand(b, t, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        chunk_linear_attn(q, k, v, **kwargs)
+        if args.backward:
+            ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+            torch.autograd.backward(chunk_linear_attn(ql, kl, vl, **kwargs)[0], torch.rand_like(v))
+            del ql, kl, vl
+        torch.cuda.synchronize()
+        del q, k, v
+        torch.cuda.empty_cache()
+        print(f"warmed {text}: {time.monotonic() - t0:.0f} s", flush=True)
+    if args.decode != "none":
+        t0 = time.monotonic()
+        budget, args.budget = args.budget, 0.0
+        try:
+            decode(args, None, torch)
+        finally:
+            args.budget = budget
+        print(f"warmed the decode step {args.decode}: {time.monotonic() - t0:.0f} s", flush=True)
     return 0
 
 
