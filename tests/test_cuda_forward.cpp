@@ -261,3 +261,56 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
   CHECK_THROWS_AS(cuda::emulate_into(plan, bad, out.view(), Q = q, K = k, V = v), std::invalid_argument);
   CHECK(out.data()[0] == 7.0f);
 }
+
+// Launches take a schedule after the stream (evaluate_into, evaluate, gradient, each
+// chained too): a request that is no schedule throws before anything runs, device
+// or not, and without a device the launch is the usual cuda_error.
+TEST_CASE("requested tiles on launches: checked before anything runs") {
+  constexpr auto plan = compile<order::linear>(causal_expr);
+  shape4 const sq{1, 2, 10, 4}, sv{1, 2, 10, 3};
+  std::vector<float> fake(80, 5.0f);  // never read: nothing is launched
+  cuda::device_view<float const> const dq(fake.data(), sq), dv(fake.data(), sv);
+  cuda::device_view<float> const dout(fake.data(), sv);
+  cuda::state st(plan, 1, 2);
+  auto no_schedule = [](auto const& f) {
+    CHECK_THROWS_WITH_AS(f(), doctest::Contains("a chunk of 24 rows was requested"), std::invalid_argument);
+  };
+  cuda::tile_request const bad{24, 0};
+  no_schedule([&] { cuda::evaluate_into(plan, dout, nullptr, bad, Q = dq, K = dq, V = dv); });
+  no_schedule([&] { cuda::evaluate_into(plan, dout, st, nullptr, bad, Q = dq, K = dq, V = dv); });
+  no_schedule([&] { (void)cuda::gradient(plan, dv, nullptr, bad, Q = dq, K = dq, V = dv); });
+  CHECK(std::all_of(fake.begin(), fake.end(), [](float x) { return x == 5.0f; }));
+  if (!cuda::probe_device().available) {
+    CHECK_THROWS_AS(cuda::evaluate_into(plan, dout, nullptr, cuda::tile_request{32, 2, true}, Q = dq, K = dq, V = dv),
+                    cuda::cuda_error);
+    CHECK_THROWS_AS((void)cuda::evaluate(plan, st, nullptr, cuda::tile_request{16, 0}, Q = dq, K = dq, V = dv),
+                    cuda::cuda_error);
+    CHECK_THROWS_AS((void)cuda::gradient(plan, dv, nullptr, cuda::tile_request{16, 0}, Q = dq, K = dq, V = dv),
+                    cuda::cuda_error);
+  }
+}
+
+TEST_CASE("device: launches at a requested schedule = their emulation at it") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  constexpr auto plan = compile<order::linear>(causal_expr);
+  for (cuda::tile_request t : {cuda::tile_request{32, 128, true}, {16, 64}, {64, 0, true}}) {
+    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch);
+    shape const s{1, 2, 777, 128, 128};
+    test::rng r{1100};
+    auto [q, k, v] = random_inputs(s, cuda::dtype::bf16, r, false);
+    auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), cuda::dtype::bf16);
+    cuda::options opt{cuda::dtype::bf16, cuda::dtype::bf16};
+    opt.tiles = t;
+    auto dq = cuda::to_device<cuda::bf16>(q), dk = cuda::to_device<cuda::bf16>(k), dv = cuda::to_device<cuda::bf16>(v),
+         dd = cuda::to_device<cuda::bf16>(dout);
+    // (the device splits N where its SMs ask for it: the same up to the order of sums)
+    auto y = cuda::to_host(cuda::evaluate(plan, nullptr, t, Q = dq, K = dk, V = dv));
+    CHECK(relative_rms(y, cuda::emulate(plan, opt, Q = q, K = k, V = v)) <= tolerance(cuda::dtype::bf16) / 4);
+    auto got = cuda::gradient(plan, dd, nullptr, t, Q = dq, K = dk, V = dv);
+    auto want = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+    CHECK(relative_rms(cuda::to_host(got[Q]), want[Q]) <= tolerance(cuda::dtype::bf16) / 2);
+    CHECK(relative_rms(cuda::to_host(got[K]), want[K]) <= tolerance(cuda::dtype::bf16) / 2);
+    CHECK(relative_rms(cuda::to_host(got[V]), want[V]) <= tolerance(cuda::dtype::bf16) / 2);
+  }
+}

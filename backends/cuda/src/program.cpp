@@ -552,15 +552,7 @@ bool quadratic_form(attention_spec const& s) {
   return lay_out_linear(s, {16, static_cast<int>(std::min<std::size_t>(8, s.m)), 256}).shared_bytes() > shared_memory_budget;
 }
 
-// A spec's tile request is one choose_tiles can keep (tile_request).
-void check_request(attention_spec const& s) {
-  int const t = s.tiles.chunk;
-  if (t != 0 && t != 16 && t != 32 && t != 64)
-    throw std::invalid_argument(fmt::format("lina::cuda: a chunk of {} rows was requested; it is 16, 32 or 64 (0: lina chooses)", t));
-  if (s.tiles.tile_m < 0)
-    throw std::invalid_argument(fmt::format("lina::cuda: an M tile of {} columns was requested; it is at least 1 (0: lina chooses)",
-                                            s.tiles.tile_m));
-}
+void check_request(attention_spec const& s) { check_tile_request(s.tiles); }
 
 // The chunk lengths a spec's programs may take, longest first: the requested
 // one alone, if any; a decoding step's 16 whatever was requested (its
@@ -1404,6 +1396,15 @@ std::int64_t split_rows(std::int64_t blocks, std::int64_t n, int chunk, int sms)
   std::int64_t groups = std::min<std::int64_t>((2 * sms + blocks - 1) / blocks, chunks / 2);
   if (groups < 2) return 0;
   return (chunks + groups - 1) / groups * chunk;
+}
+
+void check_tile_request(tile_request const& t) {
+  if (t.chunk != 0 && t.chunk != 16 && t.chunk != 32 && t.chunk != 64)
+    throw std::invalid_argument(
+        fmt::format("lina::cuda: a chunk of {} rows was requested; it is 16, 32 or 64 (0: lina chooses)", t.chunk));
+  if (t.tile_m < 0)
+    throw std::invalid_argument(
+        fmt::format("lina::cuda: an M tile of {} columns was requested; it is at least 1 (0: lina chooses)", t.tile_m));
 }
 
 tile_config choose_tiles(attention_spec const& s) {

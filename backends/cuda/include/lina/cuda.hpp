@@ -1115,13 +1115,15 @@ forward_args device_args(device_view<O> out, Bound const& in, int w_slot = 3) {
 }
 
 template <class Plan, class O, class Bound>
-void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* st, void* stream, char const* call) {
+void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* st, void* stream, tile_request tiles,
+                  char const* call) {
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using F = forward_plan<Plan>;
   using T = typename Bound::value_type;
   if constexpr (F::ok && is_device_view<typename Bound::view_type>) {
     attention_spec s = bound_spec(plan, options{dtype_of<T>, dtype_of<O>}, in);
     s.chained = st != nullptr;
+    s.tiles = tiles;
     forward_args a = device_args<F>(out, in);
     program const p = program_of(s);
     device_status const dev = require_device(call);
@@ -1143,21 +1145,30 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* 
 // `stream` (a cudaStream_t, nullptr for the default stream). Asynchronous
 // like any launch; errors found before the launch (shapes, host pointers, no
 // device: cuda_error naming cuda::evaluate_into) throw without writing to `out`.
+// Every form below also takes a schedule of the caller's after the stream
+// (`evaluate_into(plan, out, stream, cuda::tile_request{32, 128}, Q = …)`:
+// options::tiles, checked as there); without one, lina's choice.
 template <class Plan, class O, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
-void evaluate_into(Plan const& plan, device_view<O> out, void* stream, B const&... bindings) {
+void evaluate_into(Plan const& plan, device_view<O> out, void* stream, tile_request tiles, B const&... bindings) {
   static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
+  check_tile_request(tiles);
   auto in = bind<Plan>(bindings...);
   check_result_shape<Plan>(out.shape(), in);
   if constexpr (detail::forward_plan<Plan>::stacked) {  // one launch per layer; the intermediates die with the call
     using T = std::remove_const_t<typename decltype(in)::value_type>;
     detail::through_layers(
-        plan, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, b...); },
-        [&](auto const& rest, auto const&... b) { evaluate_into(rest, out, stream, b...); }, bindings...);
+        plan, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, tiles, b...); },
+        [&](auto const& rest, auto const&... b) { evaluate_into(rest, out, stream, tiles, b...); }, bindings...);
     synchronize_stream(stream, "cuda::evaluate_into");
   } else {
-    detail::launch_bound(plan, out, in, nullptr, stream, "cuda::evaluate_into");
+    detail::launch_bound(plan, out, in, nullptr, stream, tiles, "cuda::evaluate_into");
   }
+}
+template <class Plan, class O, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void evaluate_into(Plan const& plan, device_view<O> out, void* stream, B const&... bindings) {
+  evaluate_into(plan, out, stream, tile_request{}, bindings...);
 }
 
 // The same, chained through a device state (memory::device): the kernel loads
@@ -1166,8 +1177,9 @@ void evaluate_into(Plan const& plan, device_view<O> out, void* stream, B const&.
 // and sized at its first use before anything is launched.
 template <class Plan, class O, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
-void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream, B const&... bindings) {
+void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream, tile_request tiles, B const&... bindings) {
   static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
+  check_tile_request(tiles);
   auto linear = longest_branch(plan);
   using L = decltype(linear);
   constexpr bool ok = detail::chainable<L>();
@@ -1179,8 +1191,13 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
         "cuda::memory::device (the default), or copy it with cuda::to_device");
   if constexpr (ok) {
     st.prepare(linear, in, stream, "cuda::evaluate_into");
-    detail::launch_bound(linear, out, in, &st, stream, "cuda::evaluate_into");
+    detail::launch_bound(linear, out, in, &st, stream, tiles, "cuda::evaluate_into");
   }
+}
+template <class Plan, class O, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream, B const&... bindings) {
+  evaluate_into(plan, out, st, stream, tile_request{}, bindings...);
 }
 
 // evaluate(plan, stream, Q = dq, K = dk, V = dv): a new device tensor [B, H,
@@ -1189,27 +1206,39 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
 // Needs a device: without one, cuda_error naming cuda::evaluate.
 template <class Out = void, class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
-auto evaluate(Plan const& plan, void* stream, B const&... bindings) {
+auto evaluate(Plan const& plan, void* stream, tile_request tiles, B const&... bindings) {
+  check_tile_request(tiles);
   auto in = bind<Plan>(bindings...);
   static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
   using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
   require_device("cuda::evaluate");
   tensor<O> out(result_shape<Plan>(in), "cuda::evaluate");
-  evaluate_into(plan, out.view(), stream, bindings...);
+  evaluate_into(plan, out.view(), stream, tiles, bindings...);
   return out;
+}
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, void* stream, B const&... bindings) {
+  return evaluate<Out>(plan, stream, tile_request{}, bindings...);
 }
 // The same, chained through a device state.
 template <class Out = void, class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
-auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
+auto evaluate(Plan const& plan, state& st, void* stream, tile_request tiles, B const&... bindings) {
+  check_tile_request(tiles);
   using L = decltype(longest_branch(plan));
   auto in = bind<L>(bindings...);
   static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
   using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
   require_device("cuda::evaluate");
   tensor<O> out(result_shape<L>(in), "cuda::evaluate");
-  evaluate_into(plan, out.view(), st, stream, bindings...);
+  evaluate_into(plan, out.view(), st, stream, tiles, bindings...);
   return out;
+}
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
+  return evaluate<Out>(plan, st, stream, tile_request{}, bindings...);
 }
 
 // ---- gradients: the backward kernels ------------------------------------------------------
@@ -1453,7 +1482,9 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, state con
 
 namespace detail {
 template <class Plan, class Dout, class Chain, class... B>
-auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const* chain, B const&... bindings) {
+auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_request tiles, Chain const* chain,
+                   B const&... bindings) {
+  check_tile_request(tiles);
   constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
@@ -1465,9 +1496,9 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
   gradients_of<tensor<T>, BP> g;
   if constexpr (F::ok && F::stacked && !chained && is_device_view<typename Bound::view_type>) {
     layers_backward(
-        plan, g, dout, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, b...); },
+        plan, g, dout, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, tiles, b...); },
         [&](auto const& p, auto const& d, auto const&... b) {
-          return gradient_impl(p, d, stream, static_cast<void const*>(nullptr), b...);
+          return gradient_impl(p, d, stream, tiles, static_cast<void const*>(nullptr), b...);
         },
         [&](tensor<T>& to, tensor<T> const& from) { add_into(to, from, stream); },
         bindings...);
@@ -1481,6 +1512,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
     detail::check_dout<Plan>(dv.shape(), in);
     attention_spec s = detail::bound_spec(plan, options{dtype_of<T>, dtype_of<T>}, in);
     s.chained = chained;
+    s.tiles = tiles;
     std::vector<program> ps = backward_programs_of(s);  // one launch, or softmax's two or three
     device_status const dev = require_device(call);
     forward_args a = detail::device_args<F>(device_view<T>{}, in, 4);  // W after ∂out
@@ -1545,22 +1577,35 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, Chain const
 }
 }  // namespace detail
 
+// (With a schedule of the caller's after the stream, as evaluate_into takes one:
+// its chunk is the backward's.)
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, void* stream, tile_request tiles, B const&... bindings) {
+  return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), bindings...);
+}
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bindings) {
-  return detail::gradient_impl(plan, dout, stream, static_cast<void const*>(nullptr), bindings...);
+  return gradient(plan, dout, stream, tile_request{}, bindings...);
 }
 // The chained form on the device (device states; see emulate_gradient).
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
-              B const&... bindings) {
+              tile_request tiles, B const&... bindings) {
   auto linear = longest_branch(plan);
   static_assert(detail::chainable<decltype(linear)>() || true);
   state d_initial(memory::device);
   detail::chain_states const chain{&initial, &d_final, &d_initial};
-  auto g = detail::gradient_impl(linear, dout, stream, &chain, bindings...);
+  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, bindings...);
   return std::pair{std::move(g), std::move(d_initial)};
+}
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
+              B const&... bindings) {
+  return gradient(plan, dout, initial, d_final, stream, tile_request{}, bindings...);
 }
 
 // ---- recurrent mode: decoding one token at a time -----------------------------------------

@@ -238,6 +238,9 @@ struct tile_request {
   bool prefetch = false;
   bool operator==(tile_request const&) const = default;
 };
+// std::invalid_argument unless t is a schedule at all (chunk 0, 16, 32 or 64;
+// tile_m ≥ 0); whether it fits a spec is choose_tiles' to say.
+void check_tile_request(tile_request const& t);
 
 // What program_of needs to know about a forward attention plan. Filled from a
 // plan's type by lina::cuda::spec_of (lina/cuda.hpp) and the run-time extents.

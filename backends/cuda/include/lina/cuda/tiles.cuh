@@ -297,8 +297,8 @@ __device__ void load(S* t, const operand& in, long long base, long long r0, long
 // A hint that changes no tile: rows r0 … r0 + rows − 1 of `in` (columns c0 …
 // c0 + width − 1, as a load reads them) requested into L2, one 128-byte line
 // per thread and step, so that the next chunk's loads find them there
-// (`prefetch.L2`: a generic address; an instruction that cannot fault). Rows
-// whose columns are not contiguous are left alone.
+// (`prefetch.L2`, a generic address; every line it names holds bytes those
+// loads read). Rows whose columns are not contiguous are left alone.
 template <class E>
 __device__ void prefetch(const operand& in, long long base, long long r0, long long c0, int rows, int width) {
   if (rows <= 0 || in.stride[3] != 1 || c0 >= in.cols) return;
