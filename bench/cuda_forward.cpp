@@ -26,10 +26,10 @@
 // step), against the copy. The first step is checked against the emulation.
 // Its tsv row has T = 1.
 //
-// --tiles TxTM[p],… (default 64x64p,32x64,64x128,32x128,32x128p,16x128; "none":
-// no sweep) times the forward again at each of these schedules (options::tiles:
-// T rows per chunk, TM columns of M per block, p: the next chunk's rows
-// prefetched to L2; those that give lina's own tiles are
+// --tiles TxTM[p][/N],… (default 64x64p,32x64,64x128,32x128,32x128p,16x128,
+// 64x128/512; "none": no sweep) times the forward again at each of these
+// schedules (options::tiles: T rows per chunk, TM columns of M per block, p: the
+// next chunk's rows prefetched to L2, N threads per block; those that give lina's own tiles are
 // skipped, those that do not fit say so), split along N where evaluate_into
 // would split, and the backward at each other T; each with a sixth of the
 // budget, checked against the emulation at its own tiles: where lina's choice
@@ -210,11 +210,15 @@ std::vector<cuda::tile_request> parse_tiles(std::string_view text) {
     std::size_t comma = text.find(',');
     std::string one(text.substr(0, comma));
     cuda::tile_request t;
+    std::size_t const slash = one.find('/');
+    std::string const tiles = one.substr(0, slash);
     char p = 0, extra = 0;
-    int const got = std::sscanf(one.c_str(), "%dx%d%c%c", &t.chunk, &t.tile_m, &p, &extra);
-    if (got < 2 || got > 3 || (got == 3 && p != 'p') || t.chunk <= 0 || t.tile_m <= 0)
+    int const got = std::sscanf(tiles.c_str(), "%dx%d%c%c", &t.chunk, &t.tile_m, &p, &extra);
+    bool const threads_ok = slash == std::string::npos || std::sscanf(one.c_str() + slash + 1, "%d%c", &t.threads, &extra) == 1;
+    if (got < 2 || got > 3 || (got == 3 && p != 'p') || t.chunk <= 0 || t.tile_m <= 0 || !threads_ok)
       throw std::invalid_argument("cuda_forward: a schedule is TxTM (rows per chunk x columns of M per block), with p "
-                                  "for prefetching the next chunk, e.g. 32x128 or 64x64p; not '" + one + "'");
+                                  "for prefetching the next chunk and /N for N threads per block, e.g. 32x128, 64x64p or "
+                                  "64x128/512; not '" + one + "'");
     t.prefetch = got == 3;
     r.push_back(t);
     text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
@@ -514,8 +518,8 @@ bool time_schedule(shape const& s, cuda::tile_request tiles, std::vector<std::ui
   try {
     f = forward_launch_of(spec_at(s, tiles), s, sms);
   } catch (std::invalid_argument const& e) {
-    fmt::print("| ↳ tiles T = {}, M tile = {}{}: does not fit ({}) | | | | | | | | | | | |\n", tiles.chunk, tiles.tile_m,
-               tiles.prefetch ? ", prefetch" : "", e.what());
+    fmt::print("| ↳ tiles T = {}, M tile = {}{}{}: does not fit ({}) | | | | | | | | | | | |\n", tiles.chunk, tiles.tile_m,
+               tiles.prefetch ? ", prefetch" : "", tiles.threads ? fmt::format(", {} threads", tiles.threads) : "", e.what());
     return true;
   }
   cuda::forward_args const a = args_of(s, q, k, v, o);
@@ -533,9 +537,10 @@ bool time_schedule(shape const& s, cuda::tile_request tiles, std::vector<std::ui
   bool const ok = err <= std::ldexp(1.0, -8);
   double const flops = 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) * double(s.d);
   double const gbs = 2.0 * 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) / (ms * 1e-3) / 1e9;
-  fmt::print("| ↳ tiles T = {}, M tile = {}{} ({} block(s) per (batch, head), {:.1f} KiB{}): {:.2f}× lina's choice | | | | {} | "
-             "{} | {} | {:.3f} | {:.2f} | {:.0f} | {:.1f} % | {:.1e} {} |\n",
-             f.one.tiles.chunk, f.one.tiles.tile_m, tiles.prefetch ? ", prefetch" : "", f.one.m_tiles, f.one.shared_bytes() / 1024.0,
+  fmt::print("| ↳ tiles T = {}, M tile = {}{}, {} threads ({} block(s) per (batch, head), {:.1f} KiB{}): {:.2f}× lina's choice "
+             "| | | | {} | {} | {} | {:.3f} | {:.2f} | {:.0f} | {:.1f} % | {:.1e} {} |\n",
+             f.one.tiles.chunk, f.one.tiles.tile_m, tiles.prefetch ? ", prefetch" : "", f.one.tiles.threads, f.one.m_tiles,
+             f.one.shared_bytes() / 1024.0,
              f.rows > 0 ? fmt::format(", split into groups of {} rows", f.rows) : std::string(), own_ms / ms,
              f.rows > 0 ? f.split.front().scan.kernel_name : f.one.kernel_name, f.one.tiles.chunk, reps, ms,
              flops / (ms * 1e-3) / 1e12, gbs, 100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
@@ -548,10 +553,11 @@ bool time_schedule(shape const& s, cuda::tile_request tiles, std::vector<std::ui
 // fit are kept (their row says so).
 std::vector<cuda::tile_request> distinct_schedules(shape const& s, std::vector<cuda::tile_request> const& tiles) {
   cuda::tile_config const own = cuda::program_of(spec_at(s)).tiles;
-  std::vector<std::tuple<int, int, bool>> seen = {{own.chunk, own.tile_m, false}};
+  std::vector<std::tuple<int, int, bool, int>> seen = {{own.chunk, own.tile_m, false, own.threads}};
   std::vector<cuda::tile_request> r;
   for (auto const& t : tiles) {
-    std::tuple<int, int, bool> const at{t.chunk, std::min(t.tile_m, static_cast<int>(s.d)), t.prefetch};
+    std::tuple<int, int, bool, int> const at{t.chunk, std::min(t.tile_m, static_cast<int>(s.d)), t.prefetch,
+                                             t.threads > 0 ? t.threads : 256};
     if (std::find(seen.begin(), seen.end(), at) != seen.end()) continue;
     seen.push_back(at);
     r.push_back(t);
@@ -569,8 +575,8 @@ std::vector<cuda::tile_request> backward_chunks(shape const& s, std::vector<cuda
   }
   std::vector<cuda::tile_request> r;
   for (auto const& t : tiles) {
-    cuda::tile_request const b{t.chunk, 0, t.prefetch};
-    if ((t.chunk != own || t.prefetch) && std::find(r.begin(), r.end(), b) == r.end()) r.push_back(b);
+    cuda::tile_request const b{t.chunk, 0, t.prefetch, t.threads == 256 ? 0 : t.threads};
+    if ((t.chunk != own || t.prefetch || b.threads > 0) && std::find(r.begin(), r.end(), b) == r.end()) r.push_back(b);
   }
   return r;
 }
@@ -658,7 +664,7 @@ int main(int argc, char** argv) {
   std::string decode = "64x32x128";
   bool backward = true;
   std::vector<cuda::tile_request> tiles =
-      parse_tiles("64x64p,32x64,64x128,32x128,32x128p,16x128");  // (lina's own at D = 64, 128: 64x64)
+      parse_tiles("64x64p,32x64,64x128,32x128,32x128p,16x128,64x128/512");  // (lina's own at D = 64, 128: 64x64/256)
   std::string compile_arch;
   int sms_given = 132;
   try {
@@ -790,7 +796,9 @@ int main(int argc, char** argv) {
       if (backward)
         for (auto const& t : backward_chunks(s, tiles)) {
           double other_ms = 0;
-          bool const bwd_ok = time_backward(s, t, fmt::format("↳ backward at T = {}{}", t.chunk, t.prefetch ? ", prefetch" : ""),
+          bool const bwd_ok = time_backward(s, t,
+                                            fmt::format("↳ backward at T = {}{}{}", t.chunk, t.prefetch ? ", prefetch" : "",
+                                                        t.threads ? fmt::format(", {} threads", t.threads) : ""),
                                             hq, hk, hv, q, k, v, ms, copy_bw,
                                             budget / 6, sweep_rows, sms, stream, &other_ms);
           failures += bwd_ok ? 0 : 1;

@@ -349,15 +349,16 @@ TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp: forward, backward, s
     for (auto const& p : cuda::split_backward_programs_of(spec)) check_compiles(p, true);  // (B·H below the SMs)
     spec.chained = spec.step = true;  // its decode steps
     check_compiles(cuda::program_of(spec), true);
-    // The schedules its --tiles sweep takes by default (64x64p, 32x64, 64x128, 32x128, 32x128p, 16x128),
-    // and the backward's other chunks, prefetching or not.
+    // The schedules its --tiles sweep takes by default (64x64p, 32x64, 64x128, 32x128, 32x128p, 16x128,
+    // 64x128/512), and the backward's other chunks, prefetching or not, of 256 or 512 threads.
     spec.chained = spec.step = false;
     for (cuda::tile_request t : {cuda::tile_request{64, 64, true}, {32, 64}, {64, 128}, {32, 128}, {32, 128, true}, {16, 128},
-                                 {16, 0}, {0, 0, true}}) {
+                                 {64, 128, false, 512}, {16, 0}, {0, 0, true}, {0, 0, false, 512}}) {
       spec.tiles = t;
       CAPTURE(t.chunk);
       CAPTURE(t.tile_m);
       CAPTURE(t.prefetch);
+      CAPTURE(t.threads);
       check_compiles(cuda::program_of(spec));
       if (t.tile_m == 0) check_compiles(cuda::backward_program_of(spec));
       if (t.prefetch) {

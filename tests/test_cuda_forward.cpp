@@ -186,6 +186,16 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
           CHECK(cuda::listing(hp).find("prefetch " + p.inputs.at(p.quadratic ? 1 : 0).name + "[next chunk") != std::string::npos);
           CHECK(cuda::emit(hp).find("tl::prefetch<in_type>") != std::string::npos);
           CHECK(max_abs_diff(cuda::emulate(plan, hinted, Q = q, K = k, V = v), got) == 0.0);
+          // Other block sizes: the same block-wide instructions, the products' stripes over W warps.
+          for (int threads : {128, 512}) {
+            cuda::options wide = opt;
+            wide.tiles.threads = threads;
+            auto const wp = cuda::program_of(plan, wide, D = s.d, M = s.m);
+            CHECK(wp.tiles.threads == threads);
+            CHECK(wp.kernel_name == p.kernel_name + "_th" + std::to_string(threads));
+            CHECK(cuda::emit(wp).find(fmt::format("__launch_bounds__({})", threads)) != std::string::npos);
+            CHECK(max_abs_diff(cuda::emulate(plan, wide, Q = q, K = k, V = v), got) == 0.0);
+          }
           if (p.quadratic) continue;
           opt.split_rows = 2 * t;  // the chunk-parallel form at these tiles
           CHECK(relative_rms(cuda::emulate(plan, opt, Q = q, K = k, V = v), exact) <= bound);
@@ -249,6 +259,10 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
   CHECK_THROWS_WITH_AS(cuda::backward_programs_of(spec), doctest::Contains("a chunk of 48 rows"), std::invalid_argument);
   spec.tiles = {0, -8};
   CHECK_THROWS_WITH_AS(cuda::program_of(spec), doctest::Contains("an M tile of -8 columns"), std::invalid_argument);
+  spec.tiles = {0, 0, false, 384};
+  CHECK_THROWS_WITH_AS(cuda::program_of(spec), doctest::Contains("blocks of 384 threads were requested"), std::invalid_argument);
+  spec.tiles = {0, 0, false, 512};
+  CHECK(cuda::backward_programs_of(spec).front().tiles.threads == 512);
   spec.tiles = {32, 0};
   spec.chained = spec.step = true;  // a decoding step keeps its chunk of 16 (a recurrent's prefill takes the request)
   CHECK(cuda::program_of(spec).tiles.chunk == 16);
@@ -294,8 +308,8 @@ TEST_CASE("device: launches at a requested schedule = their emulation at it") {
   auto dev = cuda::probe_device();
   if (skipped_without(dev)) return;
   constexpr auto plan = compile<order::linear>(causal_expr);
-  for (cuda::tile_request t : {cuda::tile_request{32, 128, true}, {16, 64}, {64, 0, true}}) {
-    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch);
+  for (cuda::tile_request t : {cuda::tile_request{32, 128, true}, {16, 64}, {64, 0, true}, {64, 128, false, 512}, {32, 0, false, 128}}) {
+    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads);
     shape const s{1, 2, 777, 128, 128};
     test::rng r{1100};
     auto [q, k, v] = random_inputs(s, cuda::dtype::bf16, r, false);

@@ -140,9 +140,12 @@ struct emitter {
         auto tri = [](triangle x) {
           return x == triangle::lower ? "tl::tri_lower" : x == triangle::upper ? "tl::tri_upper" : "tl::tri_none";
         };
-        std::string const tris = i.tri_t == triangle::none && i.tri_a == triangle::none
+        // (and the block's warps, where they are not 8: they follow the triangles)
+        std::string const tris = i.tri_t == triangle::none && i.tri_a == triangle::none && p.tiles.threads == 256
                                      ? ""
-                                     : fmt::format(", {}, {}", tri(i.tri_t), tri(i.tri_a));
+                                 : p.tiles.threads == 256
+                                     ? fmt::format(", {}, {}", tri(i.tri_t), tri(i.tri_a))
+                                     : fmt::format(", {}, {}, {}", tri(i.tri_t), tri(i.tri_a), p.tiles.threads / 32);
         line(ind, "tl::product<tl::{}, {}, {}, {}, {}, {}, {}, {}, {}, {}{}>({}, {}, {});  // {} {} {}{}·{}{}", name_of(i.prec),
              rows(i.dst), cols(i.dst), inner, yes(i.transpose_a), yes(i.transpose_b), yes(i.accumulate), pitch(i.dst),
              pitch(i.a), pitch(i.b), tris, t, name(i.a), name(i.b), t, i.accumulate ? "+=" : "=", name(i.a),

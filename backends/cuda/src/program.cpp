@@ -116,6 +116,8 @@ std::size_t aligned(std::size_t n) {
 std::size_t bytes_of(tile_register const& r) {
   return static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.pitch()) * static_cast<std::size_t>(r.bytes());
 }
+// Threads per block: the spec's request, else 256.
+int threads_of(attention_spec const& s) { return s.tiles.threads > 0 ? s.tiles.threads : 256; }
 }  // namespace
 
 std::size_t program::offset_of(int r) const {
@@ -229,11 +231,12 @@ void add_prefetches(program& p) {
   if (any) p.kernel_name += "_pf";
 }
 
-// What every layout ends with.
+// What every layout ends with (a block of other than 256 threads says so in the kernel's name).
 void finish_layout(program& p) {
   narrow_registers(p);
   skip_masked_tiles(p);
   add_prefetches(p);
+  if (p.tiles.threads != 256) p.kernel_name += fmt::format("_th{}", p.tiles.threads);
 }
 
 // The ids used in kernel names: letters, digits and underscores only.
@@ -552,8 +555,6 @@ bool quadratic_form(attention_spec const& s) {
   return lay_out_linear(s, {16, static_cast<int>(std::min<std::size_t>(8, s.m)), 256}).shared_bytes() > shared_memory_budget;
 }
 
-void check_request(attention_spec const& s) { check_tile_request(s.tiles); }
-
 // The chunk lengths a spec's programs may take, longest first: the requested
 // one alone, if any; a decoding step's 16 whatever was requested (its
 // recurrent prefill keeps the request).
@@ -601,7 +602,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   builder b;
   program& p = b.p;
   p.spec = s;
-  p.tiles = {t, static_cast<int>(s.m), 256};
+  p.tiles = {t, static_cast<int>(s.m), threads_of(s)};
   p.m_tiles = 1;
   b.prec = precision_of(s);
   int const d = static_cast<int>(s.d), m = static_cast<int>(s.m);
@@ -881,7 +882,7 @@ std::vector<extra_buffer> softmax_backward_extras(attention_spec const& s) {
 program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) {
   builder b;
   program& p = b.p;
-  b.start(s, {t, static_cast<int>(s.m), 256});  // every column of M in one block: ∂S sums over them
+  b.start(s, {t, static_cast<int>(s.m), threads_of(s)});  // every column of M in one block: ∂S sums over them
   p.quadratic = true;
   p.key_major = key_side;
   bool const squared = kernel_trick(s);  // poly2 through its kernel: A = (Q·Kᵀ)², ∂S = 2·S∘∂A
@@ -1017,7 +1018,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
 program lay_out_softmax_param_grad(attention_spec const& s, int t) {
   builder b;
   program& p = b.p;
-  b.start(s, {t, static_cast<int>(s.m), 256});
+  b.start(s, {t, static_cast<int>(s.m), threads_of(s)});
   int const d = static_cast<int>(s.d), f = static_cast<int>(s.f);
   int const c = static_cast<int>(features(s.map_q, s.d, s.f));
   p.kernel_name = fmt::format("lina_softmax_{}_backward_w_{}_{}_d{}_m{}_f{}_t{}_{}_{}", s.causal ? "causal" : "full",
@@ -1092,7 +1093,7 @@ namespace {
 // The backward program of a linear spec at the longest chunk that fits, if
 // any; its shares of an input read twice tied (tie_shares), unless `tie` is false.
 std::optional<program> fitting_backward(attention_spec const& s, bool tie = true) {
-  check_request(s);
+  check_tile_request(s.tiles);
   for (int t : chunks_of(s)) {
     std::vector<program> p{lay_out_backward(s, t)};
     if (p[0].shared_bytes() > shared_memory_budget) continue;
@@ -1279,7 +1280,7 @@ std::vector<program> backward_programs_of(attention_spec const& s) {
   if (s.chained) throw std::invalid_argument("lina::cuda: softmax attention has no state to carry");
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
   check_maps(s);
-  check_request(s);
+  check_tile_request(s.tiles);
   for (int t : chunks_of(s)) {
     std::vector<program> ps{lay_out_softmax_backward(s, t, false), lay_out_softmax_backward(s, t, true)};
     if (parametric(s.map_q) || parametric(s.map_k)) ps.push_back(lay_out_softmax_param_grad(s, t));
@@ -1405,11 +1406,14 @@ void check_tile_request(tile_request const& t) {
   if (t.tile_m < 0)
     throw std::invalid_argument(
         fmt::format("lina::cuda: an M tile of {} columns was requested; it is at least 1 (0: lina chooses)", t.tile_m));
+  if (t.threads != 0 && t.threads != 128 && t.threads != 256 && t.threads != 512)
+    throw std::invalid_argument(fmt::format(
+        "lina::cuda: blocks of {} threads were requested; they are 128, 256 or 512 (0: lina chooses)", t.threads));
 }
 
 tile_config choose_tiles(attention_spec const& s) {
   if (s.d == 0 || s.m == 0) throw std::invalid_argument("lina::cuda: D and M must be at least 1");
-  check_request(s);
+  check_tile_request(s.tiles);
   // The first (T, M tile) that fits. M tiles of 32 or more come first: every
   // block of a (batch, head) reloads the φ(Q), φ(K) chunks, so narrow M tiles
   // multiply that traffic; a shorter chunk only costs more state passes.
@@ -1417,7 +1421,7 @@ tile_config choose_tiles(attention_spec const& s) {
                               {64, 16}, {32, 16}, {16, 16}, {64, 8},  {32, 8},  {16, 8}};
   auto const lay_out = quadratic_form(s) ? lay_out_softmax : lay_out_linear;  // (decided once, not per candidate)
   auto const fits = [&](int t, int tm) {
-    tile_config const c{t, static_cast<int>(std::min(static_cast<std::size_t>(tm), s.m)), 256};
+    tile_config const c{t, static_cast<int>(std::min(static_cast<std::size_t>(tm), s.m)), threads_of(s)};
     return lay_out(s, c).shared_bytes() <= shared_memory_budget ? std::optional<tile_config>(c) : std::nullopt;
   };
   std::vector<int> const chunks = chunks_of(s);
@@ -1435,7 +1439,7 @@ tile_config choose_tiles(attention_spec const& s) {
     throw std::invalid_argument(fmt::format(
         "lina::cuda: the requested tiles (T = {}, M tile = {}) need {} bytes of shared memory at D = {}, M = {}, more "
         "than the {} a block may use: ask for a shorter chunk or a narrower M tile (0 leaves either to lina)",
-        t, tm, lay_out(s, {t, tm, 256}).shared_bytes(), s.d, s.m, shared_memory_budget));
+        t, tm, lay_out(s, {t, tm, threads_of(s)}).shared_bytes(), s.d, s.m, shared_memory_budget));
   }
   throw std::invalid_argument(fmt::format(
       "lina::cuda: D = {} is too large: the smallest tiles (T = 16, 8 columns of M) need {} bytes of shared "

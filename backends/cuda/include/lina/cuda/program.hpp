@@ -229,17 +229,22 @@ std::size_t size_of(dtype t);
 // T ∈ {16, 32, 64} (every program: forward, backward, softmax's); tile_m:
 // columns of M per block of a forward (the backward holds every column; a
 // decoding step always takes T = 16); prefetch: each chunk first requests the
-// next chunk's input rows into L2 (opcode::prefetch). The schedule changes how a
+// next chunk's input rows into L2 (opcode::prefetch); threads: per block, 128,
+// 256 or 512 (0: 256) — the tensor-core products spread their 16-row stripes
+// over that many warps (every other instruction strides by the block's
+// threads). The schedule changes how a
 // kernel walks its tiles, not what it computes: results differ only in the
 // order of sums (prefetching changes nothing at all).
 struct tile_request {
   int chunk = 0;
   int tile_m = 0;
   bool prefetch = false;
+  int threads = 0;
   bool operator==(tile_request const&) const = default;
 };
 // std::invalid_argument unless t is a schedule at all (chunk 0, 16, 32 or 64;
-// tile_m ≥ 0); whether it fits a spec is choose_tiles' to say.
+// tile_m ≥ 0; threads 0, 128, 256 or 512); whether it fits a spec is
+// choose_tiles' to say.
 void check_tile_request(tile_request const& t);
 
 // What program_of needs to know about a forward attention plan. Filled from a

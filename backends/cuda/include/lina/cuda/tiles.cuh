@@ -496,10 +496,10 @@ __device__ void fma_product(ST* t, const SA* a, const SB* b) {
 
 // The tensor-core products: each warp takes a stripe of 16 rows × NB tiles of
 // 8 columns, loads its A fragment once per k step and reuses it across the NB
-// tiles. NB balances the stripes over a block's 8 warps (fewest rounds × NB).
-template <int MT, int NT>
+// tiles. NB balances the stripes over a block's W warps (fewest rounds × NB).
+template <int MT, int NT, int W>
 struct mma_split {
-  __host__ __device__ static constexpr int cost(int nb) { return ((MT * ((NT + nb - 1) / nb) + 7) / 8) * nb; }
+  __host__ __device__ static constexpr int cost(int nb) { return ((MT * ((NT + nb - 1) / nb) + W - 1) / W) * nb; }
   __host__ __device__ static constexpr int pick() {
     int best = 1;
     for (int nb = 2; nb <= (NT < 12 ? NT : 12); ++nb)
@@ -509,12 +509,12 @@ struct mma_split {
   static constexpr int nb = pick();
 };
 
-template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, class ST,
-          class SA, class SB>
+template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, int W,
+          class ST, class SA, class SB>
 __device__ void mma_product(ST* t, const SA* a, const SB* b) {
   constexpr int KS = mma_k<Prec>::value;
   constexpr int MT = (R + 15) / 16, NT = (C + 7) / 8, KT = (K + KS - 1) / KS;
-  constexpr int NB = mma_split<MT, NT>::nb, NG = (NT + NB - 1) / NB;
+  constexpr int NB = mma_split<MT, NT, W>::nb, NG = (NT + NB - 1) / NB;
   const int lane = threadIdx.x & 31;
   for (int task = threadIdx.x >> 5; task < MT * NG; task += blockDim.x >> 5) {
     const int i0 = task / NG * 16, n0 = task % NG * NB;
@@ -556,15 +556,15 @@ __device__ void mma_product(ST* t, const SA* a, const SB* b) {
 
 // t (R × C, pitch PT) = (Acc ? t : 0) + op(a)·op(b) at precision Prec, inner
 // dimension K; a is R × K (K × R when TA, pitch PA), b is K × C (C × K when
-// TB, pitch PB); TriT, TriA: a masked product's triangles (tri_first). t is
-// neither a nor b.
+// TB, pitch PB); TriT, TriA: a masked product's triangles (tri_first); W: the
+// block's warps (the kernel's threads / 32). t is neither a nor b.
 template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT = tri_none,
-          int TriA = tri_none, class ST, class SA, class SB>
+          int TriA = tri_none, int W = 8, class ST, class SA, class SB>
 __device__ void product(ST* t, const SA* a, const SB* b) {
   if constexpr (same<Prec, fma_f32>::value)
     fma_product<R, C, K, TA, TB, Acc, PT, PA, PB, TriT, TriA>(t, a, b);
   else
-    mma_product<Prec, R, C, K, TA, TB, Acc, PT, PA, PB, TriT, TriA>(t, a, b);
+    mma_product<Prec, R, C, K, TA, TB, Acc, PT, PA, PB, TriT, TriA, W>(t, a, b);
 }
 
 template <int R, int C, int P, class S>
