@@ -413,13 +413,20 @@ bool time_backward(shape const& s, cuda::tile_request tiles, std::string const& 
   return ok;
 }
 
-// Decode steps (--decode): B sequences × H heads, D = M, bf16, from a state
-// holding `warm` earlier tokens. True when the first step matches the emulation.
-bool decode_steps(std::string const& text, double budget, double copy_bw, cudaStream_t stream, std::FILE* tsv) {
+// --decode's BxHxD.
+std::tuple<std::size_t, std::size_t, std::size_t> parse_decode(std::string const& text) {
   std::size_t b = 0, h = 0, d = 0;
   if (std::sscanf(text.c_str(), "%zux%zux%zu", &b, &h, &d) != 3 || !b || !h || !d)
     throw std::invalid_argument("cuda_forward: --decode is BxHxD, e.g. 64x32x128, or none; not '" + text + "'");
-  std::size_t const m = d, warm = 64;
+  return {b, h, d};
+}
+constexpr std::size_t decode_warm = 64;  // tokens of the prompt before the timed steps
+
+// Decode steps (--decode): B sequences × H heads, D = M, bf16, from a state
+// holding `warm` earlier tokens. True when the first step matches the emulation.
+bool decode_steps(std::string const& text, double budget, double copy_bw, cudaStream_t stream, std::FILE* tsv) {
+  auto const [b, h, d] = parse_decode(text);
+  std::size_t const m = d, warm = decode_warm;
   shape4 const one{b, h, 1, d}, prompt{b, h, warm, d};
   auto to = [&](shape4 s, std::uint64_t seed) {
     auto bits = random_bf16(s[0] * s[1] * s[2] * s[3], seed);
@@ -612,11 +619,9 @@ int compile_only(std::string const& arch, int sms, std::vector<shape> const& sha
         } catch (std::invalid_argument const&) {
         }
   }
-  if (decode != "none") {  // cuda::recurrent: its prefill (a chained evaluation of 64 tokens), then its step kernel
-    std::size_t b = 0, h = 0, d = 0;
-    if (std::sscanf(decode.c_str(), "%zux%zux%zu", &b, &h, &d) != 3 || !b || !h || !d)
-      throw std::invalid_argument("cuda_forward: --decode is BxHxD, e.g. 64x32x128, or none; not '" + decode + "'");
-    auto spec = spec_at({b, 64, h, d});
+  if (decode != "none") {  // cuda::recurrent: its prefill (a chained evaluation of the prompt), then its step kernel
+    auto const [b, h, d] = parse_decode(decode);
+    auto spec = spec_at({b, decode_warm, h, d});
     spec.chained = true;
     ps.push_back(cuda::program_of(spec));
     spec.step = true;
