@@ -421,7 +421,7 @@ struct block {
 
   // A bf16 register keeps what is written to it rounded to bf16 (nearest even).
   void settle(instruction const& i) {
-    if (i.op == opcode::store || i.op == opcode::store_state) return;  // they write memory, not the register
+    if (i.op == opcode::store || i.op == opcode::store_state || i.dst < 0) return;  // memory, not the register; a prefetch: nothing
     if (p.registers[static_cast<std::size_t>(i.dst)].storage != dtype::bf16) return;
     for (float& x : reg[static_cast<std::size_t>(i.dst)].v) x = from_bf16_bits(bf16_bits(x));
   }
