@@ -361,12 +361,6 @@ TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp: forward, backward, s
       CAPTURE(t.threads);
       check_compiles(cuda::program_of(spec));
       if (t.tile_m == 0) check_compiles(cuda::backward_program_of(spec));
-      if (t.prefetch) {
-        auto const split = cuda::split_programs_of(spec);
-        check_compiles(split.partials);
-        check_compiles(split.scan);
-        for (auto const& p : cuda::split_backward_programs_of(spec)) check_compiles(p);
-      }
     }
   }
 }

@@ -243,6 +243,16 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
     }
   }
 
+  {  // The split forms' loops name the next chunk too (a reverse walk's: the one before): their kernels compile.
+    auto spec = cuda::spec_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16});
+    spec.d = s.d, spec.m = s.m;
+    spec.tiles = {32, 24, true};
+    auto const split = cuda::split_programs_of(spec);
+    check_compiles(split.partials);
+    check_compiles(split.scan);
+    for (auto const& p : cuda::split_backward_programs_of(spec)) check_compiles(p);
+  }
+
   // What does not fit or is no schedule: an error that says what was asked, before anything is written.
   auto spec = cuda::spec_of(plan, {cuda::dtype::bf16, cuda::dtype::bf16});
   spec.d = spec.m = 256;
