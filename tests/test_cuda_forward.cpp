@@ -318,9 +318,11 @@ TEST_CASE("device: launches at a requested schedule = their emulation at it") {
   auto dev = cuda::probe_device();
   if (skipped_without(dev)) return;
   constexpr auto plan = compile<order::linear>(causal_expr);
-  for (cuda::tile_request t : {cuda::tile_request{32, 128, true}, {16, 64}, {64, 0, true}, {64, 128, false, 512}, {32, 0, false, 128}}) {
+  // (D = 64: each schedule's kernels compile on the device within gpu-check's test stage;
+  // the benchmark's sweep checks its D = 128 schedules against the emulation too)
+  for (cuda::tile_request t : {cuda::tile_request{32, 64, true}, {16, 32}, {64, 64, false, 512}, {32, 0, false, 128}}) {
     CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads);
-    shape const s{1, 2, 777, 128, 128};
+    shape const s{1, 2, 777, 64, 64};
     test::rng r{1100};
     auto [q, k, v] = random_inputs(s, cuda::dtype::bf16, r, false);
     auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), cuda::dtype::bf16);
