@@ -326,6 +326,29 @@ void ablate(cuda::program const& base, cuda::forward_args const& a, double full_
   }
 }
 
+// The first `rows` rows of the last (batch, head) of a [B, H, T, cols] tensor
+// given as bf16 bits, as a float tensor [1, 1, rows, cols] (the checks' inputs:
+// in a causal attention those rows depend on the same rows alone).
+lina::tensor<float> first_rows(std::vector<std::uint16_t> const& bits, shape const& s, std::size_t cols, std::size_t rows) {
+  std::size_t const slice = s.b * s.h - 1;
+  lina::tensor<float> r({1, 1, rows, cols});
+  for (std::size_t i = 0; i < rows * cols; ++i) r.data()[i] = cuda::from_bf16_bits(bits[slice * s.t * cols + i]);
+  return r;
+}
+
+// The relative RMS error of n bf16 values in device memory against `want`.
+double device_error(cuda::bf16 const* got_on_device, std::size_t n, float const* want) {
+  std::vector<std::uint16_t> got(n);
+  check(cudaMemcpy(got.data(), got_on_device, n * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    double const g = cuda::from_bf16_bits(got[i]), w = want[i];
+    num += (g - w) * (g - w);
+    den += w * w;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 // The backward of one shape at a schedule (`tiles`: lina's own when {0, 0}):
 // its kernels launched on preallocated gradients, as cuda::gradient would, and
 // timed like the forward; prints a row labelled `label`. Where cuda::gradient
@@ -379,28 +402,12 @@ bool time_backward(shape const& s, cuda::tile_request tiles, std::string const& 
   *ms_out = ms;
 
   // ∂Q of the first rows of the last (batch, head): they depend on those rows alone.
-  std::size_t const rows = std::min(check_rows, s.t), slice = s.b * s.h - 1;
-  lina::tensor<float> cq({1, 1, rows, s.d}), ck({1, 1, rows, s.d}), cv({1, 1, rows, m}), cd({1, 1, rows, m});
-  for (std::size_t i = 0; i < rows * s.d; ++i) {
-    cq.data()[i] = cuda::from_bf16_bits(hq[slice * s.t * s.d + i]);
-    ck.data()[i] = cuda::from_bf16_bits(hk[slice * s.t * s.d + i]);
-  }
-  for (std::size_t i = 0; i < rows * m; ++i) {
-    cv.data()[i] = cuda::from_bf16_bits(hv[slice * s.t * m + i]);
-    cd.data()[i] = cuda::from_bf16_bits(hd[slice * s.t * m + i]);
-  }
+  std::size_t const rows = std::min(check_rows, s.t);
   cuda::options at = bf16;
   at.tiles = tiles;
-  auto want = cuda::emulate_gradient(plan, at, cd, Q = cq, K = ck, V = cv);
-  std::vector<std::uint16_t> got(rows * s.d);
-  check(cudaMemcpy(got.data(), gq.data() + slice * s.t * s.d, got.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    double g = cuda::from_bf16_bits(got[i]), w = want[Q].data()[i];
-    num += (g - w) * (g - w);
-    den += w * w;
-  }
-  double const err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  auto want = cuda::emulate_gradient(plan, at, first_rows(hd, s, m, rows), Q = first_rows(hq, s, s.d, rows),
+                                     K = first_rows(hk, s, s.d, rows), V = first_rows(hv, s, m, rows));
+  double const err = device_error(gq.data() + (s.b * s.h - 1) * s.t * s.d, rows * s.d, want[Q].data());
   bool const ok = err <= std::ldexp(1.0, -8);
   double const bytes = 11.0 * 2.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d);  // D = M
   double const gbs = bytes / ((fwd_ms + ms) * 1e-3) / 1e9;
@@ -462,15 +469,7 @@ bool decode_steps(std::string const& text, double budget, double copy_bw, cudaSt
       ev(0, 0, r, c) = cuda::from_bf16_bits(last ? hv[at] : hpv[at]);
     }
   auto want = cuda::emulate(plan, bf16, Q = eq, K = ek, V = ev);
-  std::vector<std::uint16_t> got(m);
-  check(cudaMemcpy(got.data(), o.data() + slice * m, m * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
-  double num = 0, den = 0;
-  for (std::size_t c = 0; c < m; ++c) {
-    double g = cuda::from_bf16_bits(got[c]), w = want(0, 0, warm, c);
-    num += (g - w) * (g - w);
-    den += w * w;
-  }
-  double const err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  double const err = device_error(o.data() + slice * m, m, &want(0, 0, warm, 0));
   bool const ok = err <= std::ldexp(1.0, -8);
 
   int reps = 0;
@@ -497,23 +496,10 @@ bool decode_steps(std::string const& text, double budget, double copy_bw, cudaSt
 double forward_error(shape const& s, std::vector<std::uint16_t> const& hq, std::vector<std::uint16_t> const& hk,
                      std::vector<std::uint16_t> const& hv, cuda::tensor<cuda::bf16> const& o, cuda::options const& opt,
                      std::size_t check_rows) {
-  std::size_t const m = s.d, rows = std::min(check_rows, s.t), slice = (s.b - 1) * s.h + (s.h - 1);
-  lina::tensor<float> cq({1, 1, rows, s.d}), ck({1, 1, rows, s.d}), cv({1, 1, rows, m});
-  for (std::size_t i = 0; i < rows * s.d; ++i) {
-    cq.data()[i] = cuda::from_bf16_bits(hq[slice * s.t * s.d + i]);
-    ck.data()[i] = cuda::from_bf16_bits(hk[slice * s.t * s.d + i]);
-  }
-  for (std::size_t i = 0; i < rows * m; ++i) cv.data()[i] = cuda::from_bf16_bits(hv[slice * s.t * m + i]);
-  auto want = cuda::emulate(plan, opt, Q = cq, K = ck, V = cv);
-  std::vector<std::uint16_t> got(rows * m);
-  check(cudaMemcpy(got.data(), o.data() + slice * s.t * m, got.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    double g = cuda::from_bf16_bits(got[i]), w = want.data()[i];
-    num += (g - w) * (g - w);
-    den += w * w;
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  std::size_t const m = s.d, rows = std::min(check_rows, s.t);
+  auto want = cuda::emulate(plan, opt, Q = first_rows(hq, s, s.d, rows), K = first_rows(hk, s, s.d, rows),
+                            V = first_rows(hv, s, m, rows));
+  return device_error(o.data() + (s.b * s.h - 1) * s.t * m, rows * m, want.data());
 }
 
 // The forward of one shape at a schedule of --tiles, launched as evaluate_into

@@ -140,12 +140,13 @@ struct emitter {
         auto tri = [](triangle x) {
           return x == triangle::lower ? "tl::tri_lower" : x == triangle::upper ? "tl::tri_upper" : "tl::tri_none";
         };
-        // (and the block's warps, where they are not 8: they follow the triangles)
-        std::string const tris = i.tri_t == triangle::none && i.tri_a == triangle::none && p.tiles.threads == 256
-                                     ? ""
-                                 : p.tiles.threads == 256
-                                     ? fmt::format(", {}, {}", tri(i.tri_t), tri(i.tri_a))
-                                     : fmt::format(", {}, {}, {}", tri(i.tri_t), tri(i.tri_a), p.tiles.threads / 32);
+        // The trailing template arguments where they differ from their defaults: the triangles, then
+        // the block's warps (the triangles named too, as they come first).
+        bool const warps = p.tiles.threads != 256;
+        std::string tris;
+        if (warps || i.tri_t != triangle::none || i.tri_a != triangle::none)
+          tris = fmt::format(", {}, {}", tri(i.tri_t), tri(i.tri_a));
+        if (warps) tris += fmt::format(", {}", p.tiles.threads / 32);
         line(ind, "tl::product<tl::{}, {}, {}, {}, {}, {}, {}, {}, {}, {}{}>({}, {}, {});  // {} {} {}{}·{}{}", name_of(i.prec),
              rows(i.dst), cols(i.dst), inner, yes(i.transpose_a), yes(i.transpose_b), yes(i.accumulate), pitch(i.dst),
              pitch(i.a), pitch(i.b), tris, t, name(i.a), name(i.b), t, i.accumulate ? "+=" : "=", name(i.a),
