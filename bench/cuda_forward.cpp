@@ -9,7 +9,7 @@
 // (batch, head), so a fast wrong kernel does not pass for a benchmark.
 //
 //   cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget seconds] [--tsv file] [--check-rows n]
-//                [--copy-mib m] [--ablate] [--tiles TxTM,…] [--compile-only sm_XY [--sms n]]
+//                [--copy-mib m] [--ablate] [--tiles TxTM[p][sG][/N],…] [--compile-only sm_XY [--sms n]]
 //
 // Per shape also the backward (--no-backward skips it): the generated backward
 // kernel (cuda::backward_program_of) launched on preallocated ∂Q, ∂K, ∂V (bf16)
@@ -26,12 +26,15 @@
 // step), against the copy. The first step is checked against the emulation.
 // Its tsv row has T = 1.
 //
-// --tiles TxTM[p][/N],… (default 64x64p,32x64,64x128,32x128,32x128p,16x128,
-// 64x128/512; "none": no sweep) times the forward again at each of these
-// schedules (options::tiles: T rows per chunk, TM columns of M per block, p: the
-// next chunk's rows prefetched to L2, N threads per block; those that give lina's own tiles are
-// skipped, those that do not fit say so), split along N where evaluate_into
-// would split, and the backward at each other T; each with a sixth of the
+// --tiles TxTM[p][sG][/N],… (default 64x64p,32x64,64x128,32x128,32x128p,16x128,
+// 64x128/512,64x64s4,64x64s16,32x128s8; "none": no sweep) times the forward again
+// at each of these schedules (options::tiles: T rows per chunk, TM columns of M
+// per block, p: the next chunk's rows prefetched to L2, sG: N split into G groups
+// of rows per (batch, head) — the chunk-parallel form — where lina would split
+// only when the (batch, head) blocks leave SMs idle, N threads per block; those
+// that give lina's own tiles are skipped, those that do not fit say so), split
+// along N where evaluate_into would split at that schedule, and the backward at
+// each other T (and groups); each with a sixth of the
 // budget, checked against the emulation at its own tiles, in a table of its
 // own after the decode steps (what the issues ask for comes first, should a
 // deadline cut the run short): where lina's choice
@@ -178,7 +181,7 @@ cuda::forward_args extents_of(shape const& s) {
 
 // What evaluate_into launches for a spec on a device of `sms` SMs: the
 // one-pass program, or the chunk-parallel form over groups of `rows` rows
-// where split_rows chooses it (the one pass is timed beside it).
+// where split_rows chooses it at the spec's schedule (the one pass is timed beside it).
 struct forward_launch {
   cuda::program one;
   std::vector<cuda::split_programs> split;  // none, or one
@@ -186,7 +189,8 @@ struct forward_launch {
 };
 forward_launch forward_launch_of(cuda::attention_spec const& spec, shape const& s, int sms) {
   forward_launch f{cuda::program_of(spec), {}, 0};
-  f.rows = cuda::split_rows(cuda::blocks_of(f.one, extents_of(s)), static_cast<std::int64_t>(s.t), f.one.tiles.chunk, sms);
+  f.rows = cuda::split_rows(spec.tiles, cuda::blocks_of(f.one, extents_of(s)), static_cast<std::int64_t>(s.t),
+                            f.one.tiles.chunk, sms);
   if (f.rows > 0) f.split.push_back(cuda::split_programs_of(spec));
   return f;
 }
@@ -201,31 +205,48 @@ struct backward_launch {
 backward_launch backward_launch_of(cuda::attention_spec const& spec, shape const& s, int sms) {
   backward_launch b{cuda::backward_program_of(spec), cuda::split_backward_programs_of(spec), 0};
   if (!b.split.empty())
-    b.rows = cuda::split_rows(cuda::blocks_of(b.one, extents_of(s)), static_cast<std::int64_t>(s.t), b.one.tiles.chunk, sms);
+    b.rows = cuda::split_rows(spec.tiles, cuda::blocks_of(b.one, extents_of(s)), static_cast<std::int64_t>(s.t),
+                              b.one.tiles.chunk, sms);
   if (b.rows == 0) b.split.clear();
   return b;
 }
 
-// "TxTM,…" → the schedules of --tiles.
+// "TxTM[p][sG][/N],…" → the schedules of --tiles.
 std::vector<cuda::tile_request> parse_tiles(std::string_view text) {
   std::vector<cuda::tile_request> r;
   while (!text.empty()) {
     std::size_t comma = text.find(',');
     std::string one(text.substr(0, comma));
     cuda::tile_request t;
-    std::size_t const slash = one.find('/');
-    std::string const tiles = one.substr(0, slash);
-    char p = 0, extra = 0;
-    int const got = std::sscanf(tiles.c_str(), "%dx%d%c%c", &t.chunk, &t.tile_m, &p, &extra);
-    bool const threads_ok = slash == std::string::npos || std::sscanf(one.c_str() + slash + 1, "%d%c", &t.threads, &extra) == 1;
-    if (got < 2 || got > 3 || (got == 3 && p != 'p') || t.chunk <= 0 || t.tile_m <= 0 || !threads_ok)
+    int used = 0;
+    bool ok = std::sscanf(one.c_str(), "%dx%d%n", &t.chunk, &t.tile_m, &used) == 2 && t.chunk > 0 && t.tile_m > 0;
+    std::string_view rest = std::string_view(one).substr(ok ? static_cast<std::size_t>(used) : one.size());
+    auto number = [&](int& x) {  // digits at the front of rest, consumed
+      std::size_t i = 0;
+      for (x = 0; i < rest.size() && rest[i] >= '0' && rest[i] <= '9' && i < 6; ++i) x = 10 * x + (rest[i] - '0');
+      rest.remove_prefix(i);
+      return i > 0 && x > 0;
+    };
+    if (ok && rest.starts_with('p')) t.prefetch = true, rest.remove_prefix(1);
+    if (ok && rest.starts_with('s')) rest.remove_prefix(1), ok = number(t.groups);
+    if (ok && rest.starts_with('/')) rest.remove_prefix(1), ok = number(t.threads);
+    if (!ok || !rest.empty())
       throw std::invalid_argument("cuda_forward: a schedule is TxTM (rows per chunk x columns of M per block), with p "
-                                  "for prefetching the next chunk and /N for N threads per block, e.g. 32x128, 64x64p or "
-                                  "64x128/512; not '" + one + "'");
-    t.prefetch = got == 3;
+                                  "for prefetching the next chunk, sG for G groups of rows per (batch, head) and /N for "
+                                  "N threads per block, e.g. 32x128, 64x64p, 64x64s8 or 64x128/512; not '" + one + "'");
     r.push_back(t);
     text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
   }
+  return r;
+}
+
+// A schedule in words, for the table ("T = 32, M tile = 128, prefetch, 256 threads, 8 groups").
+std::string describe(cuda::tile_request const& t, std::size_t d) {
+  std::string r = fmt::format("T = {}", t.chunk);
+  if (t.tile_m > 0) r += fmt::format(", M tile = {}", std::min<std::size_t>(static_cast<std::size_t>(t.tile_m), d));
+  if (t.prefetch) r += ", prefetch";
+  r += fmt::format(", {} threads", t.threads > 0 ? t.threads : 256);
+  if (t.groups > 0) r += fmt::format(", {} group(s) of rows", t.groups);
   return r;
 }
 
@@ -517,8 +538,7 @@ bool time_schedule(shape const& s, cuda::tile_request tiles, std::vector<std::ui
   try {
     f = forward_launch_of(spec_at(s, tiles), s, sms);
   } catch (std::invalid_argument const& e) {
-    fmt::print("| ↳ tiles T = {}, M tile = {}{}{}: does not fit ({}) | | | | | | | | | | | |\n", tiles.chunk, tiles.tile_m,
-               tiles.prefetch ? ", prefetch" : "", tiles.threads ? fmt::format(", {} threads", tiles.threads) : "", e.what());
+    fmt::print("| ↳ tiles {}: does not fit ({}) | | | | | | | | | | | |\n", describe(tiles, s.d), e.what());
     return true;
   }
   cuda::forward_args const a = args_of(s, q, k, v, o);
@@ -536,10 +556,9 @@ bool time_schedule(shape const& s, cuda::tile_request tiles, std::vector<std::ui
   bool const ok = err <= std::ldexp(1.0, -8);
   double const flops = 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) * double(s.d);
   double const gbs = 2.0 * 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) / (ms * 1e-3) / 1e9;
-  fmt::print("| ↳ tiles T = {}, M tile = {}{}, {} threads ({} block(s) per (batch, head), {:.1f} KiB{}): {:.2f}× lina's choice "
+  fmt::print("| ↳ tiles {} ({} block(s) per (batch, head), {:.1f} KiB{}): {:.2f}× lina's choice "
              "| | | | {} | {} | {} | {:.3f} | {:.2f} | {:.0f} | {:.1f} % | {:.1e} {} |\n",
-             f.one.tiles.chunk, f.one.tiles.tile_m, tiles.prefetch ? ", prefetch" : "", f.one.tiles.threads, f.one.m_tiles,
-             f.one.shared_bytes() / 1024.0,
+             describe(tiles, s.d), f.one.m_tiles, f.one.shared_bytes() / 1024.0,
              f.rows > 0 ? fmt::format(", split into groups of {} rows", f.rows) : std::string(), own_ms / ms,
              f.rows > 0 ? f.split.front().scan.kernel_name : f.one.kernel_name, f.one.tiles.chunk, reps, ms,
              flops / (ms * 1e-3) / 1e12, gbs, 100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
@@ -553,13 +572,17 @@ bool time_schedule(shape const& s, cuda::tile_request tiles, std::vector<std::ui
 // fit are kept (their row says so).
 std::vector<cuda::tile_request> distinct_schedules(shape const& s, std::vector<cuda::tile_request> const& tiles) {
   cuda::tile_config const own = cuda::program_of(spec_at(s)).tiles;
-  std::vector<std::tuple<int, int, bool, int>> seen = {{own.chunk, own.tile_m, false, own.threads}};
+  // (compared as launched: an M tile past M is M, 0 threads are 256)
+  auto launched = [&](cuda::tile_request t) {
+    t.tile_m = std::min(t.tile_m, static_cast<int>(s.d));
+    t.threads = t.threads > 0 ? t.threads : 256;
+    return t;
+  };
+  std::vector<cuda::tile_request> seen = {launched({own.chunk, own.tile_m, false, own.threads})};
   std::vector<cuda::tile_request> r;
   for (auto const& t : tiles) {
-    std::tuple<int, int, bool, int> const at{t.chunk, std::min(t.tile_m, static_cast<int>(s.d)), t.prefetch,
-                                             t.threads > 0 ? t.threads : 256};
-    if (std::find(seen.begin(), seen.end(), at) != seen.end()) continue;
-    seen.push_back(at);
+    if (std::find(seen.begin(), seen.end(), launched(t)) != seen.end()) continue;
+    seen.push_back(launched(t));
     r.push_back(t);
   }
   return r;
@@ -575,8 +598,9 @@ std::vector<cuda::tile_request> backward_chunks(shape const& s, std::vector<cuda
   }
   std::vector<cuda::tile_request> r;
   for (auto const& t : tiles) {
-    cuda::tile_request const b{t.chunk, 0, t.prefetch, t.threads == 256 ? 0 : t.threads};
-    if ((t.chunk != own || t.prefetch || b.threads > 0) && std::find(r.begin(), r.end(), b) == r.end()) r.push_back(b);
+    cuda::tile_request const b{t.chunk, 0, t.prefetch, t.threads == 256 ? 0 : t.threads, t.groups};
+    if ((t.chunk != own || t.prefetch || b.threads > 0 || b.groups > 0) && std::find(r.begin(), r.end(), b) == r.end())
+      r.push_back(b);
   }
   return r;
 }
@@ -653,6 +677,10 @@ int compile_only(std::string const& arch, int sms, std::vector<shape> const& sha
   return failed || dir.empty() ? 1 : 0;
 }
 
+constexpr char const* usage =
+    "cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget seconds per shape] [--tsv file] "
+    "[--check-rows n] [--copy-mib m] [--ablate] [--tiles TxTM[p][sG][/N],…] [--compile-only sm_XY [--sms n]]";
+
 int main(int argc, char** argv) {
   std::vector<shape> shapes = {{1, 8192, 96, 128}, {2, 16384, 16, 128}, {8, 2048, 32, 64}, {8, 1024, 8, 64}};
   double budget = 6.0;  // seconds of timed launches per shape, at most
@@ -662,7 +690,7 @@ int main(int argc, char** argv) {
   std::string decode = "64x32x128";
   bool backward = true;
   std::vector<cuda::tile_request> tiles =
-      parse_tiles("64x64p,32x64,64x128,32x128,32x128p,16x128,64x128/512");  // (lina's own at D = 64, 128: 64x64/256)
+      parse_tiles("64x64p,32x64,64x128,32x128,32x128p,16x128,64x128/512,64x64s4,64x64s16,32x128s8");  // (lina's own at D = 64, 128: 64x64/256)
   std::string compile_arch;
   int sms_given = 132;
   try {
@@ -673,8 +701,7 @@ int main(int argc, char** argv) {
         return argv[++i];
       };
       if (a == "--help") {
-        fmt::print("usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget seconds per shape] [--tsv file] "
-                   "[--check-rows n] [--copy-mib m] [--ablate] [--tiles TxTM,…] [--compile-only sm_XY [--sms n]]\n");
+        fmt::print("usage: {}\n", usage);
         return 0;
       }
       if (a == "--shapes")
@@ -700,10 +727,7 @@ int main(int argc, char** argv) {
       else if (a == "--sms")
         sms_given = std::stoi(std::string(value()));
       else
-        throw std::invalid_argument(fmt::format(
-            "cuda_forward: unknown argument {}; usage: cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget s] [--tsv file] "
-            "[--check-rows n] [--copy-mib m] [--ablate] [--tiles TxTM,…] [--compile-only sm_XY [--sms n]]",
-            a));
+        throw std::invalid_argument(fmt::format("cuda_forward: unknown argument {}; usage: {}", a, usage));
     }
   } catch (std::exception const& e) {
     fmt::print(stderr, "{}\n", e.what());
@@ -832,17 +856,14 @@ int main(int argc, char** argv) {
           failures += time_schedule(s, t, hq, hk, hv, q, k, v, o, own_ms[x], copy_bw, budget / 6, sweep_rows, sms, stream, &ms)
                           ? 0
                           : 1;
-          if (ms < best_ms)
-            best_ms = ms, best = fmt::format("T = {}, M tile = {}{}, {} threads", t.chunk, std::min<std::size_t>(t.tile_m, s.d),
-                                             t.prefetch ? ", prefetch" : "", t.threads > 0 ? t.threads : 256);
+          if (ms < best_ms) best_ms = ms, best = describe(t, s.d);
         }
         fmt::print("| ↳ fastest forward: {} ({:.3f} ms, {:.2f}× lina's choice) | | | | | | | | | | | |\n", best, best_ms,
                    own_ms[x] / best_ms);
         if (backward)
           for (auto const& t : backward_chunks(s, tiles)) {
             double other_ms = 0;
-            std::string const label = fmt::format("↳ backward at T = {}{}{}", t.chunk, t.prefetch ? ", prefetch" : "",
-                                                  t.threads ? fmt::format(", {} threads", t.threads) : "");
+            std::string const label = "↳ backward at " + describe(t, s.d);
             failures += time_backward(s, t, label, hq, hk, hv, q, k, v, own_ms[x], copy_bw, budget / 6, sweep_rows, sms,
                                       stream, &other_ms)
                             ? 0

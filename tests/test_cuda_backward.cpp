@@ -542,18 +542,32 @@ TEST_CASE("backward, split: the chunk-parallel form (groups of rows, three launc
   auto const fp = cuda::split_backward_programs_of(full);
   REQUIRE(fp.size() == 3);
   CHECK((fp[0].key_major && !fp[1].key_major && fp[2].key_major));  // groups of K's rows, Q's, K's
-  // A causal parametric map: a fourth launch adds the groups' shares of ∂W
-  // (test_cuda_parametric.cpp); non-causal, ∂W's shares come from two launches
-  // over different groups: no split form, nor for softmax or a state split
-  // over M's columns.
+  // A parametric map: a fourth launch adds the groups' shares of ∂W
+  // (test_cuda_parametric.cpp) — causal, stored by the walks; non-causal,
+  // φ(Q)'s by the launch over groups of Q's rows, φ(K)'s by the walks over
+  // groups of K's rows, in a buffer of its own. No split form for softmax or
+  // a state split over M's columns.
   auto fv = cuda::spec_of(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V));
   fv.d = fv.m = fv.f = 16;
   CHECK(cuda::split_backward_programs_of(fv).size() == 4);
   fv.causal = false;
-  for (auto other : {cuda::spec_of(compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V)), fv}) {
-    other.d = other.m = other.f = 16;
-    CHECK(cuda::split_backward_programs_of(other).empty());
-  }
+  auto const nc = cuda::split_backward_programs_of(fv);
+  REQUIRE(nc.size() == 4);
+  std::size_t const q_shares = cuda::extra_named(nc[0], "∂W partials"), k_shares = cuda::extra_named(nc[0], "∂W (K's rows) partials");
+  CHECK((!nc[0].extras.at(q_shares).keys && nc[0].extras.at(k_shares).keys));
+  auto stores_to = [](cuda::program const& p, std::size_t slot) {
+    bool found = false;
+    cuda::for_each_instruction(p, [&](cuda::instruction const& i) {
+      found = found || (i.op == cuda::opcode::store_partial && i.slot == static_cast<int>(slot));
+    });
+    return found;
+  };
+  CHECK((stores_to(nc[1], q_shares) && !stores_to(nc[1], k_shares)));  // groups of Q's rows: φ(Q)'s terms
+  CHECK((stores_to(nc[2], k_shares) && !stores_to(nc[2], q_shares)));  // groups of K's rows: φ(K)'s
+  CHECK((!nc[3].split && nc[3].passes.empty()));  // a block per (batch, head) adds them
+  auto sm = cuda::spec_of(compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V));
+  sm.d = sm.m = 16;
+  CHECK(cuda::split_backward_programs_of(sm).empty());
   spec.d = spec.m = 256;
   CHECK(cuda::split_backward_programs_of(spec).empty());
 }

@@ -314,14 +314,87 @@ TEST_CASE("requested tiles on launches: checked before anything runs") {
   }
 }
 
+// tile_request::groups: how many groups of rows a launch splits N into (the
+// chunk-parallel form) instead of lina's choice from the device. The emulation
+// at a schedule with groups is the emulation with those rows per group
+// (options::split_rows), bit for bit; where the plan has no such form, the
+// request changes nothing.
+TEST_CASE("requested groups: N split into the groups asked for, = the same rows per group") {
+  // The rows per group: whole chunks, at most G groups, none where that makes one.
+  auto rows = [](int groups, std::int64_t n) { return cuda::split_rows(cuda::tile_request{.groups = groups}, 4, n, 16, 0); };
+  CHECK(rows(0, 150) == 0);  // lina's choice, and no device: one pass
+  CHECK(rows(1, 150) == 0);
+  CHECK(rows(2, 150) == 80);  // 10 chunks: 5 + 5
+  CHECK(rows(3, 150) == 64);  // 4 + 4 + 2
+  CHECK(rows(10, 150) == 16);
+  CHECK(rows(50, 150) == 16);  // at least a chunk per group
+  CHECK(rows(4, 10) == 0);     // one chunk: one group
+  CHECK(cuda::split_rows(cuda::tile_request{}, 4, 4096, 64, 132) == cuda::split_rows(4, 4096, 64, 132));
+  CHECK(cuda::split_rows(cuda::tile_request{.groups = 1}, 4, 4096, 64, 132) == 0);
+
+  shape const s{2, 2, 150, 24, 40};
+  auto same_rows = [&](auto const& expr, bool has_split, std::uint64_t seed) {
+    auto const plan = plan_of(expr);
+    test::rng r{seed};
+    auto [q, k, v] = random_inputs(s, cuda::dtype::bf16, r, false);
+    auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
+    cuda::options opt{cuda::dtype::bf16, cuda::dtype::bf16};
+    opt.tiles = {16, 0};
+    auto const one = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+    opt.tiles.groups = 3;
+    auto const grouped = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+    CHECK(relative_rms(grouped, exact) <= tolerance(cuda::dtype::bf16) + rounding_bound(expr, cuda::dtype::bf16, q, k, v, exact));
+    cuda::options by_rows{cuda::dtype::bf16, cuda::dtype::bf16};
+    by_rows.tiles = {16, 0};
+    by_rows.split_rows = 64;
+    CHECK(max_abs_diff(grouped, cuda::emulate(plan, by_rows, Q = q, K = k, V = v)) == 0.0);
+    if (!has_split) CHECK(max_abs_diff(grouped, one) == 0.0);  // (no such form: the request is ignored)
+    // The backward: the same, where the plan has a chunk-parallel form.
+    auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), cuda::dtype::bf16);
+    auto const g = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+    auto const h = cuda::emulate_gradient(plan, by_rows, dout, Q = q, K = k, V = v);
+    CHECK(max_abs_diff(g[Q], h[Q]) == 0.0);
+    CHECK(max_abs_diff(g[K], h[K]) == 0.0);
+    CHECK(max_abs_diff(g[V], h[V]) == 0.0);
+  };
+  same_rows(causal_expr, true, 81);
+  same_rows(normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V, true, 82);
+  same_rows(normalize(causal(exp(Q * transpose(K) * 0.25))) * V, false, 83);
+  {  // a split forward differs from one pass only in the order of sums
+    auto const plan = plan_of(causal_expr);
+    test::rng r{84};
+    auto [q, k, v] = random_inputs(s, cuda::dtype::f32, r, false);
+    cuda::options opt{};
+    opt.tiles = {16, 0};
+    auto const one = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+    opt.tiles.groups = 5;
+    auto const grouped = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+    CHECK(max_abs_diff(grouped, one) > 0.0);  // (it did split)
+    CHECK(relative_rms(grouped, one) <= tolerance(cuda::dtype::f32));
+  }
+
+  auto spec = cuda::spec_of(plan_of(causal_expr), {});
+  spec.d = spec.m = 16;
+  spec.tiles.groups = -1;
+  CHECK_THROWS_WITH_AS(cuda::program_of(spec), doctest::Contains("-1 groups of rows were requested"), std::invalid_argument);
+  shape4 const sq{1, 2, 10, 4};
+  std::vector<float> fake(80, 5.0f);
+  cuda::device_view<float const> const dq(fake.data(), sq);
+  cuda::device_view<float> const dout(fake.data(), sq);
+  CHECK_THROWS_WITH_AS(cuda::evaluate_into(plan_of(causal_expr), dout, nullptr, cuda::tile_request{.groups = -2}, Q = dq, K = dq, V = dq),
+                       doctest::Contains("-2 groups"), std::invalid_argument);
+  CHECK(std::all_of(fake.begin(), fake.end(), [](float x) { return x == 5.0f; }));
+}
+
 TEST_CASE("device: launches at a requested schedule = their emulation at it") {
   auto dev = cuda::probe_device();
   if (skipped_without(dev)) return;
   constexpr auto plan = compile<order::linear>(causal_expr);
   // (D = 64: each schedule's kernels compile on the device within gpu-check's test stage;
   // the benchmark's sweep checks its D = 128 schedules against the emulation too)
-  for (cuda::tile_request t : {cuda::tile_request{32, 64, true}, {16, 32}, {64, 64, false, 512}, {32, 0, false, 128}}) {
-    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads);
+  for (cuda::tile_request t : {cuda::tile_request{32, 64, true}, {16, 32}, {64, 64, false, 512}, {32, 0, false, 128},
+                               {16, 0, false, 0, 4}}) {
+    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads); CAPTURE(t.groups);
     shape const s{1, 2, 777, 64, 64};
     test::rng r{1100};
     auto [q, k, v] = random_inputs(s, cuda::dtype::bf16, r, false);

@@ -280,14 +280,49 @@ TEST_CASE("backward: favor and random Fourier features (∂W per batch and head)
       auto q = tensor<float>::random({b, h, n, d}, r.next()), k = tensor<float>::random({b, h, s, d}, r.next());
       auto v = tensor<float>::random({b, h, s, m}, r.next()), dout = tensor<float>::random({b, h, n, m}, r.next());
       auto const w = gaussian_projection<float>(d, f, r.next());
+      auto const wd = widened(w);
       auto g = cuda::emulate_gradient(plan, {cuda::dtype::f32, cuda::dtype::f32, true}, dout, Q = q, Kc = k, Vc = v,
                                       W = broadcast(w, b, h));
-      auto want = cpu::gradient(expr, widened(dout), Q = widened(q), Kc = widened(k), Vc = widened(v),
-                                W = broadcast(widened(w), b, h));
+      auto want = cpu::gradient(expr, widened(dout), Q = widened(q), Kc = widened(k), Vc = widened(v), W = broadcast(wd, b, h));
       CHECK(relative_rms(g[Q], as_float(want[Q])) <= tolerance(cuda::dtype::f32));
       CHECK(relative_rms(g[Kc], as_float(want[Kc])) <= tolerance(cuda::dtype::f32));
       CHECK(relative_rms(g[Vc], as_float(want[Vc])) <= tolerance(cuda::dtype::f32));
       CHECK(relative_rms(g[W], as_float(dense(want[W]))) <= tolerance(cuda::dtype::f32));
+    }
+  }
+  {  // Linear cross-attention split (non-causal): φ(Q)'s shares of ∂W per group of Q's rows, φ(K)'s per
+     // group of K's rows (N_keys ≠ N: each side its own count of groups), one W and a W per side.
+    constexpr auto S = dim<"S">;
+    constexpr auto Kc = input<"K">(S, D);
+    constexpr auto Vc = input<"V">(S, M);
+    constexpr auto W2 = input<"W2">(D, Fw);
+    auto const one_w = compile<order::linear>(normalize(phi<favor>(Q, W) * transpose(phi<favor>(Kc, W))) * Vc);
+    auto const two_w = compile<order::linear>(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(Kc, W2)) * Vc);
+    test::rng r{116};
+    for (auto [n, s] : {std::pair<std::size_t, std::size_t>{20, 130}, {130, 20}, {65, 64}}) {
+      std::size_t const b = 2, h = 1, d = 12, m = 9, f = 16;
+      CAPTURE(n); CAPTURE(s);
+      auto q = tensor<float>::random({b, h, n, d}, r.next()), k = tensor<float>::random({b, h, s, d}, r.next());
+      auto v = tensor<float>::random({b, h, s, m}, r.next()), dout = tensor<float>::random({b, h, n, m}, r.next());
+      auto const p1 = gaussian_projection<float>(d, f, r.next()), p2 = gaussian_projection<float>(d, f, r.next());
+      auto const w = broadcast(p1, b, h), w2 = broadcast(p2, b, h);  // (views of p1, p2)
+      cuda::options opt{cuda::dtype::f32, cuda::dtype::f32, true};
+      opt.tiles = {16, 0};
+      cuda::options split = opt;
+      split.split_rows = 32;  // groups of two chunks: 1 and 5, 5 and 1, 3 and 2 of Q's and K's rows
+      auto g = cuda::emulate_gradient(one_w, opt, dout, Q = q, Kc = k, Vc = v, W = w);
+      auto gs = cuda::emulate_gradient(one_w, split, dout, Q = q, Kc = k, Vc = v, W = w);
+      auto want = cpu::gradient(one_w, dout, Q = q, Kc = k, Vc = v, W = w);
+      CHECK(relative_rms(g[W], dense(want[W])) <= tolerance(cuda::dtype::f32));
+      for (auto const& [x, y] : {std::pair{&gs[Q], &g[Q]}, {&gs[Kc], &g[Kc]}, {&gs[Vc], &g[Vc]}, {&gs[W], &g[W]}})
+        CHECK(relative_rms(*x, *y) <= 1e-5);
+      auto h2 = cuda::emulate_gradient(two_w, opt, dout, Q = q, Kc = k, Vc = v, W = w, W2 = w2);
+      auto hs = cuda::emulate_gradient(two_w, split, dout, Q = q, Kc = k, Vc = v, W = w, W2 = w2);
+      auto want2 = cpu::gradient(two_w, dout, Q = q, Kc = k, Vc = v, W = w, W2 = w2);
+      CHECK(relative_rms(h2[W2], dense(want2[W2])) <= tolerance(cuda::dtype::f32));
+      for (auto const& [x, y] : {std::pair{&hs[Q], &h2[Q]}, {&hs[Kc], &h2[Kc]}, {&hs[Vc], &h2[Vc]}, {&hs[W], &h2[W]},
+                                 {&hs[W2], &h2[W2]}})
+        CHECK(relative_rms(*x, *y) <= 1e-5);
     }
   }
   // Chained: two blocks differentiated last first; their ∂W add up to the one pass's.

@@ -343,6 +343,9 @@ struct emitter {
     }
     bool walks_keys = p.quadratic || (p.split && !p.spec.causal);  // K's and V's rows, which may not be Q's
     for (auto const& pass : p.passes) walks_keys = walks_keys || pass.keys;
+    for (auto const* i : all)  // (a non-causal sum over every group of K's rows: add_partials below)
+      walks_keys = walks_keys || (i->op == opcode::add_partials && !i->causal && !i->later &&
+                                  p.extras.at(static_cast<std::size_t>(i->slot)).keys);
     if (walks_keys) line(2, "const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V");
     if (p.split) {  // blocks per group of rows too: x = (slice · m_tiles + m_tile) · groups + group
       std::string_view const n = p.key_major ? "keys_n" : "args.n";  // (key-major: groups of K's rows)

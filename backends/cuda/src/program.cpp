@@ -650,13 +650,34 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
                           .cols = static_cast<std::size_t>(m) + (s.normalized ? 1 : 0),
                           .rows = static_cast<std::size_t>(c), .per_group = true});
   }
-  int const w_sums_at = split && param ? static_cast<int>(p.extras.size()) : -1;  // each group's ∂W (∂W2) share
-  if (w_sums_at >= 0)
-    for (std::string const& x : {s.w_name, s.w_k_name})
-      if (!x.empty())
-        p.extras.push_back({.name = "∂" + x + " partials", .type = dtype::f32,
-                            .comment = "each group's share of ∂" + x + ", fp32 [B, H, groups·D, F]",
-                            .cols = static_cast<std::size_t>(s.f), .rows = static_cast<std::size_t>(d), .per_group = true});
+  // Split, each group's shares of ∂W (∂W2). Causal, one launch (the walks)
+  // sums both sides' terms of a group: a buffer per W. Non-causal, groups of
+  // Q's rows (the adjoint sums' launch) give φ(Q)'s terms and groups of K's
+  // rows (the walks) φ(K)'s: a buffer per side, φ(K)'s of K's groups (for a W
+  // of its own, that is ∂W2's).
+  struct w_share {
+    int reg, slot;
+    backward_part part;  // the launch that stores it
+  };
+  std::vector<w_share> w_shares;
+  if (split && param) {
+    auto share = [&](std::string const& x, bool keys) {
+      p.extras.push_back({.name = "∂" + x + " partials", .type = dtype::f32,
+                          .comment = fmt::format("each group{}'s share of ∂{}, fp32 [B, H, groups·D, F]",
+                                                 s.causal ? "" : keys ? " of K's rows" : " of Q's rows", x),
+                          .keys = keys, .cols = static_cast<std::size_t>(s.f), .rows = static_cast<std::size_t>(d),
+                          .per_group = true});
+      return static_cast<int>(p.extras.size()) - 1;
+    };
+    if (s.causal) {
+      w_shares.push_back({-1, share(s.w_name, false), backward_part::walks});
+      if (own_k) w_shares.push_back({-2, share(s.w_k_name, false), backward_part::walks});
+    } else {
+      if (parametric(s.map_q)) w_shares.push_back({-1, share(s.w_name, false), backward_part::adjoint_sums});
+      if (parametric(s.map_k))
+        w_shares.push_back({own_k ? -2 : -1, share(own_k ? s.w_k_name : s.w_name + " (K's rows)", true), backward_part::walks});
+    }
+  }
 
   std::string const v1 = s.normalized ? "[V|1]" : "V";
   std::string const cdim = row_map ? "C" : "D";
@@ -713,18 +734,35 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     p.epilogue.back().later = split;
   }
   b.load_w(p.prologue);
-  // ∂W (∂W2): a sum over every row; split, each group's walks store their share
-  // and a last launch (weight_sums) adds the shares in the order of the groups.
+  // ∂W (∂W2): a sum over every row; split, the launches above store each
+  // group's shares and a last one (weight_sums) adds them in a fixed order:
+  // the groups', and non-causal with one W, Q's groups' before K's.
+  for (w_share& x : w_shares) x.reg = x.reg == -1 ? dw : dwk;
   std::vector<instruction> w_first, w_last;
-  for (auto [r, at, share] : {std::tuple{dw, dw_at, w_sums_at}, std::tuple{dwk, dw_at + 1, w_sums_at + 1}}) {
-    if (r < 0 || part == backward_part::sums || part == backward_part::adjoint_sums) continue;
-    w_first.push_back(builder::zero(r));
-    instruction shares{.op = opcode::add_partials, .dst = r, .slot = share, .width = f, .by_m_tile = true};
-    if (part == backward_part::weight_sums) w_first.push_back(shares);
-    instruction out = builder::store_to(r, at, f);
-    out.whole = true;
-    if (part == backward_part::walks) out = shares, out.op = opcode::store_partial;
-    w_last.push_back(out);
+  for (auto [r, at] : {std::pair{dw, dw_at}, std::pair{dwk, dw_at + 1}}) {
+    if (r < 0) continue;
+    if (!split) {
+      w_first.push_back(builder::zero(r));
+      w_last.push_back(builder::store_to(r, at, f));
+      w_last.back().whole = true;
+      continue;
+    }
+    bool zeroed = false;
+    for (w_share const& x : w_shares) {
+      if (x.reg != r || (part != x.part && part != backward_part::weight_sums)) continue;
+      if (!zeroed) w_first.push_back(builder::zero(r)), zeroed = true;
+      instruction shares{.op = opcode::add_partials, .dst = r, .slot = x.slot, .width = f, .by_m_tile = true};
+      if (part == backward_part::weight_sums) {
+        w_first.push_back(shares);
+      } else {
+        shares.op = opcode::store_partial;
+        w_last.push_back(shares);
+      }
+    }
+    if (part == backward_part::weight_sums) {
+      w_last.push_back(builder::store_to(r, at, f));
+      w_last.back().whole = true;
+    }
   }
   if (part == backward_part::weight_sums) {  // a block per (batch, head), no rows: the groups' shares added, stored
     p.prologue = std::move(w_first);
@@ -1232,7 +1270,7 @@ void drop_unused_registers(program& p) {
 
 std::vector<program> split_backward_programs_of(attention_spec const& s) {
   bool const param = parametric(s.map_q) || parametric(s.map_k);
-  if (s.softmax || s.step || s.d == 0 || s.m == 0 || (param && !s.causal)) return {};
+  if (s.softmax || s.step || s.d == 0 || s.m == 0) return {};
   check_maps(s);
   std::optional<program> const whole = fitting_backward(s, false);
   if (!whole) return {};  // (split over M's columns instead)
@@ -1399,6 +1437,13 @@ std::int64_t split_rows(std::int64_t blocks, std::int64_t n, int chunk, int sms)
   return (chunks + groups - 1) / groups * chunk;
 }
 
+std::int64_t split_rows(tile_request const& t, std::int64_t blocks, std::int64_t n, int chunk, int sms) {
+  if (t.groups == 0) return split_rows(blocks, n, chunk, sms);
+  std::int64_t const chunks = (n + chunk - 1) / chunk;
+  std::int64_t const per_group = (chunks + t.groups - 1) / t.groups;
+  return per_group > 0 && per_group < chunks ? per_group * chunk : 0;
+}
+
 void check_tile_request(tile_request const& t) {
   if (t.chunk != 0 && t.chunk != 16 && t.chunk != 32 && t.chunk != 64)
     throw std::invalid_argument(
@@ -1409,6 +1454,9 @@ void check_tile_request(tile_request const& t) {
   if (t.threads != 0 && t.threads != 128 && t.threads != 256 && t.threads != 512)
     throw std::invalid_argument(fmt::format(
         "lina::cuda: blocks of {} threads were requested; they are 128, 256 or 512 (0: lina chooses)", t.threads));
+  if (t.groups < 0)
+    throw std::invalid_argument(fmt::format(
+        "lina::cuda: {} groups of rows were requested; they are at least 1 (1: one pass; 0: lina chooses)", t.groups));
 }
 
 tile_config choose_tiles(attention_spec const& s) {

@@ -70,8 +70,9 @@ struct options {
   // The emulation of the chunk-parallel form (split_programs_of): groups of
   // this many rows (a multiple of the chunk; 0: one pass) for linear plans,
   // causal (chained or not) or not; emulate_gradient: a linear backward's
-  // (split_backward_programs_of), where the plan has one. Launches choose it
-  // from the device (split_rows).
+  // (split_backward_programs_of), where the plan has one. 0: as tiles.groups
+  // asks (0 there: one pass). Launches choose it from the device, or from
+  // tiles.groups where that is set (split_rows).
   std::int64_t split_rows = 0;
   // The chunk (T = 16, 32, 64) and M tile of the kernels (tile_request in
   // lina/cuda/program.hpp; 0: lina chooses, choose_tiles): results differ
@@ -895,10 +896,13 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
       a.state_out = st->kernel_out();
     }
     // The chunk-parallel form: partials, then the scan (N = 0 has no group to
-    // store a state; without keys there are no sums to split).
-    if (opt.split_rows > 0 && a.n > 0 && keys_of(a) > 0 && !p.quadratic && !step) {
+    // store a state; without keys there are no sums to split). Groups of
+    // options::split_rows rows, else as the schedule asks (tile_request::groups).
+    std::int64_t const rows =
+        opt.split_rows > 0 ? opt.split_rows : split_rows(opt.tiles, blocks_of(p, a), a.n, p.tiles.chunk, 0);
+    if (rows > 0 && a.n > 0 && keys_of(a) > 0 && !p.quadratic && !step) {
       split_programs const sp = split_programs_of(s);
-      a.group_rows = opt.split_rows;
+      a.group_rows = rows;
       std::int64_t const groups = groups_of(sp.partials, a);
       std::int64_t const c = static_cast<std::int64_t>(features(s.map_q, s.d, s.f)), w = static_cast<std::int64_t>(s.m) + s.normalized;
       std::vector<float> partials(static_cast<std::size_t>(a.batch * a.heads * groups * c * w));
@@ -1131,7 +1135,7 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* 
       a.state_in = st->kernel_in();
       a.state_out = st->kernel_out();
     }
-    std::int64_t const rows = !p.quadratic && keys_of(a) > 0 ? split_rows(blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
+    std::int64_t const rows = !p.quadratic && keys_of(a) > 0 ? split_rows(tiles, blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
     if (rows > 0)  // too few (batch, head, M tile) blocks for the device: split N too
       launch_split(split_programs_of(s), a, rows, stream);
     else
@@ -1378,10 +1382,14 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     s.chained = chained;
     std::int64_t const n_rows = static_cast<std::int64_t>(F::q::input::rows::extent(in.table));
     std::int64_t const n_keys = static_cast<std::int64_t>(F::k::input::rows::extent(in.table));
-    // The chunk-parallel form where asked for and the plan has one (linear; no rows or keys: no group).
-    std::vector<program> ps =
-        opt.split_rows > 0 && n_rows > 0 && n_keys > 0 ? split_backward_programs_of(s) : std::vector<program>{};
-    if (ps.empty()) ps = backward_programs_of(s);  // one launch, or softmax's two or three
+    std::vector<program> ps = backward_programs_of(s);  // one launch, or softmax's two or three
+    // The chunk-parallel form where asked for (options::split_rows, else the
+    // schedule's groups) and the plan has one (linear; no rows or keys: no group).
+    std::int64_t const rows = opt.split_rows > 0 ? opt.split_rows
+                              : ps.size() == 1   ? split_rows(opt.tiles, 0, n_rows, ps.front().tiles.chunk, 0)
+                                                 : 0;
+    if (rows > 0 && n_rows > 0 && n_keys > 0)
+      if (std::vector<program> sp = split_backward_programs_of(s); !sp.empty()) ps = std::move(sp);
     program const& p = ps.front();
     std::vector<std::uint16_t> stores[max_inputs];
     forward_args a;
@@ -1397,7 +1405,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     a.heads = static_cast<std::int64_t>(in.heads);
     a.n = n_rows;
     a.n_keys = n_keys;
-    if (p.split) a.group_rows = opt.split_rows;
+    if (p.split) a.group_rows = rows;
     std::size_t const bh = in.batch * in.heads, n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
     shape4 const sq{in.batch, in.heads, n, s.d}, sk{in.batch, in.heads, nk, s.d}, sv{in.batch, in.heads, nk, s.m};
     lina::tensor<float>& gq = detail::gradient_slot<typename F::q::input>(g);
@@ -1519,7 +1527,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
     a.in[3] = detail::device_operand(dv);
     // Too few (batch, head) blocks for the device: the chunk-parallel form, where the plan has one.
     if (std::int64_t const rows = ps.size() == 1 && a.n > 0 && keys_of(a) > 0
-                                      ? split_rows(blocks_of(ps.front(), a), a.n, ps.front().tiles.chunk, dev.sms)
+                                      ? split_rows(tiles, blocks_of(ps.front(), a), a.n, ps.front().tiles.chunk, dev.sms)
                                       : 0)
       if (std::vector<program> sp = split_backward_programs_of(s); !sp.empty()) ps = std::move(sp), a.group_rows = rows;
     program const& p = ps.front();

@@ -232,19 +232,25 @@ std::size_t size_of(dtype t);
 // next chunk's input rows into L2 (opcode::prefetch); threads: per block, 128,
 // 256 or 512 (0: 256) — the tensor-core products spread their 16-row stripes
 // over that many warps (every other instruction strides by the block's
-// threads). The schedule changes how a
-// kernel walks its tiles, not what it computes: results differ only in the
-// order of sums (prefetching changes nothing at all).
+// threads); groups: how many groups of rows along N a launch of a linear plan
+// splits each (batch, head) into — its chunk-parallel form, split_rows below:
+// 0 lets lina choose from the device (only where the blocks leave SMs idle), 1
+// never splits, G ≥ 2 splits into G (at most one per chunk; ignored where the
+// plan has no such form: softmax, a decoding step, a non-causal FAVOR+ or
+// random-feature backward). The schedule changes how a kernel walks its tiles,
+// not what it computes: results differ only in the order of sums (prefetching
+// changes nothing at all).
 struct tile_request {
   int chunk = 0;
   int tile_m = 0;
   bool prefetch = false;
   int threads = 0;
+  int groups = 0;
   bool operator==(tile_request const&) const = default;
 };
 // std::invalid_argument unless t is a schedule at all (chunk 0, 16, 32 or 64;
-// tile_m ≥ 0; threads 0, 128, 256 or 512); whether it fits a spec is
-// choose_tiles' to say.
+// tile_m ≥ 0; threads 0, 128, 256 or 512; groups ≥ 0); whether it fits a spec
+// is choose_tiles' to say.
 void check_tile_request(tile_request const& t);
 
 // What program_of needs to know about a forward attention plan. Filled from a
@@ -547,14 +553,16 @@ split_programs split_programs_of(attention_spec const& s);
 //      later); chained, the first group stores ∂S0.
 // Non-causal: 1. each group of K's rows its sums (key-major); 2. each group
 // of Q's rows, from all of them, its rows, ĝ, ∂Q and Σ φ(Q)ᵀĝ; 3. each group
-// of K's rows, from all of those, ∂K and ∂V (key-major). A causal plan with a
-// parametric map (FAVOR+, random features) sums ∂W over every row: its walks
-// store each group's share ("∂W partials", fp32 [B, H, groups·D, F]), and a
-// fourth launch, a block per (batch, head), adds them in the groups' order.
-// Every gradient row is summed by one block; launches in order on one stream.
-// Returns no programs where the backward has no such form: softmax or step
-// specs, non-causal parametric maps (∂W's shares come from two launches over
-// different groups), poly2 through its kernel and specs split over M's columns. The results equal backward_programs_of(s)'s
+// of K's rows, from all of those, ∂K and ∂V (key-major). A plan with a
+// parametric map (FAVOR+, random features) sums ∂W over every row: causal, its
+// walks store each group's share ("∂W partials", fp32 [B, H, groups·D, F]);
+// non-causal, launch 2 stores φ(Q)'s share per group of Q's rows and launch 3
+// φ(K)'s per group of K's rows ("∂W (K's rows) partials", or ∂W2's for a W of
+// φ(K)'s own); a fourth launch, a block per (batch, head), adds them in a
+// fixed order (the groups', Q's before K's). Every gradient row is summed by
+// one block; launches in order on one stream. Returns no programs where the
+// backward has no such form: softmax or step specs, poly2 through its kernel
+// and specs split over M's columns. The results equal backward_programs_of(s)'s
 // up to the order of the state's sums.
 std::vector<program> split_backward_programs_of(attention_spec const& s);
 
@@ -569,6 +577,10 @@ program add_program(dtype t, std::size_t cols);
 // sequence has fewer than 4 chunks; else a multiple of the chunk that makes
 // about two blocks per SM, at least 2 chunks per group.
 std::int64_t split_rows(std::int64_t blocks, std::int64_t n, int chunk, int sms);
+// The same under a caller's schedule: t.groups = 0 is the choice above (sms =
+// 0, the emulation: no split), 1 none, G ≥ 2 groups of ⌈chunks / G⌉ whole
+// chunks (so at most G of them; 0 where that makes one group).
+std::int64_t split_rows(tile_request const& t, std::int64_t blocks, std::int64_t n, int chunk, int sms);
 
 // The linear plan a spec computes, in lina's notation, written from the spec
 // alone: every plan with this spec (either order, a select between them) gets

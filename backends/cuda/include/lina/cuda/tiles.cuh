@@ -823,14 +823,27 @@ template <int R, int C, int P, bool Z>
 __device__ void load_state(float* t, const operand& s, long long base, long long c0, int width) {
   const float* data = static_cast<const float*>(s.data);
   const long long m_cols = Z ? s.cols - 1 : s.cols;
-  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
-    const int i = e / C, j = e % C;
-    float x = 0.0f;
-    if (Z && j == C - 1)
-      x = data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]];
-    else if (j < width && c0 + j < m_cols)
-      x = data[base + i * s.stride[2] + (c0 + j) * s.stride[3]];
-    t[i * P + j] = x;
+  // U elements per thread and step, their loads issued before any is stored
+  // (a decoding step is little more than this load and the store back: one
+  // memory latency per U elements, not per element).
+  constexpr int U = 8;
+  for (int e0 = threadIdx.x; e0 < R * C; e0 += U * static_cast<int>(blockDim.x)) {
+    float x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * static_cast<int>(blockDim.x), i = e / C, j = e % C;
+      x[u] = 0.0f;
+      if (e >= R * C) continue;
+      if (Z && j == C - 1)
+        x[u] = data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]];
+      else if (j < width && c0 + j < m_cols)
+        x[u] = data[base + i * s.stride[2] + (c0 + j) * s.stride[3]];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * static_cast<int>(blockDim.x);
+      if (e < R * C) t[(e / C) * P + e % C] = x[u];
+    }
   }
   __syncthreads();
 }
@@ -866,17 +879,33 @@ __device__ void add_partials(float* t, const operand& s, long long base, long lo
                              long long end, long long c0, int width) {
   const float* data = static_cast<const float*>(s.data);
   const long long m_cols = Z ? s.cols - 1 : s.cols;
-  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
-    const int i = e / C, j = e % C;
-    long long col = -1;
-    if (Z && j == C - 1)
-      col = s.cols - 1;
-    else if (j < width && c0 + j < m_cols)
-      col = c0 + j;
-    if (col < 0) continue;
-    float x = t[i * P + j];
-    for (long long g = first; g < end; ++g) x += data[base + g * rows_apart + i * s.stride[2] + col * s.stride[3]];
-    t[i * P + j] = x;
+  constexpr int U = 4;  // elements per thread and step, each group's loads of them issued together
+  for (int e0 = threadIdx.x; e0 < R * C; e0 += U * static_cast<int>(blockDim.x)) {
+    long long col[U];
+    float x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * static_cast<int>(blockDim.x), i = e / C, j = e % C;
+      col[u] = -1;
+      if (e < R * C) {
+        if (Z && j == C - 1)
+          col[u] = s.cols - 1;
+        else if (j < width && c0 + j < m_cols)
+          col[u] = c0 + j;
+      }
+      x[u] = col[u] < 0 ? 0.0f : t[i * P + j];
+    }
+    for (long long g = first; g < end; ++g)  // (in increasing order of the groups, as the emulation adds them)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int e = e0 + u * static_cast<int>(blockDim.x);
+        if (col[u] >= 0) x[u] += data[base + g * rows_apart + (e / C) * s.stride[2] + col[u] * s.stride[3]];
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * static_cast<int>(blockDim.x);
+      if (col[u] >= 0) t[(e / C) * P + e % C] = x[u];
+    }
   }
   __syncthreads();
 }
