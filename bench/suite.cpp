@@ -9,7 +9,9 @@
 // comparisons; bytes: q, k, v read and o written once (forward), plus dout
 // read and dq, dk, dv written (backward).
 //
-//   suite [--quick] [--csv FILE] [--orders-csv FILE] [--reps R]
+//   suite [--quick] [--maps] [--csv FILE] [--orders-csv FILE] [--reps R]
+//
+// --maps runs the feature-map rows alone (poly2, favor).
 #include <fmt/core.h>
 #include <fmt/os.h>
 
@@ -50,6 +52,7 @@ constexpr auto favor_attn = normalize(causal(phi<favor>(Q, W) * transpose(phi<fa
 
 struct options {
   bool quick = false;
+  bool maps_only = false;
   int reps = 3;
   std::optional<std::string> csv, orders_csv;
 };
@@ -124,7 +127,8 @@ void feature_maps(report& rep) {
   std::size_t d = 64, m = 256;
   for (std::size_t n : {1024u, 4096u}) {
     measure<float>(rep, compile<order::linear>(causal_attn<poly2>), "poly2", "causal", 8, n, d, poly2::features(d), false);
-    auto w = broadcast(gaussian_projection<float>(d, m, 7), 1, 8);
+    auto const projection = gaussian_projection<float>(d, m, 7);
+    auto w = broadcast(projection, 1, 8);
     measure<float>(rep, compile<order::linear>(favor_attn), "favor256", "causal", 8, n, d, m, false, W = w);
   }
 }
@@ -160,6 +164,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) {
       opt.quick = true;
+    } else if (!std::strcmp(argv[i], "--maps")) {
+      opt.maps_only = true;
     } else if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) {
       opt.csv = argv[++i];
     } else if (!std::strcmp(argv[i], "--orders-csv") && i + 1 < argc) {
@@ -167,7 +173,7 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
       opt.reps = std::max(1, std::atoi(argv[++i]));
     } else {
-      fmt::print(stderr, "usage: suite [--quick] [--csv FILE] [--orders-csv FILE] [--reps R]\n");
+      fmt::print(stderr, "usage: suite [--quick] [--maps] [--csv FILE] [--orders-csv FILE] [--reps R]\n");
       return 2;
     }
   }
@@ -179,8 +185,10 @@ int main(int argc, char** argv) {
   fmt::print("threads {}: FMA peak {:.1f} GFLOP/s fp32, {:.1f} fp64; triad {:.1f} GB/s (measured now)\n\n", threads,
              rep.p.f32, rep.p.f64, rep.p.triad);
   rep.header();
-  elu_grid<float>(rep);
-  elu_grid<double>(rep);
+  if (!opt.maps_only) {
+    elu_grid<float>(rep);
+    elu_grid<double>(rep);
+  }
   feature_maps(rep);
   if (opt.csv) {
     auto out = fmt::output_file(*opt.csv);
@@ -189,5 +197,5 @@ int main(int argc, char** argv) {
       out.print("{},{},{},{},{},{},{},{},{},{:.6f},{:.3f},{:.4f},{:.3f},{:.4f}\n", r.map, r.mask, r.pass, r.type, r.bh,
                 r.n, r.d, r.m, r.c, r.ms, r.gflops, r.peak_fraction, r.gbytes, r.triad_fraction);
   }
-  orders(opt);
+  if (!opt.maps_only) orders(opt);
 }

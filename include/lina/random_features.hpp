@@ -76,5 +76,14 @@ tensor_view<T const> broadcast(tensor<T> const& t, std::size_t batch, std::size_
   auto s = t.strides();
   return {t.data(), {batch, heads, t.shape()[2], t.shape()[3]}, {0, 0, s[2], s[3]}};
 }
+// A view of a temporary would dangle at the end of the statement (and read
+// freed memory when bound later): refused at compile time.
+template <class T>
+tensor_view<T const> broadcast(tensor<T>&&, std::size_t, std::size_t) {
+  static_assert(sizeof(T) == 0,
+                "lina::broadcast returns a view of its tensor, which a temporary would leave dangling: keep the tensor "
+                "in a variable first (auto w = gaussian_projection<float>(d, f, seed); ... W = broadcast(w, B, H))");
+  return {};
+}
 
 }  // namespace lina
