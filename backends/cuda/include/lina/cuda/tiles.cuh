@@ -798,19 +798,54 @@ __device__ void square_grad(float* t, const float* e, long long q0, long long k0
   __syncthreads();
 }
 
+// 16 bytes of output from VN values, each rounded to E (nearest even): the
+// inverse of unpack (cvt.rn.*x2 puts its first operand in the upper half).
+__device__ __forceinline__ void pack_vector(f32, const float* x, u32x4& r) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) r.x[w] = __float_as_uint(x[w]);
+}
+__device__ __forceinline__ void pack_vector(bf16, const float* x, u32x4& r) {
+#pragma unroll
+  for (int h = 0; h < 4; ++h) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r.x[h]) : "f"(x[2 * h + 1]), "f"(x[2 * h]));
+}
+__device__ __forceinline__ void pack_vector(f16, const float* x, u32x4& r) {
+#pragma unroll
+  for (int h = 0; h < 4; ++h) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r.x[h]) : "f"(x[2 * h + 1]), "f"(x[2 * h]));
+}
+
 // out(r0 + i, c0 + j) = t[i][j] (Add: out += t, read in E: a gradient of an
 // input the plan reads twice, whose other share this block stored before).
+// Each thread takes 16 bytes of a row (VN elements): one vector store where
+// they are contiguous, aligned and all inside the output, else element by
+// element — the same values either way.
 template <class E, int R, int C, int P, bool Add = false, class S>
 __device__ void store(const S* t, const operand& out, long long base, long long r0, long long c0, int rows,
                       int width) {
-  void* data = const_cast<void*>(out.data);
-  for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
-    const int i = e / C, j = e % C;
-    if (j < width && c0 + j < out.cols) {
-      const long long at = base + (r0 + i) * out.stride[2] + (c0 + j) * out.stride[3];
-      const float x = get(t, i * P + j);
-      store_element(E{}, data, at, Add ? load_element(E{}, data, at) + x : x);
+  constexpr int VN = vector_of<E>::n, CG = (C + VN - 1) / VN;
+  constexpr int bytes = VN == 8 ? 2 : 4;
+  void* const data = const_cast<void*>(out.data);
+  const bool contiguous = out.stride[3] == 1;
+  for (int g = threadIdx.x; g < rows * CG; g += blockDim.x) {
+    const int i = g / CG, j = g % CG * VN;
+    const long long row = base + (r0 + i) * out.stride[2];
+    char* const p = static_cast<char*>(data) + (row + c0 + j) * bytes;
+    if (!Add && contiguous && j + VN <= C && j + VN <= width && c0 + j + VN <= out.cols &&
+        (reinterpret_cast<unsigned long long>(p) & 15) == 0) {
+      float x[VN];
+#pragma unroll
+      for (int w = 0; w < VN; ++w) x[w] = get(t, i * P + j + w);
+      u32x4 r;
+      pack_vector(E{}, x, r);
+      *reinterpret_cast<u32x4*>(p) = r;
+      continue;
     }
+#pragma unroll
+    for (int w = 0; w < VN; ++w)
+      if (j + w < C && j + w < width && c0 + j + w < out.cols) {
+        const long long at = row + (c0 + j + w) * out.stride[3];
+        const float x = get(t, i * P + j + w);
+        store_element(E{}, data, at, Add ? load_element(E{}, data, at) + x : x);
+      }
   }
   __syncthreads();
 }
