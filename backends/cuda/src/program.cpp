@@ -656,7 +656,8 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   // rows (the walks) φ(K)'s: a buffer per side, φ(K)'s of K's groups (for a W
   // of its own, that is ∂W2's).
   struct w_share {
-    int reg, slot;
+    bool w2;             // ∂W2's (a W of φ(K)'s own), else ∂W's
+    int slot;
     backward_part part;  // the launch that stores it
   };
   std::vector<w_share> w_shares;
@@ -670,12 +671,12 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
       return static_cast<int>(p.extras.size()) - 1;
     };
     if (s.causal) {
-      w_shares.push_back({-1, share(s.w_name, false), backward_part::walks});
-      if (own_k) w_shares.push_back({-2, share(s.w_k_name, false), backward_part::walks});
+      w_shares.push_back({false, share(s.w_name, false), backward_part::walks});
+      if (own_k) w_shares.push_back({true, share(s.w_k_name, false), backward_part::walks});
     } else {
-      if (parametric(s.map_q)) w_shares.push_back({-1, share(s.w_name, false), backward_part::adjoint_sums});
+      if (parametric(s.map_q)) w_shares.push_back({false, share(s.w_name, false), backward_part::adjoint_sums});
       if (parametric(s.map_k))
-        w_shares.push_back({own_k ? -2 : -1, share(own_k ? s.w_k_name : s.w_name + " (K's rows)", true), backward_part::walks});
+        w_shares.push_back({own_k, share(own_k ? s.w_k_name : s.w_name + " (K's rows)", true), backward_part::walks});
     }
   }
 
@@ -737,9 +738,8 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   // ∂W (∂W2): a sum over every row; split, the launches above store each
   // group's shares and a last one (weight_sums) adds them in a fixed order:
   // the groups', and non-causal with one W, Q's groups' before K's.
-  for (w_share& x : w_shares) x.reg = x.reg == -1 ? dw : dwk;
   std::vector<instruction> w_first, w_last;
-  for (auto [r, at] : {std::pair{dw, dw_at}, std::pair{dwk, dw_at + 1}}) {
+  for (auto [r, at, w2] : {std::tuple{dw, dw_at, false}, std::tuple{dwk, dw_at + 1, true}}) {
     if (r < 0) continue;
     if (!split) {
       w_first.push_back(builder::zero(r));
@@ -749,7 +749,7 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     }
     bool zeroed = false;
     for (w_share const& x : w_shares) {
-      if (x.reg != r || (part != x.part && part != backward_part::weight_sums)) continue;
+      if (x.w2 != w2 || (part != x.part && part != backward_part::weight_sums)) continue;
       if (!zeroed) w_first.push_back(builder::zero(r)), zeroed = true;
       instruction shares{.op = opcode::add_partials, .dst = r, .slot = x.slot, .width = f, .by_m_tile = true};
       if (part == backward_part::weight_sums) {
