@@ -240,7 +240,7 @@ std::vector<cuda::tile_request> parse_tiles(std::string_view text) {
   return r;
 }
 
-// A schedule in words, for the table ("T = 32, M tile = 128, prefetch, 256 threads, 8 groups").
+// A schedule in words, for the table ("T = 32, M tile = 128, prefetch, 256 threads, 8 group(s) of rows").
 std::string describe(cuda::tile_request const& t, std::size_t d) {
   std::string r = fmt::format("T = {}", t.chunk);
   if (t.tile_m > 0) r += fmt::format(", M tile = {}", std::min<std::size_t>(static_cast<std::size_t>(t.tile_m), d));
