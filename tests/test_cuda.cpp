@@ -466,6 +466,28 @@ TEST_CASE("device: launched kernels agree with the emulation") {
           for (std::size_t c = 0; c < m; ++c) got.data()[((x * h + y) * n + r) * m + c] = bnhm.data()[((x * n + r) * h + y) * m + c];
     CHECK(relative_rms(got, want) <= (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
   }
+  // Grouped-query attention through views: K and V with a zero head stride (test_cuda_forward.cpp).
+  {
+    std::size_t const b = 2, hkv = 2, g = 3, n = 70, d = 16, m = 12;
+    auto q = tensor<float>::random({b, hkv * g, n, d}, 901), k = tensor<float>::random({b, hkv, n, d}, 902),
+         v = tensor<float>::random({b, hkv, n, m}, 903);
+    auto dq = cuda::to_device(q), dk = cuda::to_device(k), dv = cuda::to_device(v);
+    auto grouped = [&](shape4 s, bool shared) {  // [B, H, …] as [B·Hkv, g, …]
+      std::ptrdiff_t const head = static_cast<std::ptrdiff_t>(s[2] * s[3]);
+      return std::pair{shape4{b * hkv, g, s[2], s[3]},
+                       strides4{shared ? head : head * static_cast<std::ptrdiff_t>(g), shared ? 0 : head,
+                                static_cast<std::ptrdiff_t>(s[3]), 1}};
+    };
+    auto [sq, tq] = grouped(q.shape(), false);
+    auto [sk, tk] = grouped(k.shape(), true);
+    auto [sv, tv] = grouped(v.shape(), true);
+    auto want = cuda::emulate(causal_plan, Q = tensor_view<float const>(q.data(), sq, tq),
+                              K = tensor_view<float const>(k.data(), sk, tk), V = tensor_view<float const>(v.data(), sv, tv));
+    auto got = cuda::evaluate(causal_plan, nullptr, Q = cuda::device_view<float const>(dq.data(), sq, tq),
+                              K = cuda::device_view<float const>(dk.data(), sk, tk),
+                              V = cuda::device_view<float const>(dv.data(), sv, tv));
+    CHECK(relative_rms(cuda::to_host(got), want) <= 1e-6);
+  }
   // poly2 past a block's state (C = 2080): quadratic, through its kernel (q·k)².
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     launch_vs_emulation(compile<order::linear>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V), dt,

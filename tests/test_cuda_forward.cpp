@@ -314,6 +314,55 @@ TEST_CASE("requested tiles on launches: checked before anything runs") {
   }
 }
 
+// Grouped-query attention through views, as on the CPU (test_cpu.cpp): Q as
+// [B·Hkv, g, N, D], K and V with a zero head stride. The kernels read each
+// operand at its own strides, so the emulation gives attention on K, V
+// repeated per query head, bit for bit, and per-query-head gradients whose
+// sums over a group are the shared heads' (the same rows in the same order:
+// equal up to the order of the group's sum).
+TEST_CASE("grouped-query attention through views (a zero head stride) = K, V repeated per query head") {
+  constexpr auto plan = compile<order::linear>(causal_expr);
+  std::size_t const b = 2, hkv = 2, g = 3, h = hkv * g, n = 70, d = 16, m = 12;
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt));
+    auto q = rounded(tensor<float>::random({b, h, n, d}, 31), dt), k = rounded(tensor<float>::random({b, hkv, n, d}, 32), dt),
+         v = rounded(tensor<float>::random({b, hkv, n, m}, 33), dt), dout = rounded(tensor<float>::random({b, h, n, m}, 34), dt);
+    auto grouped = [&](tensor<float> const& x, bool shared) {
+      auto const st = x.strides();
+      return tensor_view<float const>(x.data(), {b * hkv, g, n, x.shape()[3]},
+                                      {shared ? st[1] : st[1] * static_cast<std::ptrdiff_t>(g), shared ? 0 : st[1], st[2], st[3]});
+    };
+    tensor<float> kr({b, h, n, d}), vr({b, h, n, m});
+    for (std::size_t x = 0; x < b; ++x)
+      for (std::size_t y = 0; y < h; ++y)
+        for (std::size_t r = 0; r < n; ++r) {
+          for (std::size_t c = 0; c < d; ++c) kr(x, y, r, c) = k(x, y / g, r, c);
+          for (std::size_t c = 0; c < m; ++c) vr(x, y, r, c) = v(x, y / g, r, c);
+        }
+    cuda::options const opt{dt, dt};
+    auto const want = cuda::emulate(plan, opt, Q = q, K = kr, V = vr);
+    auto const got = cuda::emulate(plan, opt, Q = grouped(q, false), K = grouped(k, true), V = grouped(v, true));
+    CHECK(max_abs_diff(tensor_view<float const>(got.data(), {b, h, n, m}), want) == 0.0);
+    auto const gw = cuda::emulate_gradient(plan, opt, dout, Q = q, K = kr, V = vr);
+    auto const gg = cuda::emulate_gradient(plan, opt, tensor_view<float const>(dout.data(), {b * hkv, g, n, m}),
+                                           Q = grouped(q, false), K = grouped(k, true), V = grouped(v, true));
+    CHECK(max_abs_diff(tensor_view<float const>(gg[Q].data(), {b, h, n, d}), gw[Q]) == 0.0);
+    // Summed over each group: the shared heads' gradients, against the repeated heads' summed.
+    for (auto [got_grad, want_grad, cols] : {std::tuple{&gg[K], &gw[K], d}, std::tuple{&gg[V], &gw[V], m}}) {
+      tensor<float> a({b, hkv, n, cols}), z({b, hkv, n, cols});
+      for (std::size_t x = 0; x < b; ++x)
+        for (std::size_t j = 0; j < hkv; ++j)
+          for (std::size_t r = 0; r < n; ++r)
+            for (std::size_t c = 0; c < cols; ++c)
+              for (std::size_t i = 0; i < g; ++i) {
+                a(x, j, r, c) += (*got_grad)(x * hkv + j, i, r, c);
+                z(x, j, r, c) += (*want_grad)(x, j * g + i, r, c);
+              }
+      CHECK(max_abs_diff(a, z) == 0.0);  // (each query head's share the same bits, summed in the same order)
+    }
+  }
+}
+
 // tile_request::groups: how many groups of rows a launch splits N into (the
 // chunk-parallel form) instead of lina's choice from the device. The emulation
 // at a schedule with groups is the emulation with those rows per group
