@@ -3,11 +3,14 @@
 #pragma once
 
 #include <doctest/doctest.h>
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <stdexcept>
 #include <string_view>
 #include <lina/errors.hpp>
 #include <lina/tensor.hpp>
@@ -139,6 +142,44 @@ lina::tensor<T> cast(lina::tensor<double> const& t) {
   lina::tensor<T> r(t.shape());
   for (std::size_t i = 0; i < t.size(); ++i) r.data()[i] = static_cast<T>(t.data()[i]);
   return r;
+}
+
+
+// Address space for views whose element offsets pass 2³¹ (int32 overflows
+// there): `bytes` of virtual memory reserved, not committed — only the pages
+// a test writes or reads are backed — so a batch can lie 2³¹ elements past
+// the first without 8 GB of memory.
+struct sparse_memory {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  explicit sparse_memory(std::size_t n) : bytes(n) {
+    data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (data == MAP_FAILED) throw std::runtime_error("sparse_memory: mmap failed");
+  }
+  sparse_memory(sparse_memory const&) = delete;
+  sparse_memory& operator=(sparse_memory const&) = delete;
+  ~sparse_memory() { ::munmap(data, bytes); }
+};
+// Slot `slot` of four [B, H, N, cols] tensors that share one sparse block:
+// batch b of every slot starts b·2³¹ + 2²⁰ elements in (past int32's range
+// for b ≥ 1), the slots 2¹⁸ elements apart within a batch.
+constexpr std::ptrdiff_t far_batch = (std::ptrdiff_t{1} << 31) + (1 << 20), far_slot = 1 << 18;
+template <class T>
+lina::tensor_view<T> far_view(void* block, int slot, lina::shape4 s) {
+  return {static_cast<T*>(block) + slot * far_slot, s,
+          {far_batch, static_cast<std::ptrdiff_t>(s[2] * s[3]), static_cast<std::ptrdiff_t>(s[3]), 1}};
+}
+template <class T>
+std::size_t far_bytes(std::size_t batches) {
+  return (static_cast<std::size_t>(far_batch) * (batches - 1) + 4 * far_slot) * sizeof(T);
+}
+template <class T, class U>
+void copy_into(lina::tensor_view<T> to, lina::tensor<U> const& from) {
+  auto const s = from.shape();
+  for (std::size_t b = 0; b < s[0]; ++b)
+    for (std::size_t h = 0; h < s[1]; ++h)
+      for (std::size_t r = 0; r < s[2]; ++r)
+        for (std::size_t c = 0; c < s[3]; ++c) to(b, h, r, c) = static_cast<T>(from(b, h, r, c));
 }
 
 }  // namespace test

@@ -268,6 +268,33 @@ TEST_CASE_TEMPLATE("grouped-query attention through views (a zero head stride) =
       }
 }
 
+// 64-bit offsets: the second batch of every operand lies 2³¹ + 2²⁰ elements
+// past the first (an int32 offset wraps there: flash-linear-attention's users
+// met that at B·T·H·K > 2³¹), in one block of address space of which only the
+// used pages are backed (test::sparse_memory). Forward, into a far output too,
+// and the gradients = the same on dense copies, bit for bit.
+TEST_CASE("offsets past 2³¹ elements: batches 2³¹ apart = the same batches dense") {
+  auto const plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  std::size_t const b = 2, h = 3, n = 50, d = 8, m = 6;
+  auto q = tensor<float>::random({b, h, n, d}, 21), k = tensor<float>::random({b, h, n, d}, 22),
+       v = tensor<float>::random({b, h, n, m}, 23), dout = tensor<float>::random({b, h, n, m}, 24);
+  test::sparse_memory block(test::far_bytes<float>(b));
+  auto fq = test::far_view<float>(block.data, 0, q.shape()), fk = test::far_view<float>(block.data, 1, k.shape()),
+       fv = test::far_view<float>(block.data, 2, v.shape()), fo = test::far_view<float>(block.data, 3, v.shape());
+  CHECK(fq.strides()[0] > std::numeric_limits<std::int32_t>::max());
+  test::copy_into(fq, q), test::copy_into(fk, k), test::copy_into(fv, v);
+  tensor_view<float const> const cq = fq, ck = fk, cv = fv;
+  auto const want = cpu::evaluate(plan, Q = q, K = k, V = v);
+  CHECK(max_abs_diff(cpu::evaluate(plan, Q = cq, K = ck, V = cv), want) == 0);
+  cpu::evaluate_into(plan, fo, Q = cq, K = ck, V = cv);
+  CHECK(max_abs_diff(fo, want) == 0);
+  auto const gw = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  auto const gf = cpu::gradient(plan, dout, Q = cq, K = ck, V = cv);
+  CHECK(max_abs_diff(gf[Q], gw[Q]) == 0);
+  CHECK(max_abs_diff(gf[K], gw[K]) == 0);
+  CHECK(max_abs_diff(gf[V], gw[V]) == 0);
+}
+
 TEST_CASE("the README program: static D and M, dynamic N") {
   constexpr auto Ds = dim<"D", 32>;
   constexpr auto Ms = dim<"M", 16>;

@@ -363,6 +363,60 @@ TEST_CASE("grouped-query attention through views (a zero head stride) = K, V rep
   }
 }
 
+// 64-bit offsets (as on the CPU, test_cpu.cpp): every operand's second batch
+// 2³¹ + 2²⁰ elements past its first. The emulation reads and writes fp32
+// operands in place, through the same 64-bit offsets the kernels compute
+// (`const long long in0_base = b * args.in[0].stride[0] + …`); on a device,
+// launches on such views (one 8 GiB allocation) = the emulation.
+TEST_CASE("offsets past 2³¹ elements: batches 2³¹ apart = the same batches dense") {
+  constexpr auto plan = compile<order::linear>(causal_expr);
+  std::size_t const b = 2, h = 3, n = 90, d = 16, m = 12;
+  auto q = tensor<float>::random({b, h, n, d}, 41), k = tensor<float>::random({b, h, n, d}, 42),
+       v = tensor<float>::random({b, h, n, m}, 43), dout = tensor<float>::random({b, h, n, m}, 44);
+  test::sparse_memory block(test::far_bytes<float>(b));
+  auto fq = test::far_view<float>(block.data, 0, q.shape()), fk = test::far_view<float>(block.data, 1, k.shape()),
+       fv = test::far_view<float>(block.data, 2, v.shape()), fo = test::far_view<float>(block.data, 3, v.shape());
+  test::copy_into(fq, q), test::copy_into(fk, k), test::copy_into(fv, v);
+  tensor_view<float const> const cq = fq, ck = fk, cv = fv;
+  cuda::options const opt{};
+  auto const want = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+  cuda::emulate_into(plan, opt, fo, Q = cq, K = ck, V = cv);
+  CHECK(max_abs_diff(fo, want) == 0.0);
+  cuda::options split = opt;
+  split.split_rows = 64;  // the chunk-parallel form's partial sums: offsets of their own
+  CHECK(max_abs_diff(cuda::emulate(plan, split, Q = cq, K = ck, V = cv), cuda::emulate(plan, split, Q = q, K = k, V = v)) == 0.0);
+  auto const gw = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+  auto const gf = cuda::emulate_gradient(plan, opt, dout, Q = cq, K = ck, V = cv);
+  CHECK(max_abs_diff(gf[Q], gw[Q]) == 0.0);
+  CHECK(max_abs_diff(gf[K], gw[K]) == 0.0);
+  CHECK(max_abs_diff(gf[V], gw[V]) == 0.0);
+
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  cuda::device_buffer far(test::far_bytes<float>(b));
+  auto at = [&](int slot, std::size_t batch) {  // where far_view puts a batch
+    return static_cast<float*>(far.get()) + slot * test::far_slot + static_cast<std::ptrdiff_t>(batch) * test::far_batch;
+  };
+  auto put = [&](tensor<float> const& x, int slot) {
+    std::size_t const per_batch = x.size() / b;
+    for (std::size_t xb = 0; xb < b; ++xb)
+      cuda::copy_to_device(at(slot, xb), x.data() + xb * per_batch, per_batch * sizeof(float), nullptr, "cudaMemcpy");
+  };
+  put(q, 0), put(k, 1), put(v, 2);
+  auto view = [&](int slot, shape4 s) {
+    auto const t = test::far_view<float>(far.get(), slot, s);
+    return cuda::device_view<float>(t.data(), s, t.strides());
+  };
+  cuda::evaluate_into(plan, view(3, v.shape()), nullptr, Q = cuda::device_view<float const>(view(0, q.shape())),
+                      K = cuda::device_view<float const>(view(1, k.shape())), V = cuda::device_view<float const>(view(2, v.shape())));
+  cuda::synchronize();
+  tensor<float> got(v.shape());
+  for (std::size_t xb = 0; xb < b; ++xb)
+    cuda::copy_to_host(got.data() + xb * h * n * m, at(3, xb), h * n * m * sizeof(float), nullptr, "cudaMemcpy");
+  cuda::synchronize();
+  CHECK(relative_rms(got, want) <= 1e-6);
+}
+
 // tile_request::groups: how many groups of rows a launch splits N into (the
 // chunk-parallel form) instead of lina's choice from the device. The emulation
 // at a schedule with groups is the emulation with those rows per group
