@@ -182,4 +182,28 @@ void copy_into(lina::tensor_view<T> to, lina::tensor<U> const& from) {
         for (std::size_t c = 0; c < s[3]; ++c) to(b, h, r, c) = static_cast<T>(from(b, h, r, c));
 }
 
+// Grouped-query attention's bindings: a [B, H, N, C] tensor of query heads
+// (H = groups·g) seen as [B·groups, g, N, C]; `shared`: a [B, groups, N, C]
+// tensor of K or V heads, each seen by its g query heads (a zero head stride).
+template <class T>
+lina::tensor_view<T const> grouped_heads(lina::tensor<T> const& x, std::size_t g, bool shared) {
+  auto const s = x.shape();
+  auto const st = x.strides();
+  std::size_t const groups = shared ? s[1] : s[1] / g;
+  return {x.data(),
+          {s[0] * groups, g, s[2], s[3]},
+          {shared ? st[1] : st[1] * static_cast<std::ptrdiff_t>(g), shared ? 0 : st[1], st[2], st[3]}};
+}
+// x's heads, each repeated g times: [B, H, N, C] → [B, H·g, N, C].
+template <class T>
+lina::tensor<T> repeat_heads(lina::tensor<T> const& x, std::size_t g) {
+  auto const s = x.shape();
+  lina::tensor<T> r({s[0], s[1] * g, s[2], s[3]});
+  for (std::size_t b = 0; b < s[0]; ++b)
+    for (std::size_t h = 0; h < s[1] * g; ++h)
+      for (std::size_t i = 0; i < s[2]; ++i)
+        for (std::size_t c = 0; c < s[3]; ++c) r(b, h, i, c) = x(b, h / g, i, c);
+  return r;
+}
+
 }  // namespace test

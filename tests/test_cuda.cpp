@@ -472,20 +472,11 @@ TEST_CASE("device: launched kernels agree with the emulation") {
     auto q = tensor<float>::random({b, hkv * g, n, d}, 901), k = tensor<float>::random({b, hkv, n, d}, 902),
          v = tensor<float>::random({b, hkv, n, m}, 903);
     auto dq = cuda::to_device(q), dk = cuda::to_device(k), dv = cuda::to_device(v);
-    auto grouped = [&](shape4 s, bool shared) {  // [B, H, …] as [B·Hkv, g, …]
-      std::ptrdiff_t const head = static_cast<std::ptrdiff_t>(s[2] * s[3]);
-      return std::pair{shape4{b * hkv, g, s[2], s[3]},
-                       strides4{shared ? head : head * static_cast<std::ptrdiff_t>(g), shared ? 0 : head,
-                                static_cast<std::ptrdiff_t>(s[3]), 1}};
-    };
-    auto [sq, tq] = grouped(q.shape(), false);
-    auto [sk, tk] = grouped(k.shape(), true);
-    auto [sv, tv] = grouped(v.shape(), true);
-    auto want = cuda::emulate(causal_plan, Q = tensor_view<float const>(q.data(), sq, tq),
-                              K = tensor_view<float const>(k.data(), sk, tk), V = tensor_view<float const>(v.data(), sv, tv));
-    auto got = cuda::evaluate(causal_plan, nullptr, Q = cuda::device_view<float const>(dq.data(), sq, tq),
-                              K = cuda::device_view<float const>(dk.data(), sk, tk),
-                              V = cuda::device_view<float const>(dv.data(), sv, tv));
+    auto const gq = test::grouped_heads(q, g, false), gk = test::grouped_heads(k, g, true), gv = test::grouped_heads(v, g, true);
+    auto want = cuda::emulate(causal_plan, Q = gq, K = gk, V = gv);
+    auto got = cuda::evaluate(causal_plan, nullptr, Q = cuda::device_view<float const>(dq.data(), gq.shape(), gq.strides()),
+                              K = cuda::device_view<float const>(dk.data(), gk.shape(), gk.strides()),
+                              V = cuda::device_view<float const>(dv.data(), gv.shape(), gv.strides()));
     CHECK(relative_rms(cuda::to_host(got), want) <= 1e-6);
   }
   // poly2 past a block's state (C = 2080): quadratic, through its kernel (q·k)².

@@ -327,18 +327,8 @@ TEST_CASE("grouped-query attention through views (a zero head stride) = K, V rep
     CAPTURE(cuda::name_of(dt));
     auto q = rounded(tensor<float>::random({b, h, n, d}, 31), dt), k = rounded(tensor<float>::random({b, hkv, n, d}, 32), dt),
          v = rounded(tensor<float>::random({b, hkv, n, m}, 33), dt), dout = rounded(tensor<float>::random({b, h, n, m}, 34), dt);
-    auto grouped = [&](tensor<float> const& x, bool shared) {
-      auto const st = x.strides();
-      return tensor_view<float const>(x.data(), {b * hkv, g, n, x.shape()[3]},
-                                      {shared ? st[1] : st[1] * static_cast<std::ptrdiff_t>(g), shared ? 0 : st[1], st[2], st[3]});
-    };
-    tensor<float> kr({b, h, n, d}), vr({b, h, n, m});
-    for (std::size_t x = 0; x < b; ++x)
-      for (std::size_t y = 0; y < h; ++y)
-        for (std::size_t r = 0; r < n; ++r) {
-          for (std::size_t c = 0; c < d; ++c) kr(x, y, r, c) = k(x, y / g, r, c);
-          for (std::size_t c = 0; c < m; ++c) vr(x, y, r, c) = v(x, y / g, r, c);
-        }
+    auto grouped = [&](tensor<float> const& x, bool shared) { return test::grouped_heads(x, g, shared); };
+    auto const kr = test::repeat_heads(k, g), vr = test::repeat_heads(v, g);
     cuda::options const opt{dt, dt};
     auto const want = cuda::emulate(plan, opt, Q = q, K = kr, V = vr);
     auto const got = cuda::emulate(plan, opt, Q = grouped(q, false), K = grouped(k, true), V = grouped(v, true));
