@@ -194,6 +194,23 @@ lina::tensor_view<T const> grouped_heads(lina::tensor<T> const& x, std::size_t g
           {s[0] * groups, g, s[2], s[3]},
           {shared ? st[1] : st[1] * static_cast<std::ptrdiff_t>(g), shared ? 0 : st[1], st[2], st[3]}};
 }
+// Gradients of grouped-query attention summed over each group of g query
+// heads, in double and in the heads' order, → [B, groups, N, C] (the shared
+// heads' gradients): from [B, groups·g, N, C], or (`grouped`) from the views'
+// shape [B·groups, g, N, C].
+template <class T>
+lina::tensor<double> sum_groups(lina::tensor<T> const& x, std::size_t groups, std::size_t g, bool grouped) {
+  auto const s = x.shape();
+  std::size_t const b = grouped ? s[0] / groups : s[0];
+  lina::tensor<double> r({b, groups, s[2], s[3]});
+  for (std::size_t xb = 0; xb < b; ++xb)
+    for (std::size_t j = 0; j < groups; ++j)
+      for (std::size_t i = 0; i < s[2]; ++i)
+        for (std::size_t c = 0; c < s[3]; ++c)
+          for (std::size_t h = 0; h < g; ++h)
+            r(xb, j, i, c) += grouped ? x(xb * groups + j, h, i, c) : x(xb, j * g + h, i, c);
+  return r;
+}
 // x's heads, each repeated g times: [B, H, N, C] → [B, H·g, N, C].
 template <class T>
 lina::tensor<T> repeat_heads(lina::tensor<T> const& x, std::size_t g) {
