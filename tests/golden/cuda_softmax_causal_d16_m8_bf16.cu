@@ -60,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(256) lina_softmax_causal_id_id_d16_
   {  // this block's query rows
     const long long r0 = query0;
     const int rows = queries;
-    tl::row_divide_shifted<o_rows, o_cols, o_pitch, mx_pitch>(o, mx, eps);
+    tl::row_divide<o_rows, o_cols, o_pitch, mx_pitch>(o, eps, mx);
     tl::store<out_type, o_rows, o_cols, o_pitch>(o, args.out, out_base, r0, m0, rows, tile_m);
   }
 }

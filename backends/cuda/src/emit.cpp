@@ -73,6 +73,14 @@ struct emitter {
   static bool fusable(cuda::instruction const& load, cuda::instruction const& map) {
     return load.op == opcode::load && map.op == opcode::map && map.a < 0 && map.dst == load.dst;
   }
+  // A product that computes only the triangle the mask after it keeps
+  // (program.cpp, skip_masked_tiles) and that mask: one tl::product whose
+  // stores zero the masked elements (tl::tri_causal, tl::tri_anticausal).
+  static bool masks_fusable(cuda::instruction const& product, cuda::instruction const& mask) {
+    return product.op == opcode::product && mask.dst == product.dst &&
+           ((mask.op == opcode::mask_causal && product.tri_t == triangle::lower) ||
+            (mask.op == opcode::mask_anticausal && product.tri_t == triangle::upper));
+  }
 
   // The memory of a load slot: args.in[s] (element type in_type, base in{s}_base)
   // or, past the inputs, an extra buffer (its own element type).
@@ -109,6 +117,56 @@ struct emitter {
            rows(i.dst), cols(i.dst), pitch(i.dst), t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
   }
 
+  // Two products into one fp32 register, the second adding to the first's
+  // results and reading neither that register nor a triangle of it: one
+  // tl::product2, which sums both in the warps' registers (same order).
+  bool sum_fusable(cuda::instruction const& x, cuda::instruction const& y) const {
+    auto plain = [](cuda::instruction const& i) { return i.op == opcode::product && i.tri_t == triangle::none; };
+    return plain(x) && plain(y) && !x.accumulate && y.accumulate && y.dst == x.dst && y.prec == x.prec &&
+           y.a != x.dst && y.b != x.dst && p.registers.at(static_cast<std::size_t>(x.dst)).storage == dtype::f32;
+  }
+  void product2(int ind, cuda::instruction const& x, cuda::instruction const& y) {
+    auto tri = [](triangle t) {
+      return t == triangle::lower ? "tl::tri_lower" : t == triangle::upper ? "tl::tri_upper" : "tl::tri_none";
+    };
+    auto operands = [&](cuda::instruction const& i) {
+      return fmt::format("{}, {}, {}, {}, {}, {}", i.transpose_a ? rows(i.a) : cols(i.a), yes(i.transpose_a),
+                         yes(i.transpose_b), pitch(i.a), pitch(i.b), tri(i.tri_a));
+    };
+    auto text = [&](cuda::instruction const& i) {
+      return fmt::format("{}{}·{}{}", name(i.a), i.transpose_a ? "ᵀ" : "", name(i.b), i.transpose_b ? "ᵀ" : "");
+    };
+    std::string const warps = p.tiles.threads != 256 ? fmt::format(", {}", p.tiles.threads / 32) : "";
+    std::string const& t = name(x.dst);
+    line(ind, "tl::product2<tl::{}, {}, {}, {}, {}, {}{}>({}, {}, {}, {}, {});  // {} = {} + {}", name_of(x.prec), rows(x.dst),
+         cols(x.dst), pitch(x.dst), operands(x), operands(y), warps, t, name(x.a), name(x.b), name(y.a), name(y.b), t,
+         text(x), text(y));
+  }
+
+  // masked: the mask after the product fused into it (masks_fusable).
+  void product(int ind, cuda::instruction const& i, bool masked) {
+    std::string const inner = i.transpose_a ? rows(i.a) : cols(i.a);
+    // A masked product's triangles (tl::tri_*), where it has one.
+    auto tri = [](triangle x, bool fused) {
+      return x == triangle::lower   ? fused ? "tl::tri_causal" : "tl::tri_lower"
+             : x == triangle::upper ? fused ? "tl::tri_anticausal" : "tl::tri_upper"
+                                    : "tl::tri_none";
+    };
+    // The trailing template arguments where they differ from their defaults: the triangles, then
+    // the block's warps (the triangles named too, as they come first).
+    bool const warps = p.tiles.threads != 256;
+    std::string tris;
+    if (warps || i.tri_t != triangle::none || i.tri_a != triangle::none)
+      tris = fmt::format(", {}, {}", tri(i.tri_t, masked), tri(i.tri_a, false));
+    if (warps) tris += fmt::format(", {}", p.tiles.threads / 32);
+    std::string const& t = name(i.dst);
+    line(ind, "tl::product<tl::{}, {}, {}, {}, {}, {}, {}, {}, {}, {}{}>({}, {}, {});  // {} {} {}{}·{}{}{}", name_of(i.prec),
+         rows(i.dst), cols(i.dst), inner, yes(i.transpose_a), yes(i.transpose_b), yes(i.accumulate), pitch(i.dst),
+         pitch(i.a), pitch(i.b), tris, t, name(i.a), name(i.b), t, i.accumulate ? "+=" : "=", name(i.a),
+         i.transpose_a ? "ᵀ" : "", name(i.b), i.transpose_b ? "ᵀ" : "",
+         !masked ? "" : i.tri_t == triangle::lower ? ", masked causally" : ", masked anticausally");
+  }
+
   void instruction(int ind, cuda::instruction const& i) {
     if (i.op == opcode::prefetch) {  // the next chunk's rows (r_next, rows_next: the loop's); no register
       memory const m = source(i.slot);
@@ -134,30 +192,12 @@ struct emitter {
       case opcode::ones_column:
         line(ind, "tl::ones_column<{}, {}, {}>({}, rows);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
         break;
-      case opcode::product: {
-        std::string inner = i.transpose_a ? rows(i.a) : cols(i.a);
-        // A masked product's triangles (tl::tri_*), where it has one.
-        auto tri = [](triangle x) {
-          return x == triangle::lower ? "tl::tri_lower" : x == triangle::upper ? "tl::tri_upper" : "tl::tri_none";
-        };
-        // The trailing template arguments where they differ from their defaults: the triangles, then
-        // the block's warps (the triangles named too, as they come first).
-        bool const warps = p.tiles.threads != 256;
-        std::string tris;
-        if (warps || i.tri_t != triangle::none || i.tri_a != triangle::none)
-          tris = fmt::format(", {}, {}", tri(i.tri_t), tri(i.tri_a));
-        if (warps) tris += fmt::format(", {}", p.tiles.threads / 32);
-        line(ind, "tl::product<tl::{}, {}, {}, {}, {}, {}, {}, {}, {}, {}{}>({}, {}, {});  // {} {} {}{}·{}{}", name_of(i.prec),
-             rows(i.dst), cols(i.dst), inner, yes(i.transpose_a), yes(i.transpose_b), yes(i.accumulate), pitch(i.dst),
-             pitch(i.a), pitch(i.b), tris, t, name(i.a), name(i.b), t, i.accumulate ? "+=" : "=", name(i.a),
-             i.transpose_a ? "ᵀ" : "", name(i.b), i.transpose_b ? "ᵀ" : "");
-        break;
-      }
+      case opcode::product: product(ind, i, false); break;
       case opcode::mask_causal: line(ind, "tl::mask_causal<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t); break;
       case opcode::row_divide:
         if (i.b >= 0)
-          line(ind, "tl::row_divide_shifted<{}, {}, {}, {}>({}, {}, eps);", rows(i.dst), cols(i.dst), pitch(i.dst),
-               pitch(i.b), t, name(i.b));
+          line(ind, "tl::row_divide<{}, {}, {}, {}>({}, eps, {});", rows(i.dst), cols(i.dst), pitch(i.dst), pitch(i.b), t,
+               name(i.b));
         else
           line(ind, "tl::row_divide<{}, {}, {}>({}, eps);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
         break;
@@ -264,6 +304,12 @@ struct emitter {
     for (std::size_t n = 0; n < list.size(); ++n) {
       if (n + 1 < list.size() && fusable(list[n], list[n + 1])) {
         load(ind, list[n], map_tag(list[n + 1].map));
+        ++n;
+      } else if (n + 1 < list.size() && sum_fusable(list[n], list[n + 1])) {
+        product2(ind, list[n], list[n + 1]);
+        ++n;
+      } else if (n + 1 < list.size() && masks_fusable(list[n], list[n + 1])) {
+        product(ind, list[n], true);
         ++n;
       } else {
         instruction(ind, list[n]);

@@ -208,10 +208,14 @@ struct block {
         for (int r = 0; r < rows; ++r) {
           float const d = i.b >= 0 ? std::fma(i.eps, std::exp(-reg[static_cast<std::size_t>(i.b)].at(r, 0)), o.at(r, w - 1))
                                    : o.at(r, w - 1) + i.eps;
-          float sum = 0.0f;
-          for (int c = 0; c + 1 < w; ++c) sum = std::fma(t.at(r, c), o.at(r, c) / d, sum);
-          t.at(r, w - 1) = -sum / d;
-          for (int c = 0; c + 1 < w; ++c) t.at(r, c) = t.at(r, c) / d;
+          // 8 chains over consecutive eighths of the columns, added pairwise (tl::rowdiv_grad's lanes)
+          int const eighth = (w - 1 + 7) / 8;
+          float const inv = 1.0f / d;
+          float part[8] = {};
+          for (int c = 0; c + 1 < w; ++c) part[c / eighth] = std::fma(t.at(r, c), o.at(r, c) * inv, part[c / eighth]);
+          float const sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+          t.at(r, w - 1) = -sum * inv;
+          for (int c = 0; c + 1 < w; ++c) t.at(r, c) = t.at(r, c) * inv;
         }
         break;
       }
@@ -325,7 +329,8 @@ struct block {
         for (int r = 0; r < t.rows; ++r) {
           float den = i.b >= 0 ? std::fma(i.eps, std::exp(-reg[static_cast<std::size_t>(i.b)].at(r, 0)), t.at(r, t.cols - 1))
                                : t.at(r, t.cols - 1) + i.eps;
-          for (int c = 0; c + 1 < t.cols; ++c) t.at(r, c) = t.at(r, c) / den;
+          float const inv = 1.0f / den;  // one reciprocal a row (tl::row_divide)
+          for (int c = 0; c + 1 < t.cols; ++c) t.at(r, c) = t.at(r, c) * inv;
         }
         break;
       case opcode::exp_rows: {

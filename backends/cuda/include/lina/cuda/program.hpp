@@ -82,9 +82,11 @@
 //                          row i are skipped — the zero tiles of a masked op(a),
 //                          so a NaN or ∞ of b there does not reach row i
 //   mask_causal t          t[i][j] = 0 for j > i
-//   row_divide t, eps      t[i][j] /= (t[i][cols-1] + eps) for j < cols-1. With a
-//                          register m (b ≥ 0: softmax rows shifted by their max),
-//                          the divisor is fma(eps, exp(−m[i][0]), t[i][cols-1]):
+//   row_divide t, eps      t[i][j] = t[i][j] · (1/d) for j < cols-1, d = t[i][cols-1]
+//                          + eps, 1/d rounded to fp32 (one reciprocal a row, as the
+//                          CPU backend's rowdiv). With a register m (b ≥ 0: softmax
+//                          rows shifted by their max), d = fma(eps, exp(−m[i][0]),
+//                          t[i][cols-1]):
 //                          exp(x)/(Σexp(x) + eps) = exp(x−m)/(Σexp(x−m) + eps·e^−m)
 //   exp_rows t, o, m       (quadratic programs) the scores t (T × T: query rows ×
 //                          keys) become exp(scale·t − shift). Row i is query
@@ -155,9 +157,12 @@
 //                          d = o[i][W−1] + eps (W = o.cols, o holds the unnormalised
 //                          [num | den]; with a register m (b ≥ 0: softmax rows
 //                          shifted by m) d = fma(eps, exp(−m[i][0]), o[i][W−1]),
-//                          row_divide's divisor) and s = Σ_{j<W−1} t[i][j] · (o[i][j] / d) as one
-//                          fp32 fma chain in increasing j: t[i][W−1] = −s / d, then
-//                          t[i][j] = t[i][j] / d for j < W−1; rows ≥ rows stay as they are
+//                          row_divide's divisor), r = 1/d rounded to fp32 and
+//                          s = Σ_{j<W−1} t[i][j] · (o[i][j] · r) as 8 fp32 fma chains
+//                          in increasing j over consecutive runs of ⌈(W−1)/8⌉ columns,
+//                          s_0 … s_7, added pairwise ((s_0 + s_1) + (s_2 + s_3)) +
+//                          ((s_4 + s_5) + (s_6 + s_7)): t[i][W−1] = −s · r, then
+//                          t[i][j] = t[i][j] · r for j < W−1; rows ≥ rows stay as they are
 //   store_partial t        (a split program) extra[s](group·C + i, c0 + j) = t[i][j]
 //                          (s: the slot, C: t's rows) for the columns store_state
 //                          writes, the z column from m_tile 0 alone: this group's

@@ -129,6 +129,22 @@ struct relu {
   __device__ static float derivative(float x) { return x > 0.0f ? 1.0f : 0.0f; }
 };
 
+// φ as a load applies it to 16-bit inputs (load_map): elu+1's exp as one
+// ex2.approx of x·log₂e — a relative error of a few 2⁻²³ plus |x|·2⁻²⁴ from
+// the product, far below the bf16 tile (2⁻⁸) or the tf32 products (2⁻¹¹) its
+// result goes to, and 0 where e^x is below fp32's normal range (x < −87.3;
+// .ftz: one instruction, not four) — in place of expf's ten instructions, for
+// every element of φ(Q) and φ(K). fp32 inputs keep expf.
+__device__ __forceinline__ float exp_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+  return y;
+}
+template <class Map> struct map_16bit : Map {};
+template <> struct map_16bit<elu_plus_one> {
+  __device__ static float apply(float x) { return x > 0.0f ? x + 1.0f : exp_approx(x); }  // NaN passes
+};
+
 // A row map: Map::apply(x, d, feature) is feature f of the row x (d columns).
 // poly2: [x_a² (a), (√2·x_a)·x_b (b > a)], the packing of lina::poly2.
 struct poly2 {
@@ -219,6 +235,34 @@ __device__ __forceinline__ void unpack(f16, const u32x4& r, float* x) {
   }
 }
 
+// One group's values x (8, or 4 for fp32) into the register at dst, column j:
+// one 16-byte store where the group lies inside the register's C columns,
+// element by element at its edge.
+template <class E, int C, class S>
+__device__ __forceinline__ void put_group(S* dst, int j, const float* x) {
+  constexpr int VN = vector_of<E>::n;
+  if constexpr (same<S, float>::value) {
+    if (j + VN <= C) {
+#pragma unroll
+      for (int h = 0; h < VN / 4; ++h)
+        *reinterpret_cast<f32x4*>(dst + 4 * h) = f32x4{{x[4 * h], x[4 * h + 1], x[4 * h + 2], x[4 * h + 3]}};
+      return;
+    }
+  } else {
+    if (VN == 8 && j + VN <= C) {  // 8 bf16 values, rounded in pairs, one 16-byte store
+      u32x4 packed;
+#pragma unroll
+      for (int h = 0; h < 4; ++h)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed.x[h]) : "f"(x[2 * h + 1]), "f"(x[2 * h]));
+      *reinterpret_cast<u32x4*>(dst) = packed;
+      return;
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < VN; ++w)
+    if (j + w < C) put(dst, w, x[w]);
+}
+
 // load followed by map t φ (element-wise), in one pass: the emitter fuses the
 // pair; the result is the two instructions' (φ on rows < rows only).
 //
@@ -233,6 +277,37 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
   constexpr int bytes = VN == 8 ? 2 : 4;
   const char* const data = static_cast<const char*>(in.data);
   const bool contiguous = in.stride[3] == 1;
+  // The common case, checked once: rows of contiguous columns whose groups
+  // all start 16-byte aligned, the width whole groups inside the operand —
+  // then a group is one vector load when it is inside the chunk's rows and
+  // the width, and zeros otherwise, and the loop has nothing else to test.
+  if (contiguous && width % VN == 0 && c0 + width <= in.cols && ((in.stride[2] * bytes) & 15) == 0 &&
+      ((reinterpret_cast<unsigned long long>(data) + (base + c0) * bytes) & 15) == 0) {
+    const char* const first = data + (base + r0 * in.stride[2] + c0) * bytes;  // the chunk's first row
+    const long long pitch = in.stride[2] * bytes;
+    for (int g0 = threadIdx.x; g0 < G; g0 += U * static_cast<int>(blockDim.x)) {
+      u32x4 raw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
+        raw[u] = u32x4{{0u, 0u, 0u, 0u}};
+        if (g < G && i < rows && j < width) raw[u] = *reinterpret_cast<const u32x4*>(first + i * pitch + j * bytes);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
+        if (g >= G) break;
+        float x[VN];
+        unpack(E{}, raw[u], x);
+        if (i < rows)
+#pragma unroll
+          for (int w = 0; w < VN; ++w) x[w] = same<E, f32>::value ? Map::apply(x[w]) : map_16bit<Map>::apply(x[w]);
+        put_group<E, C>(t + i * P + j, j, x);
+      }
+    }
+    __syncthreads();
+    return;
+  }
   for (int g0 = threadIdx.x; g0 < G; g0 += U * static_cast<int>(blockDim.x)) {
     u32x4 raw[U];
     bool whole[U];
@@ -260,28 +335,8 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
       }
       if (i < rows)
 #pragma unroll
-        for (int w = 0; w < VN; ++w) x[w] = Map::apply(x[w]);
-      S* const dst = t + i * P + j;
-      if constexpr (same<S, float>::value) {
-        if (j + VN <= C) {
-#pragma unroll
-          for (int h = 0; h < VN / 4; ++h)
-            *reinterpret_cast<f32x4*>(dst + 4 * h) = f32x4{{x[4 * h], x[4 * h + 1], x[4 * h + 2], x[4 * h + 3]}};
-          continue;
-        }
-      } else {
-        if (VN == 8 && j + VN <= C) {  // 8 bf16 values, rounded in pairs, one 16-byte store
-          u32x4 packed;
-#pragma unroll
-          for (int h = 0; h < 4; ++h)
-            asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed.x[h]) : "f"(x[2 * h + 1]), "f"(x[2 * h]));
-          *reinterpret_cast<u32x4*>(dst) = packed;
-          continue;
-        }
-      }
-#pragma unroll
-      for (int w = 0; w < VN; ++w)
-        if (j + w < C) put(dst, w, x[w]);
+        for (int w = 0; w < VN; ++w) x[w] = same<E, f32>::value ? Map::apply(x[w]) : map_16bit<Map>::apply(x[w]);
+      put_group<E, C>(t + i * P + j, j, x);
     }
   }
   __syncthreads();
@@ -463,14 +518,22 @@ __device__ __forceinline__ void b_fragment(unsigned (&bf)[2], const S* b, int j0
 // lower, j < s upper) are 0, not computed; with TriA, the terms k past op(a)'s
 // triangle are skipped. What a triangle keeps of the n columns (or k) of the
 // stripe at row s, counted in units of u (a divisor of 8): [tri_first, tri_end).
-constexpr int tri_none = 0, tri_lower = 1, tri_upper = 2;
+// tri_causal (tri_anticausal) is tri_lower (tri_upper) with the mask that
+// follows fused into the product's stores: t[i][j] = 0 for j > i (j < i) —
+// one pass over the tile and a barrier fewer (the emitter fuses the pair).
+constexpr int tri_none = 0, tri_lower = 1, tri_upper = 2, tri_causal = 3, tri_anticausal = 4;
 template <int Tri>
 __device__ __forceinline__ int tri_first(int s, int u) {
-  return Tri == tri_upper ? s / u : 0;
+  return Tri == tri_upper || Tri == tri_anticausal ? s / u : 0;
 }
 template <int Tri>
 __device__ __forceinline__ int tri_end(int s, int u, int n) {
-  return Tri == tri_lower && (s + 16) / u < n ? (s + 16) / u : n;
+  return (Tri == tri_lower || Tri == tri_causal) && (s + 16) / u < n ? (s + 16) / u : n;
+}
+// Does a fused mask zero element (i, j)?
+template <int Tri>
+__device__ __forceinline__ bool tri_masked(int i, int j) {
+  return (Tri == tri_causal && j > i) || (Tri == tri_anticausal && j < i);
 }
 
 // fma_f32: one fmaf chain per element of t, in increasing k.
@@ -479,7 +542,7 @@ template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int P
 __device__ void fma_product(ST* t, const SA* a, const SB* b) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
     const int i = e / C, j = e % C, s = i / 16 * 16;
-    if (j < tri_first<TriT>(s, 1) || j >= tri_end<TriT>(s, 1, C)) {
+    if (j < tri_first<TriT>(s, 1) || j >= tri_end<TriT>(s, 1, C) || tri_masked<TriT>(i, j)) {
       put(t, i * PT + j, 0.0f);
       continue;
     }
@@ -509,18 +572,44 @@ struct mma_split {
   static constexpr int nb = pick();
 };
 
+// One 16-row stripe's NB tiles of 8 columns from n0 (those in [lo, hi)):
+// acc += op(a)·op(b) over the k steps op(a)'s triangle TriA keeps.
+template <class Prec, int R, int C, int K, bool TA, bool TB, int PA, int PB, int TriA, int NB, class SA, class SB>
+__device__ __forceinline__ void mma_stripe(float (&acc)[NB][4], const SA* a, const SB* b, int i0, int n0, int lo, int hi,
+                                           int lane) {
+  constexpr int KS = mma_k<Prec>::value, NT = (C + 7) / 8, KT = (K + KS - 1) / KS;
+  const int k_lo = tri_first<TriA>(i0, KS), k_hi = tri_end<TriA>(i0, KS, KT);
+#pragma unroll 2
+  for (int kt = n0 < hi && n0 + NB > lo ? k_lo : k_hi; kt < k_hi; ++kt) {
+    const int k0 = kt * KS;
+    unsigned af[4];
+    a_fragment<Prec, R, K, TA, PA>(af, a, i0, k0, lane);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      if (NT % NB != 0 && n0 + nb >= NT) break;
+      if (n0 + nb < lo || n0 + nb >= hi) continue;
+      unsigned bf[2];
+      b_fragment<Prec, C, K, TB, PB>(bf, b, (n0 + nb) * 8, k0, lane);
+      mma(Prec{}, acc[nb], af, bf);
+    }
+  }
+}
+
+// t = (Acc ? t : 0) + op(a)·op(b), then (with a2, b2: a second product of
+// inner dimension K2 into the same tile) + op(a2)·op(b2), summed in the
+// registers: one pass over t where two products would store it and load it
+// back (the emitter fuses such pairs into tl::product2).
 template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, int W,
-          class ST, class SA, class SB>
-__device__ void mma_product(ST* t, const SA* a, const SB* b) {
-  constexpr int KS = mma_k<Prec>::value;
-  constexpr int MT = (R + 15) / 16, NT = (C + 7) / 8, KT = (K + KS - 1) / KS;
+          int K2 = 0, bool TA2 = false, bool TB2 = false, int PA2 = 0, int PB2 = 0, int TriA2 = tri_none, class ST,
+          class SA, class SB, class SA2 = SA, class SB2 = SB>
+__device__ void mma_product(ST* t, const SA* a, const SB* b, const SA2* a2 = nullptr, const SB2* b2 = nullptr) {
+  constexpr int MT = (R + 15) / 16, NT = (C + 7) / 8;
   constexpr int NB = mma_split<MT, NT, W>::nb, NG = (NT + NB - 1) / NB;
   const int lane = threadIdx.x & 31;
   for (int task = threadIdx.x >> 5; task < MT * NG; task += blockDim.x >> 5) {
     const int i0 = task / NG * 16, n0 = task % NG * NB;
-    // The 8-column tiles [lo, hi) of this stripe inside t's triangle, the k steps [k_lo, k_hi) inside op(a)'s.
+    // The 8-column tiles [lo, hi) of this stripe inside t's triangle.
     const int lo = tri_first<TriT>(i0, 8), hi = tri_end<TriT>(i0, 8, NT);
-    const int k_lo = tri_first<TriA>(i0, KS), k_hi = tri_end<TriA>(i0, KS, KT);
     float acc[NB][4];
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
@@ -529,26 +618,14 @@ __device__ void mma_product(ST* t, const SA* a, const SB* b) {
         const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
         acc[nb][r] = Acc && i < R && j < C && n0 + nb >= lo && n0 + nb < hi ? get(t, i * PT + j) : 0.0f;
       }
-#pragma unroll 2
-    for (int kt = n0 < hi && n0 + NB > lo ? k_lo : k_hi; kt < k_hi; ++kt) {
-      const int k0 = kt * KS;
-      unsigned af[4];
-      a_fragment<Prec, R, K, TA, PA>(af, a, i0, k0, lane);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        if (NT % NB != 0 && n0 + nb >= NT) break;
-        if (n0 + nb < lo || n0 + nb >= hi) continue;
-        unsigned bf[2];
-        b_fragment<Prec, C, K, TB, PB>(bf, b, (n0 + nb) * 8, k0, lane);
-        mma(Prec{}, acc[nb], af, bf);
-      }
-    }
+    mma_stripe<Prec, R, C, K, TA, TB, PA, PB, TriA>(acc, a, b, i0, n0, lo, hi, lane);
+    if constexpr (K2 > 0) mma_stripe<Prec, R, C, K2, TA2, TB2, PA2, PB2, TriA2>(acc, a2, b2, i0, n0, lo, hi, lane);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
-        if (i < R && j < C) put(t, i * PT + j, acc[nb][r]);
+        if (i < R && j < C) put(t, i * PT + j, tri_masked<TriT>(i, j) ? 0.0f : acc[nb][r]);
       }
   }
   __syncthreads();
@@ -565,6 +642,22 @@ __device__ void product(ST* t, const SA* a, const SB* b) {
     fma_product<R, C, K, TA, TB, Acc, PT, PA, PB, TriT, TriA>(t, a, b);
   else
     mma_product<Prec, R, C, K, TA, TB, Acc, PT, PA, PB, TriT, TriA, W>(t, a, b);
+}
+
+// t (fp32) = op(a)·op(b) + op(a2)·op(b2): product(t, a, b) then product with
+// Acc (t, a2, b2), fused — the same sums in the same order (the first
+// product's fp32 results are where the second starts), one pass over t for
+// the tensor cores; fma_f32 runs the two (the second's chains start from the
+// first's results either way). Neither product has a triangle of t.
+template <class Prec, int R, int C, int PT, int K, bool TA, bool TB, int PA, int PB, int TriA, int K2, bool TA2, bool TB2,
+          int PA2, int PB2, int TriA2, int W = 8, class SA, class SB, class SA2, class SB2>
+__device__ void product2(float* t, const SA* a, const SB* b, const SA2* a2, const SB2* b2) {
+  if constexpr (same<Prec, fma_f32>::value) {
+    fma_product<R, C, K, TA, TB, false, PT, PA, PB, tri_none, TriA>(t, a, b);
+    fma_product<R, C, K2, TA2, TB2, true, PT, PA2, PB2, tri_none, TriA2>(t, a2, b2);
+  } else {
+    mma_product<Prec, R, C, K, TA, TB, false, PT, PA, PB, tri_none, TriA, W, K2, TA2, TB2, PA2, PB2, TriA2>(t, a, b, a2, b2);
+  }
 }
 
 template <int R, int C, int P, class S>
@@ -605,28 +698,57 @@ __device__ void map_grad_rows(float* t, const float* a, const operand& in, long 
   __syncthreads();
 }
 
-// rowdiv's adjoint, a thread per row (program.hpp, rowdiv_grad): with o = [num |
-// den] (W columns, pitch PO) and t = ∂out (the first W − 1 columns),
-// d = den + eps (softmax rows shifted by m, pitch PM: fmaf(eps, exp(−m), den)),
-// s = Σ_j t_j·(num_j / d) in increasing j: t_{W−1} = −s / d, t_j = t_j / d.
+// rowdiv's adjoint (program.hpp, rowdiv_grad): with o = [num | den] (W
+// columns, pitch PO) and t = ∂out (the first W − 1 columns), r = 1/d, d =
+// den + eps (softmax rows shifted by m, pitch PM: fmaf(eps, exp(−m), den)):
+// s = Σ_j t_j·(num_j·r) as 8 fma chains over consecutive eighths of the
+// columns, added pairwise; t_{W−1} = −s·r, t_j = t_j·r. Eight adjacent lanes
+// share a row, each its eighth, and add their sums with shuffles (every lane
+// of the eight gets the same bits: a + b = b + a); R·8 is a whole number of
+// warps, which all take part in the shuffles (rows ≥ rows with nothing).
 template <int R, int W, int PT, int PO, int PM = 1>
 __device__ void rowdiv_grad(float* t, const float* o, float eps, int rows, const float* m = nullptr) {
-  for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-    const float d = m ? fmaf(eps, expf(-m[i * PM]), o[i * PO + W - 1]) : o[i * PO + W - 1] + eps;
-    float s = 0.0f;
-    for (int j = 0; j < W - 1; ++j) s = fmaf(t[i * PT + j], o[i * PO + j] / d, s);
-    t[i * PT + W - 1] = -s / d;
-    for (int j = 0; j < W - 1; ++j) t[i * PT + j] = t[i * PT + j] / d;
+  constexpr int S = 8, L = (W - 1 + S - 1) / S;
+  static_assert(R * S % 32 == 0, "rowdiv_grad: rows of 8 lanes fill whole warps");
+  for (int e = threadIdx.x; e < R * S; e += blockDim.x) {
+    const int i = e / S, j0 = e % S * L, j1 = j0 + L < W - 1 ? j0 + L : W - 1;
+    float r = 0.0f, s = 0.0f;
+    if (i < rows) {
+      r = __frcp_rn(m ? fmaf(eps, expf(-m[i * PM]), o[i * PO + W - 1]) : o[i * PO + W - 1] + eps);
+      for (int j = j0; j < j1; ++j) s = fmaf(t[i * PT + j], __fmul_rn(o[i * PO + j], r), s);
+    }
+#pragma unroll
+    for (int x = 1; x < S; x *= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, x));
+    if (i < rows) {
+      for (int j = j0; j < j1; ++j) t[i * PT + j] = __fmul_rn(t[i * PT + j], r);
+      if (e % S == 0) t[i * PT + W - 1] = __fmul_rn(-s, r);
+    }
   }
   __syncthreads();
 }
 
-// t[i][j] /= t[i][C-1] + eps for j < C - 1 (the last column is read, never written).
-template <int R, int C, int P>
-__device__ void row_divide(float* t, float eps) {
-  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
-    const int i = e / C, j = e % C;
-    if (j < C - 1) t[i * P + j] = t[i * P + j] / (t[i * P + C - 1] + eps);
+// t[i][j] ·= 1 / d_i for j < C − 1, d_i = t[i][C−1] + eps — or, with the
+// shifts m of softmax rows (R × 1, pitch PM), fmaf(eps, exp(−m[i]), t[i][C−1]):
+// one correctly rounded reciprocal per row, as the CPU backend's rowdiv (the
+// last column is read, never written). A thread takes 4 adjacent elements of a
+// row (one 16-byte access where all 4 lie before the last column) and finds
+// the row's reciprocal itself: no barrier between the two.
+template <int R, int C, int P, int PM = 1>
+__device__ void row_divide(float* t, float eps, const float* m = nullptr) {
+  constexpr int V = (C + 2) / 4;  // groups of 4 of a row's C − 1 columns
+  for (int e = threadIdx.x; e < R * V; e += blockDim.x) {
+    const int i = e / V, j = e % V * 4;
+    float* const row = t + i * P;
+    const float d = m ? fmaf(eps, expf(-m[i * PM]), row[C - 1]) : row[C - 1] + eps;
+    const float r = __frcp_rn(d);
+    if (j + 4 <= C - 1) {
+      f32x4 x = *reinterpret_cast<const f32x4*>(row + j);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) x.x[w] = __fmul_rn(x.x[w], r);
+      *reinterpret_cast<f32x4*>(row + j) = x;
+    } else {
+      for (int w = j; w < C - 1; ++w) row[w] = __fmul_rn(row[w], r);
+    }
   }
   __syncthreads();
 }
@@ -703,17 +825,6 @@ __device__ void param_grad(float* t, const float* a, const float* b, const opera
       }
     }
     t[i * P + c] = y;
-  }
-  __syncthreads();
-}
-
-// row_divide of softmax rows shifted by their max m (R × 1, pitch PM):
-// t[i][j] /= fmaf(eps, exp(−m[i]), t[i][C−1]) for j < C − 1.
-template <int R, int C, int P, int PM>
-__device__ void row_divide_shifted(float* t, const float* m, float eps) {
-  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
-    const int i = e / C, j = e % C;
-    if (j < C - 1) t[i * P + j] = t[i * P + j] / fmaf(eps, expf(-m[i * PM]), t[i * P + C - 1]);
   }
   __syncthreads();
 }
