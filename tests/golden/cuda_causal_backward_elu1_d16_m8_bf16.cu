@@ -47,33 +47,48 @@ extern "C" __global__ void __launch_bounds__(256) lina_causal_backward_elu1_elu1
     tl::load_map<in_type, tl::elu_plus_one, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);  // load, map
     tl::load_map<in_type, tl::elu_plus_one, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);  // load, map
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, 0, rows, 8);
+    __syncthreads();
     tl::ones_column<v_rows, v_cols, v_pitch>(v, rows);
     tl::product<tl::mma_bf16, a_rows, a_cols, q_cols, false, true, false, a_pitch, q_pitch, k_pitch, tl::tri_causal, tl::tri_none>(a, q, k);  // a = q·kᵀ, masked causally
+    __syncthreads();
     tl::product2<tl::mma_bf16, o_rows, o_cols, o_pitch, a_cols, false, false, a_pitch, v_pitch, tl::tri_lower, q_cols, false, false, q_pitch, state_pitch, tl::tri_none>(o, a, v, q, state);  // o = a·v + q·state
     tl::load<in_type, g_rows, g_cols, g_pitch>(g, args.in[3], in3_base, r0, 0, rows, 8);
+    __syncthreads();
     tl::rowdiv_grad<g_rows, o_cols, g_pitch, o_pitch>(g, o, eps, rows);
+    __syncthreads();
     tl::store<tl::f32, g_rows, g_cols, g_pitch>(g, args.extra[2], extra2_base, r0, 0, rows, 9);
     tl::product<tl::mma_bf16, a_rows, a_cols, g_cols, false, true, false, a_pitch, g_pitch, v_pitch, tl::tri_causal, tl::tri_none>(a, g, v);  // a = g·vᵀ, masked causally
+    __syncthreads();
     tl::product2<tl::mma_bf16, dx_rows, dx_cols, dx_pitch, a_cols, false, false, a_pitch, k_pitch, tl::tri_lower, g_cols, false, true, g_pitch, state_pitch, tl::tri_none>(dx, a, k, g, state);  // dx = a·k + g·stateᵀ
+    __syncthreads();
     tl::product<tl::mma_bf16, state_rows, state_cols, k_rows, true, false, true, state_pitch, k_pitch, v_pitch>(state, k, v);  // state += kᵀ·v
     tl::map_grad<in_type, tl::elu_plus_one, dx_rows, dx_cols, dx_pitch>(dx, args.in[0], in0_base, r0, rows);
+    __syncthreads();
     tl::store<out_type, dx_rows, dx_cols, dx_pitch>(dx, args.out, out_base, r0, 0, rows, 16);
   }
+  __syncthreads();
   tl::zero<state_rows, state_cols, state_pitch>(state);
   for (long long r0 = args.n > 0 ? (args.n - 1) / chunk * chunk : -1; r0 >= 0; r0 -= chunk) {  // last first
     const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
     tl::load_map<in_type, tl::elu_plus_one, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);  // load, map
     tl::load_map<in_type, tl::elu_plus_one, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);  // load, map
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, 0, rows, 8);
+    __syncthreads();
     tl::ones_column<v_rows, v_cols, v_pitch>(v, rows);
     tl::load<tl::f32, g_rows, g_cols, g_pitch>(g, args.extra[2], extra2_base, r0, 0, rows, 9);
+    __syncthreads();
     tl::product<tl::mma_bf16, a_rows, a_cols, v_cols, false, true, false, a_pitch, v_pitch, g_pitch, tl::tri_anticausal, tl::tri_none>(a, v, g);  // a = v·gᵀ, masked anticausally
+    __syncthreads();
     tl::product2<tl::mma_bf16, dx_rows, dx_cols, dx_pitch, a_cols, false, false, a_pitch, q_pitch, tl::tri_upper, v_cols, false, true, v_pitch, state_pitch, tl::tri_none>(dx, a, q, v, state);  // dx = a·q + v·stateᵀ
+    __syncthreads();
     tl::product<tl::mma_bf16, a_rows, a_cols, k_cols, false, true, false, a_pitch, k_pitch, q_pitch, tl::tri_anticausal, tl::tri_none>(a, k, q);  // a = k·qᵀ, masked anticausally
+    __syncthreads();
     tl::product2<tl::mma_bf16, o_rows, o_cols, o_pitch, a_cols, false, false, a_pitch, g_pitch, tl::tri_upper, k_cols, false, false, k_pitch, state_pitch, tl::tri_none>(o, a, g, k, state);  // o = a·g + k·state
+    __syncthreads();
     tl::store<tl::bf16, o_rows, o_cols, o_pitch>(o, args.extra[1], extra1_base, r0, 0, rows, 8);
     tl::product<tl::mma_bf16, state_rows, state_cols, q_rows, true, false, true, state_pitch, q_pitch, g_pitch>(state, q, g);  // state += qᵀ·g
     tl::map_grad<in_type, tl::elu_plus_one, dx_rows, dx_cols, dx_pitch>(dx, args.in[1], in1_base, r0, rows);
+    __syncthreads();
     tl::store<tl::bf16, dx_rows, dx_cols, dx_pitch>(dx, args.extra[0], extra0_base, r0, 0, rows, 16);
   }
 }

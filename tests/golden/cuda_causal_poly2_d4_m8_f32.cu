@@ -41,15 +41,22 @@ extern "C" __global__ void __launch_bounds__(256) lina_causal_poly2_poly2_d4_m8_
   for (long long r0 = 0; r0 < args.n; r0 += chunk) {
     const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
     tl::load<in_type, x_rows, x_cols, x_pitch>(x, args.in[0], in0_base, r0, 0, rows, 4);
+    __syncthreads();
     tl::map_rows<tl::poly2, q_rows, q_cols, q_pitch, x_cols, x_pitch>(q, x, rows);
+    __syncthreads();
     tl::load<in_type, x_rows, x_cols, x_pitch>(x, args.in[1], in1_base, r0, 0, rows, 4);
+    __syncthreads();
     tl::map_rows<tl::poly2, k_rows, k_cols, k_pitch, x_cols, x_pitch>(k, x, rows);
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, m0, rows, tile_m);
+    __syncthreads();
     tl::ones_column<v_rows, v_cols, v_pitch>(v, rows);
     tl::product<tl::fma_f32, a_rows, a_cols, q_cols, false, true, false, a_pitch, q_pitch, k_pitch, tl::tri_causal, tl::tri_none>(a, q, k);  // a = q·kᵀ, masked causally
+    __syncthreads();
     tl::product2<tl::fma_f32, o_rows, o_cols, o_pitch, a_cols, false, false, a_pitch, v_pitch, tl::tri_lower, q_cols, false, false, q_pitch, state_pitch, tl::tri_none>(o, a, v, q, state);  // o = a·v + q·state
+    __syncthreads();
     tl::product<tl::fma_f32, state_rows, state_cols, k_rows, true, false, true, state_pitch, k_pitch, v_pitch>(state, k, v);  // state += kᵀ·v
     tl::row_divide<o_rows, o_cols, o_pitch>(o, eps);
+    __syncthreads();
     tl::store<out_type, o_rows, o_cols, o_pitch>(o, args.out, out_base, r0, m0, rows, tile_m);
   }
 }

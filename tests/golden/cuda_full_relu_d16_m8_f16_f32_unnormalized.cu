@@ -36,14 +36,18 @@ extern "C" __global__ void __launch_bounds__(256) lina_full_relu_relu_d16_m8_t64
   tl::zero<state_rows, state_cols, state_pitch>(state);
   for (long long r0 = 0; r0 < keys_n; r0 += chunk) {  // chunks of K and V
     const int rows = static_cast<int>(keys_n - r0 < chunk ? keys_n - r0 : chunk);
+    __syncthreads();
     tl::load_map<in_type, tl::relu, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);  // load, map
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, m0, rows, tile_m);
+    __syncthreads();
     tl::product<tl::mma_tf32, state_rows, state_cols, k_rows, true, false, true, state_pitch, k_pitch, v_pitch>(state, k, v);  // state += kᵀ·v
   }
   for (long long r0 = 0; r0 < args.n; r0 += chunk) {
     const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
     tl::load_map<in_type, tl::relu, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);  // load, map
+    __syncthreads();
     tl::product<tl::mma_tf32, o_rows, o_cols, q_cols, false, false, false, o_pitch, q_pitch, state_pitch>(o, q, state);  // o = q·state
+    __syncthreads();
     tl::store<out_type, o_rows, o_cols, o_pitch>(o, args.out, out_base, r0, m0, rows, tile_m);
   }
 }

@@ -52,26 +52,35 @@ extern "C" __global__ void __launch_bounds__(256) lina_softmax_causal_backward_k
     const int rows = keys;
     tl::load<in_type, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, 0, rows, 8);
+    __syncthreads();
     tl::ones_column<v_rows, v_cols, v_pitch>(v, rows);
     tl::zero<dk_rows, dk_cols, dk_pitch>(dk);
     tl::zero<dv_rows, dv_cols, dv_pitch>(dv);
   }
   for (long long r0 = queries_begin; r0 < args.n; r0 += chunk) {  // chunks of queries
     const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
+    __syncthreads();
     tl::load<in_type, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);
     tl::load<tl::f32, g_rows, g_cols, g_pitch>(g, args.extra[2], extra2_base, r0, 0, rows, 9);
     tl::load<tl::f32, mx_rows, mx_cols, mx_pitch>(mx, args.extra[3], extra3_base, r0, 0, rows, 1);
+    __syncthreads();
     tl::product<tl::mma_bf16, a_rows, a_cols, q_cols, false, true, false, a_pitch, q_pitch, k_pitch>(a, q, k);  // a = q·kᵀ
+    __syncthreads();
     tl::exp_rows<a_rows, a_cols, a_pitch, 1, 1, mx_pitch, 2, true, false, 256>(a, static_cast<float*>(nullptr), mx, 0.250000000f, r0, key0, args.n, keys_n);
+    __syncthreads();
     tl::product<tl::mma_bf16, dv_rows, dv_cols, a_rows, true, false, true, dv_pitch, a_pitch, g_pitch>(dv, a, g);  // dv += aᵀ·g
     tl::product<tl::mma_bf16, ds_rows, ds_cols, g_cols, false, true, false, ds_pitch, g_pitch, v_pitch>(ds, g, v);  // ds = g·vᵀ
+    __syncthreads();
     tl::exp_grad<ds_rows, ds_cols, ds_pitch, a_pitch, true, false>(ds, a, 0.250000000f, r0, key0, args.n, keys_n);
+    __syncthreads();
     tl::product<tl::mma_bf16, dk_rows, dk_cols, ds_rows, true, false, true, dk_pitch, ds_pitch, q_pitch>(dk, ds, q);  // dk += dsᵀ·q
   }
   {  // this block's key rows
     const long long r0 = key0;
     const int rows = keys;
+    __syncthreads();
     tl::store<tl::bf16, dv_rows, dv_cols, dv_pitch>(dv, args.extra[1], extra1_base, r0, 0, rows, 8);
+    __syncthreads();
     tl::store<tl::bf16, dk_rows, dk_cols, dk_pitch>(dk, args.extra[0], extra0_base, r0, 0, rows, 16);
   }
 }

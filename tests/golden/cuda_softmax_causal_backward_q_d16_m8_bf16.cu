@@ -59,34 +59,47 @@ extern "C" __global__ void __launch_bounds__(256) lina_softmax_causal_backward_q
   for (long long r0 = 0; r0 < keys_end; r0 += chunk) {  // chunks of keys
     const int rows = static_cast<int>(keys_end - r0 < chunk ? keys_end - r0 : chunk);
     tl::load<in_type, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);
+    __syncthreads();
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, 0, rows, 8);
+    __syncthreads();
     tl::ones_column<v_rows, v_cols, v_pitch>(v, rows);
     tl::product<tl::mma_bf16, a_rows, a_cols, q_cols, false, true, false, a_pitch, q_pitch, k_pitch>(a, q, k);  // a = q·kᵀ
+    __syncthreads();
     tl::exp_rows<a_rows, a_cols, a_pitch, o_cols, o_pitch, mx_pitch, 1, true, false, 256>(a, o, mx, 0.250000000f, query0, r0, args.n, keys_n);
+    __syncthreads();
     tl::product<tl::mma_bf16, o_rows, o_cols, a_cols, false, false, true, o_pitch, a_pitch, v_pitch>(o, a, v);  // o += a·v
   }
   {  // this block's query rows
     const long long r0 = query0;
     const int rows = queries;
     tl::load<in_type, g_rows, g_cols, g_pitch>(g, args.in[3], in3_base, r0, 0, rows, 8);
+    __syncthreads();
     tl::rowdiv_grad<g_rows, o_cols, g_pitch, o_pitch, mx_pitch>(g, o, eps, rows, mx);
+    __syncthreads();
     tl::store<tl::f32, g_rows, g_cols, g_pitch>(g, args.extra[2], extra2_base, r0, 0, rows, 9);
+    __syncthreads();
     tl::store<tl::f32, mx_rows, mx_cols, mx_pitch>(mx, args.extra[3], extra3_base, r0, 0, rows, 1);
   }
   for (long long r0 = 0; r0 < keys_end; r0 += chunk) {  // chunks of keys
     const int rows = static_cast<int>(keys_end - r0 < chunk ? keys_end - r0 : chunk);
+    __syncthreads();
     tl::load<in_type, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, 0, rows, 8);
+    __syncthreads();
     tl::ones_column<v_rows, v_cols, v_pitch>(v, rows);
     tl::product<tl::mma_bf16, a_rows, a_cols, q_cols, false, true, false, a_pitch, q_pitch, k_pitch>(a, q, k);  // a = q·kᵀ
+    __syncthreads();
     tl::exp_rows<a_rows, a_cols, a_pitch, 1, 1, mx_pitch, 2, true, false, 256>(a, static_cast<float*>(nullptr), mx, 0.250000000f, query0, r0, args.n, keys_n);
     tl::product<tl::mma_bf16, ds_rows, ds_cols, g_cols, false, true, false, ds_pitch, g_pitch, v_pitch>(ds, g, v);  // ds = g·vᵀ
+    __syncthreads();
     tl::exp_grad<ds_rows, ds_cols, ds_pitch, a_pitch, true, false>(ds, a, 0.250000000f, query0, r0, args.n, keys_n);
+    __syncthreads();
     tl::product<tl::mma_bf16, dq_rows, dq_cols, ds_cols, false, false, true, dq_pitch, ds_pitch, k_pitch>(dq, ds, k);  // dq += ds·k
   }
   {  // this block's query rows
     const long long r0 = query0;
     const int rows = queries;
+    __syncthreads();
     tl::store<out_type, dq_rows, dq_cols, dq_pitch>(dq, args.out, out_base, r0, 0, rows, 16);
   }
 }

@@ -51,16 +51,22 @@ extern "C" __global__ void __launch_bounds__(256) lina_softmax_causal_id_id_d16_
   for (long long r0 = 0; r0 < keys_end; r0 += chunk) {  // chunks of keys
     const int rows = static_cast<int>(keys_end - r0 < chunk ? keys_end - r0 : chunk);
     tl::load<in_type, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);
+    __syncthreads();
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, m0, rows, tile_m);
+    __syncthreads();
     tl::ones_column<v_rows, v_cols, v_pitch>(v, rows);
     tl::product<tl::mma_bf16, a_rows, a_cols, q_cols, false, true, false, a_pitch, q_pitch, k_pitch>(a, q, k);  // a = q·kᵀ
+    __syncthreads();
     tl::exp_rows<a_rows, a_cols, a_pitch, o_cols, o_pitch, mx_pitch, 1, true, false, 256>(a, o, mx, 0.250000000f, query0, r0, args.n, keys_n);
+    __syncthreads();
     tl::product<tl::mma_bf16, o_rows, o_cols, a_cols, false, false, true, o_pitch, a_pitch, v_pitch>(o, a, v);  // o += a·v
   }
   {  // this block's query rows
     const long long r0 = query0;
     const int rows = queries;
+    __syncthreads();
     tl::row_divide<o_rows, o_cols, o_pitch, mx_pitch>(o, eps, mx);
+    __syncthreads();
     tl::store<out_type, o_rows, o_cols, o_pitch>(o, args.out, out_base, r0, m0, rows, tile_m);
   }
 }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <stdexcept>
 #include <vector>
 
@@ -298,23 +299,132 @@ struct emitter {
     }
   }
 
-  // A list of instructions, a load and the element-wise map after it fused
-  // into one pass over the chunk (tl::load_map).
-  void body(int ind, std::vector<cuda::instruction> const& list) {
-    for (std::size_t n = 0; n < list.size(); ++n) {
-      if (n + 1 < list.size() && fusable(list[n], list[n + 1])) {
-        load(ind, list[n], map_tag(list[n + 1].map));
-        ++n;
-      } else if (n + 1 < list.size() && sum_fusable(list[n], list[n + 1])) {
-        product2(ind, list[n], list[n + 1]);
-        ++n;
-      } else if (n + 1 < list.size() && masks_fusable(list[n], list[n + 1])) {
-        product(ind, list[n], true);
-        ++n;
-      } else {
-        instruction(ind, list[n]);
-      }
+  // ---- barriers ------------------------------------------------------------
+  // The tile operations do not wait for the block (tiles.cuh); the kernel
+  // waits where one operation reads or writes what an earlier one since the
+  // last barrier wrote, or writes what it read — threads own different
+  // elements in different operations. What an instruction touches: its
+  // registers, and `global`, all memory the kernel writes (out, the extra
+  // buffers, the states: one resource, since two of them may be the same
+  // memory — an input read twice has one gradient). Inputs are only read.
+  static constexpr int global = -2;
+  struct touched {
+    std::set<int> reads, writes;
+    bool operator==(touched const&) const = default;
+  };
+  static void add_access(cuda::instruction const& i, touched& x) {
+    auto r = [&](int v) {
+      if (v >= 0 || v == global) x.reads.insert(v);
+    };
+    auto w = [&](int v) {
+      if (v >= 0 || v == global) x.writes.insert(v);
+    };
+    switch (i.op) {
+      case opcode::prefetch: break;  // a hint: touches no tile and writes nothing
+      case opcode::zero:
+      case opcode::load_state: w(i.dst); break;
+      case opcode::ones_column: w(i.dst); break;
+      case opcode::load:
+        w(i.dst);
+        if (i.accumulate) r(i.dst);
+        break;
+      case opcode::product:
+      case opcode::param_grad:
+        w(i.dst);
+        if (i.accumulate) r(i.dst);
+        break;
+      case opcode::store:
+      case opcode::store_state:
+      case opcode::store_partial:
+        r(i.dst);
+        w(global);
+        r(global);  // (an adding store reads what is there)
+        break;
+      case opcode::exp_rows:  // rescales o (a) and updates the running max m (b)
+        r(i.dst), w(i.dst), w(i.a), w(i.b);
+        break;
+      default: r(i.dst), w(i.dst); break;  // in place
     }
+    r(i.a), r(i.b);
+    bool const reads_written = i.op == opcode::load_state || i.op == opcode::add_partials ||
+                               ((i.op == opcode::load || i.op == opcode::map_grad || i.op == opcode::param_grad) &&
+                                i.slot >= max_inputs);
+    if (reads_written) r(global);  // an extra buffer or a state (written by this kernel's stores, perhaps)
+  }
+  static bool conflict(touched const& before, touched const& next) {
+    auto meets = [](std::set<int> const& x, std::set<int> const& y) {
+      return std::any_of(x.begin(), x.end(), [&](int v) { return y.count(v) > 0; });
+    };
+    return meets(before.writes, next.reads) || meets(before.writes, next.writes) || meets(before.reads, next.writes);
+  }
+  static void merge(touched& into, touched const& x) {
+    into.reads.insert(x.reads.begin(), x.reads.end());
+    into.writes.insert(x.writes.begin(), x.writes.end());
+  }
+  touched since;  // what ran since the last barrier
+  // Before an operation that touches x: the barrier it needs, if any (printed when ind ≥ 0).
+  void wait_for(int ind, touched const& x) {
+    if (conflict(since, x)) {
+      if (ind >= 0) line(ind, "__syncthreads();");
+      since = {};
+    }
+    merge(since, x);
+  }
+
+  // The instructions the emitted operation at list[n] covers: 2 where a pair
+  // is fused — a load and the element-wise map after it (tl::load_map), two
+  // products summed into one register (tl::product2), a product and its mask.
+  static std::size_t fused_at(emitter const& e, std::vector<cuda::instruction> const& list, std::size_t n) {
+    if (n + 1 >= list.size()) return 1;
+    cuda::instruction const &x = list[n], &y = list[n + 1];
+    return fusable(x, y) || e.sum_fusable(x, y) || masks_fusable(x, y) ? 2 : 1;
+  }
+  // A list of instructions (a pass's body, a quadratic program's own rows),
+  // fused and with its barriers; ind < 0 only finds the barriers.
+  void body(int ind, std::vector<cuda::instruction> const& list) {
+    for (std::size_t n = 0; n < list.size();) {
+      std::size_t const c = fused_at(*this, list, n);
+      touched x;
+      for (std::size_t k = n; k < n + c; ++k) add_access(list[k], x);
+      wait_for(ind, x);
+      if (ind < 0) {
+      } else if (c == 1) {
+        instruction(ind, list[n]);
+      } else if (fusable(list[n], list[n + 1])) {
+        load(ind, list[n], map_tag(list[n + 1].map));
+      } else if (sum_fusable(list[n], list[n + 1])) {
+        product2(ind, list[n], list[n + 1]);
+      } else {
+        product(ind, list[n], true);
+      }
+      n += c;
+    }
+  }
+  // One instruction outside a chunk loop (a prologue's, an epilogue's), after its barrier.
+  void single(int ind, cuda::instruction const& i) {
+    touched x;
+    add_access(i, x);
+    wait_for(ind, x);
+    instruction(ind, i);
+  }
+  // A pass's chunk loop: its first chunk follows what ran before the loop,
+  // every later one the end of the chunk before — the body starts from both
+  // (found by walking it until that stops growing); after the loop, what
+  // follows meets either.
+  void loop_body(int ind, std::vector<cuda::instruction> const& list) {
+    touched const entry = since;
+    touched start = entry;
+    for (;;) {
+      since = start;
+      body(-1, list);
+      touched next = entry;
+      merge(next, since);
+      if (next == start) break;
+      start = next;
+    }
+    since = start;
+    body(ind, list);
+    merge(since, start);
   }
 
   std::vector<bool> used;  // registers some instruction names; the others are not declared (NVRTC would warn)
@@ -474,7 +584,7 @@ struct emitter {
         if (i.op != opcode::zero && i.op != opcode::load_state && i.op != opcode::add_partials && !i.whole)
           throw std::logic_error(
               "lina::cuda::emit: a prologue holds only zero, load_state, add_partials and whole loads (W)");
-        instruction(2, i);
+        single(2, i);
       }
     }
     for (auto const& pass : p.passes) {
@@ -485,7 +595,7 @@ struct emitter {
           if (i.op != opcode::zero && i.op != opcode::load_state && i.op != opcode::add_partials)
             throw std::logic_error(
                 "lina::cuda::emit: what runs before a pass is a zero, a load_state or an add_partials instruction");
-          instruction(2, i);
+          single(2, i);
         }
       if (pass.reverse && p.split)  // the group's chunks, last first (a group has rows)
         line(2, "for (long long r0 = row_begin + (row_end - row_begin - 1) / chunk * chunk; r0 >= row_begin; r0 -= chunk) {{  // last first");
@@ -522,7 +632,7 @@ struct emitter {
           line(4, "const int rows_next = static_cast<int>({} - r_next < chunk ? {} - r_next : chunk);", end, end);
         }
       }
-      body(4, pass);
+      loop_body(4, pass);
       line(2, "}}");
     }
     if (p.quadratic) {  // the epilogue finishes and stores the block's rows
@@ -535,17 +645,20 @@ struct emitter {
       if (i.op != opcode::store_state && i.op != opcode::store_partial && !whole)
         throw std::logic_error(
             "lina::cuda::emit: an epilogue holds only store_state, store_partial and whole loads and stores (∂W)");
-      if (p.split && i.op == opcode::store_state) {  // the last group's sums cover every row (later: the first's)
-        line(2, "if (group == {}) {{", i.later ? "0" : "groups - 1");
-        instruction(4, i);
-        line(2, "}}");
-      } else if (i.op == opcode::store_partial && (i.later || i.causal)) {  // (the group nobody reads)
-        line(2, "if (group != {}) {{", i.later ? "0" : "groups - 1");
-        instruction(4, i);
-        line(2, "}}");
-      } else {
-        instruction(2, i);
+      bool const some_groups = (p.split && i.op == opcode::store_state) || (i.op == opcode::store_partial && (i.later || i.causal));
+      if (!some_groups) {
+        single(2, i);
+        continue;
       }
+      touched x;  // the barrier before the condition: every thread of the block reaches it
+      add_access(i, x);
+      wait_for(2, x);
+      if (i.op == opcode::store_state)  // the last group's sums cover every row (later: the first's)
+        line(2, "if (group == {}) {{", i.later ? "0" : "groups - 1");
+      else  // (the group nobody reads)
+        line(2, "if (group != {}) {{", i.later ? "0" : "groups - 1");
+      instruction(4, i);
+      line(2, "}}");
     }
     line(0, "}}");
     return std::move(out);
@@ -554,6 +667,6 @@ struct emitter {
 
 }  // namespace
 
-std::string emit(program const& p) { return emitter{p, {}, {}}.run(); }
+std::string emit(program const& p) { return emitter{p, {}, {}, {}}.run(); }
 
 }  // namespace lina::cuda

@@ -40,7 +40,9 @@
 // of fp32 — or of bf16 for the tiles of bf16 programs that only tensor-core
 // products read (see tile_register::storage); they persist across
 // chunks and passes (the state is just a tile that no pass zeroes). Every
-// instruction is block-wide and completes before the next starts.
+// instruction is block-wide and completes before the next starts (on the
+// device: the emitter puts a barrier wherever the next one touches what an
+// earlier one since the last barrier wrote, or writes what it read).
 //
 // Semantics (the emulation in emulate.cpp is the executable definition; the
 // device side in tiles.cuh must agree, element for element):

@@ -5,9 +5,13 @@
 // no toolkit header, no standard library.
 //
 // Every operation is block-wide: all threads of the block call it with the
-// same arguments, it works on fp32 tiles in shared memory (row-major, rows ×
-// cols given as template arguments, rows P floats apart) and ends with
-// __syncthreads(). The semantics are those listed in lina/cuda/program.hpp,
+// same arguments, and it works on fp32 (or bf16) tiles in shared memory
+// (row-major, rows × cols given as template arguments, rows P elements
+// apart). An operation does not wait for the block: the generated kernel puts
+// a __syncthreads() between two operations where the second reads or writes
+// a tile (or global memory) the first wrote, or writes one the first read
+// (emit.cpp, barriers) — so loads of different tiles, for one, run without
+// one between them. The semantics are those listed in lina/cuda/program.hpp,
 // element for element: inputs convert to fp32 exactly, outputs round to
 // nearest even; products are one fmaf chain per element in increasing k
 // (fma_f32) or tensor-core mma.sync on operands rounded to bf16 or tf32 as
@@ -129,12 +133,12 @@ struct relu {
   __device__ static float derivative(float x) { return x > 0.0f ? 1.0f : 0.0f; }
 };
 
-// φ as a load applies it to 16-bit inputs (load_map): elu+1's exp as one
+// φ and φ′ as loads of 16-bit inputs apply them (load_map, map_grad): elu+1's exp as one
 // ex2.approx of x·log₂e — a relative error of a few 2⁻²³ plus |x|·2⁻²⁴ from
 // the product, far below the bf16 tile (2⁻⁸) or the tf32 products (2⁻¹¹) its
 // result goes to, and 0 where e^x is below fp32's normal range (x < −87.3;
 // .ftz: one instruction, not four) — in place of expf's ten instructions, for
-// every element of φ(Q) and φ(K). fp32 inputs keep expf.
+// every element of φ(Q) and φ(K) and of their adjoints. fp32 inputs keep expf.
 __device__ __forceinline__ float exp_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
@@ -143,7 +147,11 @@ __device__ __forceinline__ float exp_approx(float x) {
 template <class Map> struct map_16bit : Map {};
 template <> struct map_16bit<elu_plus_one> {
   __device__ static float apply(float x) { return x > 0.0f ? x + 1.0f : exp_approx(x); }  // NaN passes
+  __device__ static float derivative(float x) { return x > 0.0f ? 1.0f : exp_approx(x); }
 };
+// φ as loads of inputs of type E apply it.
+template <class E, class Map> struct map_for : map_16bit<Map> {};
+template <class Map> struct map_for<f32, Map> : Map {};
 
 // A row map: Map::apply(x, d, feature) is feature f of the row x (d columns).
 // poly2: [x_a² (a), (√2·x_a)·x_b (b > a)], the packing of lina::poly2.
@@ -200,7 +208,6 @@ __device__ __forceinline__ void put(bf16_bits* t, int e, float x) {
 template <int R, int C, int P, class S>
 __device__ void zero(S* t) {
   for (int e = threadIdx.x; e < R * P; e += blockDim.x) put(t, e, 0.0f);
-  __syncthreads();
 }
 
 // t[i][j] = in(base + (r0+i)·row_stride + (c0+j)·col_stride) for i < rows,
@@ -278,10 +285,10 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
   const char* const data = static_cast<const char*>(in.data);
   const bool contiguous = in.stride[3] == 1;
   // The common case, checked once: rows of contiguous columns whose groups
-  // all start 16-byte aligned, the width whole groups inside the operand —
-  // then a group is one vector load when it is inside the chunk's rows and
-  // the width, and zeros otherwise, and the loop has nothing else to test.
-  if (contiguous && width % VN == 0 && c0 + width <= in.cols && ((in.stride[2] * bytes) & 15) == 0 &&
+  // all start 16-byte aligned, the width inside the operand — then a group is
+  // one vector load when it is inside the chunk's rows and the width, zeros
+  // outside, and element by element only where the width ends mid-group.
+  if (contiguous && c0 + width <= in.cols && ((in.stride[2] * bytes) & 15) == 0 &&
       ((reinterpret_cast<unsigned long long>(data) + (base + c0) * bytes) & 15) == 0) {
     const char* const first = data + (base + r0 * in.stride[2] + c0) * bytes;  // the chunk's first row
     const long long pitch = in.stride[2] * bytes;
@@ -291,7 +298,7 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
       for (int u = 0; u < U; ++u) {
         const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
         raw[u] = u32x4{{0u, 0u, 0u, 0u}};
-        if (g < G && i < rows && j < width) raw[u] = *reinterpret_cast<const u32x4*>(first + i * pitch + j * bytes);
+        if (g < G && i < rows && j + VN <= width) raw[u] = *reinterpret_cast<const u32x4*>(first + i * pitch + j * bytes);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -299,13 +306,16 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
         if (g >= G) break;
         float x[VN];
         unpack(E{}, raw[u], x);
+        if (width % VN != 0 && i < rows && j < width && j + VN > width)  // the width ends in this group
+#pragma unroll
+          for (int w = 0; w < VN; ++w)
+            x[w] = j + w < width ? load_element(E{}, first + i * pitch, j + w) : 0.0f;
         if (i < rows)
 #pragma unroll
-          for (int w = 0; w < VN; ++w) x[w] = same<E, f32>::value ? Map::apply(x[w]) : map_16bit<Map>::apply(x[w]);
+          for (int w = 0; w < VN; ++w) x[w] = map_for<E, Map>::apply(x[w]);
         put_group<E, C>(t + i * P + j, j, x);
       }
     }
-    __syncthreads();
     return;
   }
   for (int g0 = threadIdx.x; g0 < G; g0 += U * static_cast<int>(blockDim.x)) {
@@ -335,11 +345,10 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
       }
       if (i < rows)
 #pragma unroll
-        for (int w = 0; w < VN; ++w) x[w] = same<E, f32>::value ? Map::apply(x[w]) : map_16bit<Map>::apply(x[w]);
+        for (int w = 0; w < VN; ++w) x[w] = map_for<E, Map>::apply(x[w]);
       put_group<E, C>(t + i * P + j, j, x);
     }
   }
-  __syncthreads();
 }
 
 // t[i][j] = in(base + (r0+i)·row_stride + (c0+j)·col_stride) for i < rows,
@@ -379,7 +388,6 @@ __device__ void load_add(float* t, const operand& in, long long base, long long 
     const int i = e / C, j = e % C;
     if (j < width && c0 + j < in.cols) t[i * P + j] += p[base + (r0 + i) * in.stride[2] + (c0 + j) * in.stride[3]];
   }
-  __syncthreads();
 }
 
 template <class Map, int R, int C, int P, class S>
@@ -388,7 +396,6 @@ __device__ void map(S* t, int rows) {
     const int at = (e / C) * P + e % C;
     put(t, at, Map::apply(get(t, at)));
   }
-  __syncthreads();
 }
 
 // t (R × C) = Map(x) row by row for i < rows, 0 below; x is R × D (pitch PX).
@@ -398,13 +405,11 @@ __device__ void map_rows(S* t, const float* x, int rows) {
     const int i = e / C, f = e % C;
     put(t, i * P + f, i < rows ? Map::apply(x + i * PX, D, f) : 0.0f);
   }
-  __syncthreads();
 }
 
 template <int R, int C, int P, class S>
 __device__ void ones_column(S* t, int rows) {
   for (int i = threadIdx.x; i < rows; i += blockDim.x) put(t, i * P + C - 1, 1.0f);
-  __syncthreads();
 }
 
 // ---- tensor-core fragments (mma.sync, sm_80+; where each lane's live: mma16) --------
@@ -554,7 +559,6 @@ __device__ void fma_product(ST* t, const SA* a, const SB* b) {
     }
     put(t, i * PT + j, acc);
   }
-  __syncthreads();
 }
 
 // The tensor-core products: each warp takes a stripe of 16 rows × NB tiles of
@@ -628,7 +632,6 @@ __device__ void mma_product(ST* t, const SA* a, const SB* b, const SA2* a2 = nul
         if (i < R && j < C) put(t, i * PT + j, tri_masked<TriT>(i, j) ? 0.0f : acc[nb][r]);
       }
   }
-  __syncthreads();
 }
 
 // t (R × C, pitch PT) = (Acc ? t : 0) + op(a)·op(b) at precision Prec, inner
@@ -664,7 +667,6 @@ template <int R, int C, int P, class S>
 __device__ void mask_causal(S* t) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x)
     if (e % C > e / C) put(t, (e / C) * P + e % C, 0.0f);
-  __syncthreads();
 }
 
 // t[i][j] = 0 for j < i: the transposed mask of the backward's reverse pass.
@@ -672,18 +674,43 @@ template <int R, int C, int P, class S>
 __device__ void mask_anticausal(S* t) {
   for (int e = threadIdx.x; e < R * C; e += blockDim.x)
     if (e % C < e / C) put(t, (e / C) * P + e % C, 0.0f);
-  __syncthreads();
 }
 
-// Element-wise φ: t[i][j] *= φ′(in(r0 + i, j)) for i < rows (the input as stored, type E).
+// Element-wise φ: t[i][j] *= φ′(in(r0 + i, j)) for i < rows (the input as
+// stored, type E). Where the input's rows are contiguous and aligned (checked
+// once, as load_map does), a thread takes a 16-byte group of a row: one load,
+// and t's elements 4 at a time; else element by element.
 template <class E, class Map, int R, int C, int P>
 __device__ void map_grad(float* t, const operand& in, long long base, long long r0, int rows) {
+  constexpr int VN = vector_of<E>::n, bytes = VN == 8 ? 2 : 4;
+  const char* const data = static_cast<const char*>(in.data);
+  if constexpr (C % VN == 0) {
+    constexpr int CG = C / VN;
+    if (in.stride[3] == 1 && C <= in.cols && ((in.stride[2] * bytes) & 15) == 0 &&
+        ((reinterpret_cast<unsigned long long>(data) + base * bytes) & 15) == 0) {
+      const char* const first = data + (base + r0 * in.stride[2]) * bytes;  // the chunk's first row
+      const long long pitch = in.stride[2] * bytes;
+      for (int g = threadIdx.x; g < rows * CG; g += blockDim.x) {
+        const int i = g / CG, j = g % CG * VN;
+        float x[VN];
+        unpack(E{}, *reinterpret_cast<const u32x4*>(first + i * pitch + j * bytes), x);
+#pragma unroll
+        for (int h = 0; h < VN / 4; ++h) {
+          f32x4* const y = reinterpret_cast<f32x4*>(t + i * P + j + 4 * h);
+          f32x4 z = *y;
+#pragma unroll
+          for (int w = 0; w < 4; ++w) z.x[w] = z.x[w] * map_for<E, Map>::derivative(x[4 * h + w]);
+          *y = z;
+        }
+      }
+      return;
+    }
+  }
   for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
     const int i = e / C, j = e % C;
     const float x = load_element(E{}, in.data, base + (r0 + i) * in.stride[2] + j * in.stride[3]);
-    t[i * P + j] = t[i * P + j] * Map::derivative(x);
+    t[i * P + j] = t[i * P + j] * map_for<E, Map>::derivative(x);
   }
-  __syncthreads();
 }
 
 // A row map's adjoint, out of place: t (R × D) from the features' adjoints a
@@ -695,7 +722,6 @@ __device__ void map_grad_rows(float* t, const float* a, const operand& in, long 
     t[i * P + c] = i < rows ? Map::template adjoint<E>(in.data, base + (r0 + i) * in.stride[2], in.stride[3], a + i * PA, D, c)
                             : 0.0f;
   }
-  __syncthreads();
 }
 
 // rowdiv's adjoint (program.hpp, rowdiv_grad): with o = [num | den] (W
@@ -724,7 +750,6 @@ __device__ void rowdiv_grad(float* t, const float* o, float eps, int rows, const
       if (e % S == 0) t[i * PT + W - 1] = __fmul_rn(-s, r);
     }
   }
-  __syncthreads();
 }
 
 // t[i][j] ·= 1 / d_i for j < C − 1, d_i = t[i][C−1] + eps — or, with the
@@ -750,7 +775,6 @@ __device__ void row_divide(float* t, float eps, const float* m = nullptr) {
       for (int w = j; w < C - 1; ++w) row[w] = __fmul_rn(row[w], r);
     }
   }
-  __syncthreads();
 }
 
 // t (R × C) ← φ(x; z) (program.hpp, map with a parametric map): rows i < rows
@@ -774,7 +798,6 @@ __device__ void map_param(S* t, const float* x, const float* z, float s, float i
     }
     put(t, i * P + j, y);
   }
-  __syncthreads();
 }
 
 // The adjoint of map_param, in place (program.hpp, map_grad of a parametric
@@ -802,7 +825,6 @@ __device__ void map_grad_param(float* t, const float* a, const float* x, float s
     }
     t[i * P + j] = y;
   }
-  __syncthreads();
 }
 
 // ∂X rows of a parametric map (program.hpp, param_grad): t (R × D) = a·bᵀ
@@ -826,7 +848,6 @@ __device__ void param_grad(float* t, const float* a, const float* b, const opera
     }
     t[i * P + c] = y;
   }
-  __syncthreads();
 }
 
 // exp_rows (program.hpp): the scores t (R × C) of queries q0 + i against keys
@@ -865,7 +886,6 @@ __device__ void exp_rows(float* t, float* o, float* m, float scale, long long q0
     shift = m[i * PM];
   }
   for (int j = lane; j < C; j += G) row[j] = k0 + j < end ? expf(fmaf(scale, row[j], -shift)) : 0.0f;
-  __syncthreads();
 }
 
 // exp_grad (program.hpp): with t = ∂E and e = E (R × C, pitches P, PE), the
@@ -880,7 +900,6 @@ __device__ void exp_grad(float* t, const float* e, float scale, long long q0, lo
     const bool live = query < nq && key < nk && ((!Causal && !MaskScores) || key <= query);
     t[i * P + j] = live ? scale * (e[i * PE + j] * t[i * P + j]) : 0.0f;
   }
-  __syncthreads();
 }
 
 // square_rows (program.hpp): poly2 through its kernel — the scores t (R × C)
@@ -894,7 +913,6 @@ __device__ void square_rows(float* t, long long q0, long long k0, long long nq, 
     const float s = t[i * P + j];
     t[i * P + j] = query < nq && key < nk && (!Causal || key <= query) ? s * s : 0.0f;
   }
-  __syncthreads();
 }
 
 // square_grad (program.hpp): with t = ∂A and e the scores before squaring,
@@ -906,7 +924,6 @@ __device__ void square_grad(float* t, const float* e, long long q0, long long k0
     const long long query = q0 + i, key = k0 + j;
     t[i * P + j] = query < nq && key < nk && (!Causal || key <= query) ? 2.0f * (e[i * PE + j] * t[i * P + j]) : 0.0f;
   }
-  __syncthreads();
 }
 
 // 16 bytes of output from VN values, each rounded to E (nearest even): the
@@ -958,7 +975,6 @@ __device__ void store(const S* t, const operand& out, long long base, long long 
         store_element(E{}, data, at, Add ? load_element(E{}, data, at) + x : x);
       }
   }
-  __syncthreads();
 }
 
 // The state of a chained kernel: this block's part of the fp32 [C, W] running
@@ -991,7 +1007,6 @@ __device__ void load_state(float* t, const operand& s, long long base, long long
       if (e < R * C) t[(e / C) * P + e % C] = x[u];
     }
   }
-  __syncthreads();
 }
 
 // The inverse of load_state; the normaliser column only from the block whose
@@ -1013,7 +1028,6 @@ __device__ void store_state(const float* t, const operand& s, long long base, lo
       data[base + i * s.stride[2] + (c0 + j) * s.stride[3]] = t[i * P + j];
     }
   }
-  __syncthreads();
 }
 
 // The chunk-parallel form's start of a group: t += the sums of groups first
@@ -1053,7 +1067,6 @@ __device__ void add_partials(float* t, const operand& s, long long base, long lo
       if (col[u] >= 0) t[(e / C) * P + e % C] = x[u];
     }
   }
-  __syncthreads();
 }
 
 #endif  // __CUDACC__
