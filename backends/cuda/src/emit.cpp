@@ -408,19 +408,19 @@ struct emitter {
     instruction(ind, i);
   }
   // A pass's chunk loop: its first chunk follows what ran before the loop,
-  // every later one the end of the chunk before — the body starts from both
-  // (found by walking it until that stops growing); after the loop, what
-  // follows meets either.
+  // every later one the end of the chunk before. The body starts from a set
+  // that holds both: grown by what the body leaves pending from it until that
+  // adds nothing (it only grows, so this ends). After the loop, what follows
+  // meets either.
   void loop_body(int ind, std::vector<cuda::instruction> const& list) {
-    touched const entry = since;
-    touched start = entry;
+    touched start = since;
     for (;;) {
       since = start;
       body(-1, list);
-      touched next = entry;
-      merge(next, since);
-      if (next == start) break;
-      start = next;
+      touched grown = start;
+      merge(grown, since);
+      if (grown == start) break;
+      start = grown;
     }
     since = start;
     body(ind, list);
