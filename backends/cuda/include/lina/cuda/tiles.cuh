@@ -1001,53 +1001,77 @@ __device__ void store(const S* t, const operand& out, long long base, long long 
 // sums of one (batch, head). t[i][j] = s(i, c0 + j) for j < width and c0 + j
 // < m_cols (m_cols = s.cols − 1 when Z, else s.cols); Z: t[i][C−1] = s(i,
 // s.cols − 1), the normaliser column; 0 elsewhere.
+//
+// A warp takes a row at a time, its lanes adjacent columns (each load of the
+// warp one 128-byte line of a dense state), U rows' loads issued before any
+// is stored — a decoding step is little more than this load and the store
+// back, so each element costs a load, a store and an add of addresses; the
+// normaliser's column, one element a row, is a loop of its own.
 template <int R, int C, int P, bool Z>
 __device__ void load_state(float* t, const operand& s, long long base, long long c0, int width) {
-  const float* data = static_cast<const float*>(s.data);
-  const long long m_cols = Z ? s.cols - 1 : s.cols;
-  // U elements per thread and step, their loads issued before any is stored
-  // (a decoding step is little more than this load and the store back: one
-  // memory latency per U elements, not per element).
-  constexpr int U = 8;
-  for (int e0 = threadIdx.x; e0 < R * C; e0 += U * static_cast<int>(blockDim.x)) {
-    float x[U];
+  constexpr int MC = Z ? C - 1 : C, L = (MC + 31) / 32, U = 4;  // columns of M; per lane and row; rows in flight
+  const float* const data = static_cast<const float*>(s.data) + base;
+  const long long m_cols = Z ? s.cols - 1 : s.cols, rs = s.stride[2], cs = s.stride[3];
+  const int lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
+  long long at[L];  // this lane's columns: where they are in a row, if read (else 0)
+  bool read[L];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int e = e0 + u * static_cast<int>(blockDim.x), i = e / C, j = e % C;
-      x[u] = 0.0f;
-      if (e >= R * C) continue;
-      if (Z && j == C - 1)
-        x[u] = data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]];
-      else if (j < width && c0 + j < m_cols)
-        x[u] = data[base + i * s.stride[2] + (c0 + j) * s.stride[3]];
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int e = e0 + u * static_cast<int>(blockDim.x);
-      if (e < R * C) t[(e / C) * P + e % C] = x[u];
-    }
+  for (int l = 0; l < L; ++l) {
+    const int j = lane + 32 * l;
+    read[l] = j < MC && j < width && c0 + j < m_cols;
+    at[l] = (c0 + j) * cs;
   }
+  for (int i0 = static_cast<int>(threadIdx.x >> 5); i0 < R; i0 += U * warps) {
+    float x[U][L];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * warps;
+      const float* const row = data + i * rs;
+#pragma unroll
+      for (int l = 0; l < L; ++l) x[u][l] = i < R && read[l] ? row[at[l]] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        const int i = i0 + u * warps, j = lane + 32 * l;
+        if (i < R && j < MC) t[i * P + j] = x[u][l];
+      }
+  }
+  if constexpr (Z)
+    for (int i = threadIdx.x; i < R; i += blockDim.x) t[i * P + C - 1] = data[i * rs + (s.cols - 1) * cs];
 }
 
-// The inverse of load_state; the normaliser column only from the block whose
-// columns start at 0 (every block of the (batch, head) holds the same z),
-// added to what is there with add_z (a backward split over M's columns: each
-// slice after the first adds its share of ∂z).
+// The inverse of load_state (the same lanes per row); the normaliser column
+// only from the block whose columns start at 0 (every block of the (batch,
+// head) holds the same z), added to what is there with add_z (a backward
+// split over M's columns: each slice after the first adds its share of ∂z).
 template <int R, int C, int P, bool Z>
 __device__ void store_state(const float* t, const operand& s, long long base, long long c0, int width, bool add_z = false) {
-  float* data = static_cast<float*>(const_cast<void*>(s.data));
-  const long long m_cols = Z ? s.cols - 1 : s.cols;
-  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
-    const int i = e / C, j = e % C;
-    if (Z && j == C - 1) {
-      if (c0 == 0) {
-        float& z = data[base + i * s.stride[2] + (s.cols - 1) * s.stride[3]];
-        z = add_z ? z + t[i * P + j] : t[i * P + j];
-      }
-    } else if (j < width && c0 + j < m_cols) {
-      data[base + i * s.stride[2] + (c0 + j) * s.stride[3]] = t[i * P + j];
-    }
+  constexpr int MC = Z ? C - 1 : C, L = (MC + 31) / 32;
+  float* const data = static_cast<float*>(const_cast<void*>(s.data)) + base;
+  const long long m_cols = Z ? s.cols - 1 : s.cols, rs = s.stride[2], cs = s.stride[3];
+  const int lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
+  long long at[L];  // this lane's columns: where they are in a row, if written
+  bool written[L];
+#pragma unroll
+  for (int l = 0; l < L; ++l) {
+    const int j = lane + 32 * l;
+    written[l] = j < MC && j < width && c0 + j < m_cols;
+    at[l] = (c0 + j) * cs;
   }
+  for (int i = static_cast<int>(threadIdx.x >> 5); i < R; i += warps) {
+    float* const row = data + i * rs;
+#pragma unroll
+    for (int l = 0; l < L; ++l)
+      if (written[l]) row[at[l]] = t[i * P + lane + 32 * l];
+  }
+  if constexpr (Z)
+    if (c0 == 0)
+      for (int i = threadIdx.x; i < R; i += blockDim.x) {
+        float& z = data[i * rs + (s.cols - 1) * cs];
+        z = add_z ? z + t[i * P + C - 1] : t[i * P + C - 1];
+      }
 }
 
 // The chunk-parallel form's start of a group: t += the sums of groups first
