@@ -1007,28 +1007,35 @@ __device__ void store(const S* t, const operand& out, long long base, long long 
 // is stored — a decoding step is little more than this load and the store
 // back, so each element costs a load, a store and an add of addresses; the
 // normaliser's column, one element a row, is a loop of its own.
-template <int R, int C, int P, bool Z>
-__device__ void load_state(float* t, const operand& s, long long base, long long c0, int width) {
-  constexpr int MC = Z ? C - 1 : C, L = (MC + 31) / 32, U = 4;  // columns of M; per lane and row; rows in flight
-  const float* const data = static_cast<const float*>(s.data) + base;
-  const long long m_cols = Z ? s.cols - 1 : s.cols, rs = s.stride[2], cs = s.stride[3];
-  const int lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
-  long long at[L];  // this lane's columns: where they are in a row, if read (else 0)
-  bool read[L];
+
+// Which of a lane's L columns j = lane + 32·l of M (MC of them in the
+// register) the state has.
+template <int MC, int L>
+__device__ __forceinline__ void state_columns(bool (&in)[L], long long c0, int width, long long m_cols) {
 #pragma unroll
   for (int l = 0; l < L; ++l) {
-    const int j = lane + 32 * l;
-    read[l] = j < MC && j < width && c0 + j < m_cols;
-    at[l] = (c0 + j) * cs;
+    const int j = static_cast<int>(threadIdx.x & 31) + 32 * l;
+    in[l] = j < MC && j < width && c0 + j < m_cols;
   }
+}
+// The rows of load_state; Dense: the state's columns are adjacent (stride 1),
+// so a lane's elements lie at constant offsets from its row's first.
+template <int R, int P, int MC, int L, bool Dense>
+__device__ __forceinline__ void load_state_rows(float* t, const float* first, long long rs, long long cs,
+                                                const bool (&in)[L]) {
+  constexpr int U = 2;  // rows in flight
+  const int lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
   for (int i0 = static_cast<int>(threadIdx.x >> 5); i0 < R; i0 += U * warps) {
     float x[U][L];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * warps;
-      const float* const row = data + i * rs;
+      const float* const row = first + i * rs;
 #pragma unroll
-      for (int l = 0; l < L; ++l) x[u][l] = i < R && read[l] ? row[at[l]] : 0.0f;
+      for (int l = 0; l < L; ++l) {
+        const int j = lane + 32 * l;
+        x[u][l] = i < R && in[l] ? row[Dense ? j : j * cs] : 0.0f;
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -1038,6 +1045,18 @@ __device__ void load_state(float* t, const operand& s, long long base, long long
         if (i < R && j < MC) t[i * P + j] = x[u][l];
       }
   }
+}
+template <int R, int C, int P, bool Z>
+__device__ void load_state(float* t, const operand& s, long long base, long long c0, int width) {
+  constexpr int MC = Z ? C - 1 : C, L = (MC + 31) / 32;  // columns of M; per lane and row
+  const float* const data = static_cast<const float*>(s.data) + base;
+  const long long rs = s.stride[2], cs = s.stride[3];
+  bool in[L];
+  state_columns<MC>(in, c0, width, Z ? s.cols - 1 : s.cols);
+  if (cs == 1)
+    load_state_rows<R, P, MC, L, true>(t, data + c0, rs, cs, in);
+  else
+    load_state_rows<R, P, MC, L, false>(t, data + c0 * cs, rs, cs, in);
   if constexpr (Z)
     for (int i = threadIdx.x; i < R; i += blockDim.x) t[i * P + C - 1] = data[i * rs + (s.cols - 1) * cs];
 }
@@ -1046,26 +1065,30 @@ __device__ void load_state(float* t, const operand& s, long long base, long long
 // only from the block whose columns start at 0 (every block of the (batch,
 // head) holds the same z), added to what is there with add_z (a backward
 // split over M's columns: each slice after the first adds its share of ∂z).
+template <int R, int P, int L, bool Dense>
+__device__ __forceinline__ void store_state_rows(const float* t, float* first, long long rs, long long cs,
+                                                 const bool (&in)[L]) {
+  const int lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
+  for (int i = static_cast<int>(threadIdx.x >> 5); i < R; i += warps) {
+    float* const row = first + i * rs;
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      const int j = lane + 32 * l;
+      if (in[l]) row[Dense ? j : j * cs] = t[i * P + j];
+    }
+  }
+}
 template <int R, int C, int P, bool Z>
 __device__ void store_state(const float* t, const operand& s, long long base, long long c0, int width, bool add_z = false) {
   constexpr int MC = Z ? C - 1 : C, L = (MC + 31) / 32;
   float* const data = static_cast<float*>(const_cast<void*>(s.data)) + base;
-  const long long m_cols = Z ? s.cols - 1 : s.cols, rs = s.stride[2], cs = s.stride[3];
-  const int lane = threadIdx.x & 31, warps = static_cast<int>(blockDim.x >> 5);
-  long long at[L];  // this lane's columns: where they are in a row, if written
-  bool written[L];
-#pragma unroll
-  for (int l = 0; l < L; ++l) {
-    const int j = lane + 32 * l;
-    written[l] = j < MC && j < width && c0 + j < m_cols;
-    at[l] = (c0 + j) * cs;
-  }
-  for (int i = static_cast<int>(threadIdx.x >> 5); i < R; i += warps) {
-    float* const row = data + i * rs;
-#pragma unroll
-    for (int l = 0; l < L; ++l)
-      if (written[l]) row[at[l]] = t[i * P + lane + 32 * l];
-  }
+  const long long rs = s.stride[2], cs = s.stride[3];
+  bool in[L];
+  state_columns<MC>(in, c0, width, Z ? s.cols - 1 : s.cols);
+  if (cs == 1)
+    store_state_rows<R, P, L, true>(t, data + c0, rs, cs, in);
+  else
+    store_state_rows<R, P, L, false>(t, data + c0 * cs, rs, cs, in);
   if constexpr (Z)
     if (c0 == 0)
       for (int i = threadIdx.x; i < R; i += blockDim.x) {
