@@ -462,11 +462,10 @@ __device__ __forceinline__ void ldmatrix(unsigned (&r)[2], const bf16_bits* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(shared_address(p)));
 }
 
-// op(a)(i, k) of an R × K operand stored with pitch P (K × R when T), 0
-// outside (Checked: i and k may lie outside; else they do not).
-template <int R, int K, bool T, int P, bool Checked, class S>
+// op(a)(i, k) of an R × K operand stored with pitch P (K × R when T), 0 outside.
+template <int R, int K, bool T, int P, class S>
 __device__ __forceinline__ float operand_at(const S* a, int i, int k) {
-  if (Checked && ((R % 16 != 0 && i >= R) || (K % 16 != 0 && k >= K))) return 0.0f;
+  if ((R % 16 != 0 && i >= R) || (K % 16 != 0 && k >= K)) return 0.0f;
   return get(a, T ? k * P + i : i * P + k);
 }
 
@@ -475,67 +474,48 @@ __device__ __forceinline__ float operand_at(const S* a, int i, int k) {
 // 8 × 16) elements it reads lie in the register (outside R or C but inside
 // the pitch they only reach results that are not stored), else element by
 // element (fp32 pairs adjacent in k: the compiler already loads them as one
-// 64-bit word, the registers' offsets being constants) — with no bounds to
-// test where the fragment lies inside the operand (the fp32 state of q·state:
-// all but its last 8-column tile).
-template <class Prec, int R, int K, bool T, int P, bool Checked, class S>
-__device__ __forceinline__ void a_elements(unsigned (&af)[4], const S* a, int i0, int k0, int lane) {
+// 64-bit word, the registers' offsets being constants).
+template <class Prec, int R, int K, bool T, int P, class S>
+__device__ __forceinline__ void a_fragment(unsigned (&af)[4], const S* a, int i0, int k0, int lane) {
   if constexpr (mma_k<Prec>::value == 16) {
+    if constexpr (same<S, bf16_bits>::value) {
+      if ((K % 16 == 0 || k0 + 16 <= K) && (T ? i0 + 16 <= P : i0 + 16 <= R)) {
+        ldmatrix<T>(af, a + mma16::ldmatrix_offset(lane, true, T, P, i0, k0));
+        return;
+      }
+    }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = i0 + mma16::a_row(lane, r), k = k0 + mma16::a_k(lane, r);
-      af[r] = pack(Prec{}, operand_at<R, K, T, P, Checked>(a, i, k), operand_at<R, K, T, P, Checked>(a, i, k + 1));
+      af[r] = pack(Prec{}, operand_at<R, K, T, P>(a, i, k), operand_at<R, K, T, P>(a, i, k + 1));
     }
   } else {
     const int g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
-      af[r] = pack(Prec{}, operand_at<R, K, T, P, Checked>(a, i0 + g + (r & 1) * 8, k0 + q + (r >> 1) * 4));
+    for (int r = 0; r < 4; ++r) af[r] = pack(Prec{}, operand_at<R, K, T, P>(a, i0 + g + (r & 1) * 8, k0 + q + (r >> 1) * 4));
   }
-}
-template <class Prec, int R, int K, bool T, int P, class S>
-__device__ __forceinline__ void a_fragment(unsigned (&af)[4], const S* a, int i0, int k0, int lane) {
-  constexpr int KS = mma_k<Prec>::value;
-  if constexpr (KS == 16 && same<S, bf16_bits>::value) {
-    if ((K % 16 == 0 || k0 + 16 <= K) && (T ? i0 + 16 <= P : i0 + 16 <= R)) {
-      ldmatrix<T>(af, a + mma16::ldmatrix_offset(lane, true, T, P, i0, k0));
-      return;
-    }
-  }
-  if ((R % 16 == 0 || i0 + 16 <= R) && (K % KS == 0 || k0 + KS <= K))
-    a_elements<Prec, R, K, T, P, false>(af, a, i0, k0, lane);
-  else
-    a_elements<Prec, R, K, T, P, true>(af, a, i0, k0, lane);
 }
 // b is K × C (C × K when T); its fragment is read as op(b)ᵀ, C × K, whose row j is column j of op(b).
-template <class Prec, int C, int K, bool T, int P, bool Checked, class S>
-__device__ __forceinline__ void b_elements(unsigned (&bf)[2], const S* b, int j0, int k0, int lane) {
+template <class Prec, int C, int K, bool T, int P, class S>
+__device__ __forceinline__ void b_fragment(unsigned (&bf)[2], const S* b, int j0, int k0, int lane) {
   if constexpr (mma_k<Prec>::value == 16) {
+    if constexpr (same<S, bf16_bits>::value) {
+      if ((K % 16 == 0 || k0 + 16 <= K) && (T ? j0 + 8 <= C : j0 + 8 <= P)) {
+        ldmatrix<!T>(bf, b + mma16::ldmatrix_offset(lane, false, !T, P, j0, k0));
+        return;
+      }
+    }
     const int j = j0 + mma16::b_col(lane);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int k = k0 + mma16::b_k(lane, r);
-      bf[r] = pack(Prec{}, operand_at<C, K, !T, P, Checked>(b, j, k), operand_at<C, K, !T, P, Checked>(b, j, k + 1));
+      bf[r] = pack(Prec{}, operand_at<C, K, !T, P>(b, j, k), operand_at<C, K, !T, P>(b, j, k + 1));
     }
   } else {
     const int j = j0 + (lane >> 2), q = lane & 3;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) bf[r] = pack(Prec{}, operand_at<C, K, !T, P, Checked>(b, j, k0 + q + r * 4));
+    for (int r = 0; r < 2; ++r) bf[r] = pack(Prec{}, operand_at<C, K, !T, P>(b, j, k0 + q + r * 4));
   }
-}
-template <class Prec, int C, int K, bool T, int P, class S>
-__device__ __forceinline__ void b_fragment(unsigned (&bf)[2], const S* b, int j0, int k0, int lane) {
-  constexpr int KS = mma_k<Prec>::value;
-  if constexpr (KS == 16 && same<S, bf16_bits>::value) {
-    if ((K % 16 == 0 || k0 + 16 <= K) && (T ? j0 + 8 <= C : j0 + 8 <= P)) {
-      ldmatrix<!T>(bf, b + mma16::ldmatrix_offset(lane, false, !T, P, j0, k0));
-      return;
-    }
-  }
-  if ((C % 16 == 0 || j0 + 8 <= C) && (K % KS == 0 || k0 + KS <= K))
-    b_elements<Prec, C, K, T, P, false>(bf, b, j0, k0, lane);
-  else
-    b_elements<Prec, C, K, T, P, true>(bf, b, j0, k0, lane);
 }
 
 // The triangles of a masked product (lina::cuda::triangle), by 16-row
