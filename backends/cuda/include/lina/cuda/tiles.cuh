@@ -945,7 +945,9 @@ __device__ __forceinline__ void pack_vector(f16, const float* x, u32x4& r) {
 // input the plan reads twice, whose other share this block stored before).
 // Each thread takes 16 bytes of a row (VN elements): one vector store where
 // they are contiguous, aligned and all inside the output, else element by
-// element — the same values either way.
+// element — the same values either way. Whether the output's rows are
+// contiguous and aligned is checked once (as load_map does); then a group
+// tests only whether it is whole.
 template <class E, int R, int C, int P, bool Add = false, class S>
 __device__ void store(const S* t, const operand& out, long long base, long long r0, long long c0, int rows,
                       int width) {
@@ -953,6 +955,37 @@ __device__ void store(const S* t, const operand& out, long long base, long long 
   constexpr int bytes = VN == 8 ? 2 : 4;
   void* const data = const_cast<void*>(out.data);
   const bool contiguous = out.stride[3] == 1;
+  if (!Add && contiguous && c0 + width <= out.cols && ((out.stride[2] * bytes) & 15) == 0 &&
+      ((reinterpret_cast<unsigned long long>(data) + (base + c0) * bytes) & 15) == 0) {
+    char* const first = static_cast<char*>(data) + (base + r0 * out.stride[2] + c0) * bytes;  // the chunk's first row
+    const long long pitch = out.stride[2] * bytes;
+    for (int g = threadIdx.x; g < rows * CG; g += blockDim.x) {
+      const int i = g / CG, j = g % CG * VN;
+      char* const row = first + i * pitch;
+      if (j + VN <= C && j + VN <= width) {
+        float x[VN];
+        if constexpr (same<S, float>::value) {  // (t + i·P + j is 16-byte aligned: P and j are multiples of 4)
+#pragma unroll
+          for (int h = 0; h < VN / 4; ++h) {
+            const f32x4 y = *reinterpret_cast<const f32x4*>(t + i * P + j + 4 * h);
+#pragma unroll
+            for (int w = 0; w < 4; ++w) x[4 * h + w] = y.x[w];
+          }
+        } else {
+#pragma unroll
+          for (int w = 0; w < VN; ++w) x[w] = get(t, i * P + j + w);
+        }
+        u32x4 r;
+        pack_vector(E{}, x, r);
+        *reinterpret_cast<u32x4*>(row + j * bytes) = r;
+      } else {
+#pragma unroll
+        for (int w = 0; w < VN; ++w)
+          if (j + w < C && j + w < width) store_element(E{}, row, j + w, get(t, i * P + j + w));
+      }
+    }
+    return;
+  }
   for (int g = threadIdx.x; g < rows * CG; g += blockDim.x) {
     const int i = g / CG, j = g % CG * VN;
     const long long row = base + (r0 + i) * out.stride[2];
