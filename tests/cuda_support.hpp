@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <lina/cpu.hpp>
 #include <lina/cuda.hpp>
 #include <lina/cuda/nvrtc.hpp>
@@ -195,6 +196,104 @@ cuda::program chained_program(Plan const& plan, cuda::options opt, std::size_t d
   return cuda::program_of(s);
 }
 
+// The barriers of an emitted kernel, read back from its source (not from the
+// emitter's own bookkeeping): between two tile operations of which the second
+// reads or writes a tile the first wrote, or writes one the first read (or
+// global memory the kernel writes: a store, and a load from an extra buffer
+// or a state), there is a __syncthreads() — in straight-line code, and
+// around a chunk loop's back edge (its body walked twice). Tiles are the
+// program's register names among a call's arguments; a call writes its first
+// (exp_rows its first three), a store none but global memory. Returns the
+// first pair without one ("" if none).
+std::string unguarded_hazard(cuda::program const& p, std::string const& src) {
+  std::set<std::string> names;
+  for (auto const& r : p.registers) names.insert(r.name);
+  struct op {
+    std::string text;
+    std::set<std::string> reads, writes;
+    bool barrier = false;
+  };
+  auto trim = [](std::string x) {
+    x.erase(0, x.find_first_not_of(' '));
+    return x;
+  };
+  auto parse = [&](std::string const& line) {
+    op o{line, {}, {}, line == "__syncthreads();"};
+    if (o.barrier || line.rfind("tl::", 0) != 0) return o;
+    std::string const fn = line.substr(4, line.find_first_of("<(") - 4);
+    // the call's arguments: after the template arguments' closing '>' (or the name), to the matching ')'
+    std::size_t at = line.find_first_of("<(");
+    if (line[at] == '<')
+      for (int depth = 0;; ++at) {
+        depth += line[at] == '<' ? 1 : line[at] == '>' ? -1 : 0;
+        if (depth == 0) break;
+      }
+    at = line.find('(', at);
+    std::vector<std::string> args{""};
+    for (int depth = 0; ++at < line.size();) {
+      char const c = line[at];
+      if (c == ')' && depth == 0) break;
+      depth += c == '(' || c == '<' || c == '[' ? 1 : c == ')' || c == '>' || c == ']' ? -1 : 0;
+      if (c == ',' && depth == 0)
+        args.push_back("");
+      else if (c != ' ')
+        args.back() += c;
+    }
+    bool const store = fn == "store" || fn == "store_state" || fn == "store_partial";
+    int const writes = store || fn == "prefetch" ? 0 : fn == "exp_rows" ? 3 : 1;
+    for (std::size_t a = 0; a < args.size(); ++a)
+      if (names.count(args[a])) {
+        o.reads.insert(args[a]);
+        if (static_cast<int>(a) < writes) o.writes.insert(args[a]);
+      }
+    bool const reads_written = fn == "load_state" || fn == "add_partials" || line.find("args.extra") != std::string::npos ||
+                               line.find("args.state_in") != std::string::npos;
+    if (store) o.writes.insert("<global>"), o.reads.insert("<global>");
+    if (reads_written && fn != "prefetch") o.reads.insert("<global>");
+    return o;
+  };
+  // The kernel's body as nested blocks: a `for` line opens a loop (walked twice), other braces nest plainly.
+  std::vector<std::string> lines;
+  {
+    std::istringstream in(src.substr(src.find("extern \"C\"")));
+    for (std::string l; std::getline(in, l);) lines.push_back(trim(l.substr(0, l.find("  //"))));
+  }
+  std::set<std::string> reads, writes;  // since the last barrier
+  std::string last, problem;  // (the last operation that touched a tile)
+  std::size_t n = 1;  // (line 0: the signature)
+  std::function<void(bool)> block = [&](bool loop) {
+    std::size_t const first = n;
+    for (int walk = 0; walk < (loop ? 2 : 1); ++walk) {
+      n = first;
+      while (n < lines.size() && lines[n] != "}") {
+        std::string const& l = lines[n++];
+        if (l.rfind("for (", 0) == 0) {
+          block(true);
+        } else if (l.size() > 0 && l.back() == '{') {
+          block(false);
+        } else {
+          op const o = parse(l);
+          if (o.barrier) {
+            reads.clear(), writes.clear();
+            continue;
+          }
+          auto meets = [](std::set<std::string> const& x, std::set<std::string> const& y) {
+            return std::any_of(x.begin(), x.end(), [&](std::string const& v) { return y.count(v) > 0; });
+          };
+          if (problem.empty() && (meets(writes, o.reads) || meets(writes, o.writes) || meets(reads, o.writes)))
+            problem = "no barrier between `" + last + "` (or an operation before it) and `" + l + "`";
+          reads.insert(o.reads.begin(), o.reads.end());
+          writes.insert(o.writes.begin(), o.writes.end());
+          if (!o.writes.empty() || !o.reads.empty()) last = l;
+        }
+      }
+    }
+    ++n;  // (the closing brace)
+  };
+  block(false);
+  return problem;
+}
+
 // Compile each distinct generated kernel for sm_80 and sm_90; any log fails.
 // Both with --Ofast-compile=max: the same parsing, type checks and PTX
 // assembly to a cubin without most optimisation passes, which are most of a
@@ -207,6 +306,8 @@ void check_compiles(cuda::program const& p, bool as_launched = false) {
   static std::set<std::pair<std::string, bool>> done;
   std::string src = cuda::emit(p);
   if (!done.insert({src, as_launched}).second) return;
+  CAPTURE(p.kernel_name);
+  CHECK(unguarded_hazard(p, src) == "");
   struct target {
     std::string arch;
     std::vector<std::string> options;
