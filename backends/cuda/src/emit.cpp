@@ -118,6 +118,13 @@ struct emitter {
            rows(i.dst), cols(i.dst), pitch(i.dst), t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
   }
 
+  // A masked product's triangle (tl::tri_*); fused: with the mask after it in its stores.
+  static char const* triangle_name(triangle x, bool fused) {
+    return x == triangle::lower   ? fused ? "tl::tri_causal" : "tl::tri_lower"
+           : x == triangle::upper ? fused ? "tl::tri_anticausal" : "tl::tri_upper"
+                                  : "tl::tri_none";
+  }
+
   // Two products into one fp32 register, the second adding to the first's
   // results and reading neither that register nor a triangle of it: one
   // tl::product2, which sums both in the warps' registers (same order).
@@ -127,12 +134,9 @@ struct emitter {
            y.a != x.dst && y.b != x.dst && p.registers.at(static_cast<std::size_t>(x.dst)).storage == dtype::f32;
   }
   void product2(int ind, cuda::instruction const& x, cuda::instruction const& y) {
-    auto tri = [](triangle t) {
-      return t == triangle::lower ? "tl::tri_lower" : t == triangle::upper ? "tl::tri_upper" : "tl::tri_none";
-    };
     auto operands = [&](cuda::instruction const& i) {
       return fmt::format("{}, {}, {}, {}, {}, {}", i.transpose_a ? rows(i.a) : cols(i.a), yes(i.transpose_a),
-                         yes(i.transpose_b), pitch(i.a), pitch(i.b), tri(i.tri_a));
+                         yes(i.transpose_b), pitch(i.a), pitch(i.b), triangle_name(i.tri_a, false));
     };
     auto text = [&](cuda::instruction const& i) {
       return fmt::format("{}{}·{}{}", name(i.a), i.transpose_a ? "ᵀ" : "", name(i.b), i.transpose_b ? "ᵀ" : "");
@@ -147,18 +151,12 @@ struct emitter {
   // masked: the mask after the product fused into it (masks_fusable).
   void product(int ind, cuda::instruction const& i, bool masked) {
     std::string const inner = i.transpose_a ? rows(i.a) : cols(i.a);
-    // A masked product's triangles (tl::tri_*), where it has one.
-    auto tri = [](triangle x, bool fused) {
-      return x == triangle::lower   ? fused ? "tl::tri_causal" : "tl::tri_lower"
-             : x == triangle::upper ? fused ? "tl::tri_anticausal" : "tl::tri_upper"
-                                    : "tl::tri_none";
-    };
     // The trailing template arguments where they differ from their defaults: the triangles, then
     // the block's warps (the triangles named too, as they come first).
     bool const warps = p.tiles.threads != 256;
     std::string tris;
     if (warps || i.tri_t != triangle::none || i.tri_a != triangle::none)
-      tris = fmt::format(", {}, {}", tri(i.tri_t, masked), tri(i.tri_a, false));
+      tris = fmt::format(", {}, {}", triangle_name(i.tri_t, masked), triangle_name(i.tri_a, false));
     if (warps) tris += fmt::format(", {}", p.tiles.threads / 32);
     std::string const& t = name(i.dst);
     line(ind, "tl::product<tl::{}, {}, {}, {}, {}, {}, {}, {}, {}, {}{}>({}, {}, {});  // {} {} {}{}·{}{}{}", name_of(i.prec),
@@ -322,7 +320,7 @@ struct emitter {
     switch (i.op) {
       case opcode::prefetch: break;  // a hint: touches no tile and writes nothing
       case opcode::zero:
-      case opcode::load_state: w(i.dst); break;
+      case opcode::load_state:
       case opcode::ones_column: w(i.dst); break;
       case opcode::load:
         w(i.dst);

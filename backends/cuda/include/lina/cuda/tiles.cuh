@@ -242,6 +242,15 @@ __device__ __forceinline__ void unpack(f16, const u32x4& r, float* x) {
   }
 }
 
+// Whether columns c0 … c0 + width of every row of x (elements of `bytes`
+// bytes) are contiguous, inside the operand and start 16-byte aligned: the
+// check load_map, map_grad and store make once per tile before their vector loops.
+__device__ __forceinline__ bool rows_in_vectors(const operand& x, long long base, long long c0, long long width,
+                                                int bytes) {
+  return x.stride[3] == 1 && c0 + width <= x.cols && ((x.stride[2] * bytes) & 15) == 0 &&
+         ((reinterpret_cast<unsigned long long>(x.data) + (base + c0) * bytes) & 15) == 0;
+}
+
 // One group's values x (8, or 4 for fp32) into the register at dst, column j:
 // one 16-byte store where the group lies inside the register's C columns,
 // element by element at its edge.
@@ -288,8 +297,7 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
   // all start 16-byte aligned, the width inside the operand — then a group is
   // one vector load when it is inside the chunk's rows and the width, zeros
   // outside, and element by element only where the width ends mid-group.
-  if (contiguous && c0 + width <= in.cols && ((in.stride[2] * bytes) & 15) == 0 &&
-      ((reinterpret_cast<unsigned long long>(data) + (base + c0) * bytes) & 15) == 0) {
+  if (rows_in_vectors(in, base, c0, width, bytes)) {
     const char* const first = data + (base + r0 * in.stride[2] + c0) * bytes;  // the chunk's first row
     const long long pitch = in.stride[2] * bytes;
     for (int g0 = threadIdx.x; g0 < G; g0 += U * static_cast<int>(blockDim.x)) {
@@ -686,8 +694,7 @@ __device__ void map_grad(float* t, const operand& in, long long base, long long 
   const char* const data = static_cast<const char*>(in.data);
   if constexpr (C % VN == 0) {
     constexpr int CG = C / VN;
-    if (in.stride[3] == 1 && C <= in.cols && ((in.stride[2] * bytes) & 15) == 0 &&
-        ((reinterpret_cast<unsigned long long>(data) + base * bytes) & 15) == 0) {
+    if (rows_in_vectors(in, base, 0, C, bytes)) {
       const char* const first = data + (base + r0 * in.stride[2]) * bytes;  // the chunk's first row
       const long long pitch = in.stride[2] * bytes;
       for (int g = threadIdx.x; g < rows * CG; g += blockDim.x) {
@@ -955,8 +962,7 @@ __device__ void store(const S* t, const operand& out, long long base, long long 
   constexpr int bytes = VN == 8 ? 2 : 4;
   void* const data = const_cast<void*>(out.data);
   const bool contiguous = out.stride[3] == 1;
-  if (!Add && contiguous && c0 + width <= out.cols && ((out.stride[2] * bytes) & 15) == 0 &&
-      ((reinterpret_cast<unsigned long long>(data) + (base + c0) * bytes) & 15) == 0) {
+  if (!Add && rows_in_vectors(out, base, c0, width, bytes)) {
     char* const first = static_cast<char*>(data) + (base + r0 * out.stride[2] + c0) * bytes;  // the chunk's first row
     const long long pitch = out.stride[2] * bytes;
     for (int g = threadIdx.x; g < rows * CG; g += blockDim.x) {
