@@ -302,6 +302,9 @@ std::string unguarded_hazard(cuda::program const& p, std::string const& src) {
 // `as_launched`, sm_90 (the H200 the device checks run on) also takes the
 // options a launch uses, optimisation included: the golden kernels and the
 // ones scripts/gpu-check's benchmark launches.
+// Through an on-disk cache in the build folder that the test processes share
+// (ctest runs each test case alone, and many compile the same kernels: a
+// fifth of the suite's NVRTC time); a kernel read back carries its log.
 void check_compiles(cuda::program const& p, bool as_launched = false) {
   static std::set<std::pair<std::string, bool>> done;
   std::string src = cuda::emit(p);
@@ -319,7 +322,7 @@ void check_compiles(cuda::program const& p, bool as_launched = false) {
     CAPTURE(t.options.size());
     CAPTURE(p.kernel_name);
     cuda::compiled_kernel k;
-    REQUIRE_NOTHROW(k = cuda::compile(src, p.kernel_name, t.arch, t.options));
+    REQUIRE_NOTHROW(k = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, p.kernel_name, t.arch, t.options));
     CHECK(k.log == "");
     CHECK(!k.image.empty());
   }

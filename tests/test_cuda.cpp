@@ -799,6 +799,15 @@ TEST_CASE("NVRTC on-disk cache: keyed by source and architecture, checked on rea
   CHECK(after.compiled - before.compiled == 2);
   CHECK(again.image == first.image);
   CHECK(std::distance(fs::directory_iterator(dir), fs::directory_iterator()) == 2);
+  // A compile's log comes back with its image: a warning is not lost on the second read.
+  std::string const warned = "extern \"C\" __global__ void warned(float* x) { int unused = 3; x[0] = 1.f; }\n";
+  auto const loud = cuda::compile_cached_in(dir.string(), warned, "warned", "sm_90");
+  auto const loud_again = cuda::compile_cached_in(dir.string(), warned, "warned", "sm_90");
+  CHECK(loud.log.find("unused") != std::string::npos);
+  CHECK(loud_again.from_cache);
+  CHECK(loud_again.log == loud.log);
+  CHECK(loud_again.image == loud.image);
+  CHECK(loud_again.options == loud.options);
   // A damaged file is recompiled, not trusted.
   for (auto const& e : fs::directory_iterator(dir)) std::ofstream(e.path(), std::ios::binary) << "garbage";
   CHECK(!cuda::compile_cached(src, p.kernel_name, "sm_90").from_cache);

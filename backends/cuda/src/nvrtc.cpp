@@ -8,12 +8,14 @@
 #include <nvrtc.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
 #include <system_error>
+#include <unistd.h>
 
 #include "lina/cuda/emit.hpp"
 
@@ -57,6 +59,13 @@ std::string log_of(nvrtcProgram p) {
   return log;
 }
 
+// NVRTC's options for a compile: the architecture, the language, the toolkit's headers, the caller's.
+std::vector<std::string> options_for(std::string_view arch, std::vector<std::string> const& extra_options) {
+  std::vector<std::string> o = {fmt::format("--gpu-architecture={}", arch), "--std=c++17", "-I" + toolkit_include_dir()};
+  o.insert(o.end(), extra_options.begin(), extra_options.end());
+  return o;
+}
+
 }  // namespace
 
 compiled_kernel compile(std::string_view source, std::string_view kernel_name, std::string_view arch,
@@ -82,8 +91,7 @@ compiled_kernel compile(std::string_view source, std::string_view kernel_name, s
   compiled_kernel out;
   out.kernel = kernel;
   out.arch = std::string(arch);
-  out.options = {fmt::format("--gpu-architecture={}", arch), "--std=c++17", "-I" + toolkit_include_dir()};
-  out.options.insert(out.options.end(), extra_options.begin(), extra_options.end());
+  out.options = options_for(arch, extra_options);
   std::vector<char const*> opts;
   for (auto const& o : out.options) opts.push_back(o.c_str());
 
@@ -125,13 +133,17 @@ cache_counts cache_statistics() { return {cache_hits.load(), cache_compiled.load
 
 compiled_kernel compile_cached(std::string_view source, std::string_view kernel_name, std::string_view arch,
                                std::vector<std::string> const& extra_options) {
-  std::string const dir = cache_directory();
+  return compile_cached_in(cache_directory(), source, kernel_name, arch, extra_options);
+}
+
+compiled_kernel compile_cached_in(std::string const& dir, std::string_view source, std::string_view kernel_name,
+                                  std::string_view arch, std::vector<std::string> const& extra_options) {
   if (dir.empty()) {
     ++cache_compiled;
     return compile(source, kernel_name, arch, extra_options);
   }
   // The key: everything that changes the image.
-  std::string key = fmt::format("lina-kernel-cache 1\nnvrtc {}\narch {}\ninclude {}\n", nvrtc_version(), arch,
+  std::string key = fmt::format("lina-kernel-cache 2\nnvrtc {}\narch {}\ninclude {}\n", nvrtc_version(), arch,
                                 toolkit_include_dir());
   for (auto const& o : extra_options) key += "option " + o + "\n";
   key += fmt::format("header {}\n", tiles_header().size());
@@ -140,15 +152,24 @@ compiled_kernel compile_cached(std::string_view source, std::string_view kernel_
   key += source;
   namespace fs = std::filesystem;
   fs::path const file = fs::path(dir) / fmt::format("{}-{}-{:016x}.bin", kernel_name, arch, fnv1a(key));
+  // After the key: "log <bytes>\n", NVRTC's log (a kernel read back says what
+  // its compile said: a warning is not lost on the second run), the image.
   {
     std::ifstream in(file, std::ios::binary);
     if (in) {
       std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      if (data.size() > key.size() && data.compare(0, key.size(), key) == 0) {
+      std::size_t log_size = 0;
+      int read = 0;
+      if (data.size() > key.size() && data.compare(0, key.size(), key) == 0 &&
+          std::sscanf(data.c_str() + key.size(), "log %zu\n%n", &log_size, &read) == 1 && read > 0 &&
+          data.size() - key.size() - static_cast<std::size_t>(read) > log_size) {
+        auto const log = data.begin() + static_cast<std::ptrdiff_t>(key.size()) + read;
         compiled_kernel out;
         out.kernel = std::string(kernel_name);
         out.arch = std::string(arch);
-        out.image.assign(data.begin() + static_cast<std::ptrdiff_t>(key.size()), data.end());
+        out.options = options_for(arch, extra_options);
+        out.log.assign(log, log + static_cast<std::ptrdiff_t>(log_size));
+        out.image.assign(log + static_cast<std::ptrdiff_t>(log_size), data.end());
         out.from_cache = true;
         ++cache_hits;
         return out;
@@ -159,10 +180,15 @@ compiled_kernel compile_cached(std::string_view source, std::string_view kernel_
   ++cache_compiled;
   std::error_code ec;
   fs::create_directories(dir, ec);
-  fs::path const tmp = file.string() + fmt::format(".{:x}.tmp", reinterpret_cast<std::uintptr_t>(&out));
+  // A name of this process and call alone: processes sharing the folder (the
+  // tests, run two at a time) never write one temporary file.
+  static std::atomic<unsigned> calls{0};
+  fs::path const tmp = file.string() + fmt::format(".{}.{}.tmp", static_cast<long>(::getpid()), calls++);
   {
     std::ofstream f(tmp, std::ios::binary);
+    std::string const log = fmt::format("log {}\n", out.log.size()) + out.log;
     f.write(key.data(), static_cast<std::streamsize>(key.size()));
+    f.write(log.data(), static_cast<std::streamsize>(log.size()));
     f.write(out.image.data(), static_cast<std::streamsize>(out.image.size()));
     if (!f) {
       f.close();

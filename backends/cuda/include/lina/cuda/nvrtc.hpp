@@ -43,9 +43,13 @@ compiled_kernel compile(std::string_view source, std::string_view kernel_name, s
 // the file name, the full key checked inside the file). The folder is
 // $LINA_CUDA_CACHE, else $XDG_CACHE_HOME/lina, else ~/.cache/lina;
 // LINA_CUDA_CACHE=off turns the cache off. A cache that cannot be written is
-// not an error: the kernel is compiled every time.
+// not an error: the kernel is compiled every time. A kernel read back carries
+// the log its compile wrote.
 compiled_kernel compile_cached(std::string_view source, std::string_view kernel_name, std::string_view arch,
                                std::vector<std::string> const& extra_options = {});
+// The same with the folder given ("": no cache), whatever the environment says.
+compiled_kernel compile_cached_in(std::string const& directory, std::string_view source, std::string_view kernel_name,
+                                  std::string_view arch, std::vector<std::string> const& extra_options = {});
 std::string cache_directory();  // "" when off
 
 // compile_cached's calls in this process so far: read from the cache, or
