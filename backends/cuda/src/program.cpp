@@ -114,7 +114,8 @@ std::size_t aligned(std::size_t n) {
   return (n + program::register_alignment - 1) / program::register_alignment * program::register_alignment;
 }
 std::size_t bytes_of(tile_register const& r) {
-  return static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.pitch()) * static_cast<std::size_t>(r.bytes());
+  return static_cast<std::size_t>(r.rows) * static_cast<std::size_t>(r.pitch()) * static_cast<std::size_t>(r.bytes()) +
+         program::read_slack;
 }
 // Threads per block: the spec's request, else 256.
 int threads_of(attention_spec const& s) { return s.tiles.threads > 0 ? s.tiles.threads : 256; }

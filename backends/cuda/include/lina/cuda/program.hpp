@@ -432,9 +432,15 @@ struct program {
   std::size_t v_offset = 0;                         // a backward split over M: this launch's first column of V,
                                                     // ∂out and ∂V (arguments_for)
 
-  // Registers lie one after another in shared memory (rows × pitch elements),
-  // each starting at a multiple of 16 bytes (ready for vector accesses).
+  // Registers lie one after another in shared memory (rows × pitch elements,
+  // then read_slack bytes), each starting at a multiple of 16 bytes (ready for
+  // vector accesses). A tensor-core fragment at a tile's edge reads whole
+  // 8-column (16-row) tiles as stored, past the last column into the next row
+  // and past the last row into the slack — elements that only reach results
+  // no one stores (tiles.cuh, b_fragment), with no test per element; the
+  // slack, never written, keeps those reads inside the register.
   static constexpr std::size_t register_alignment = 16;  // bytes
+  static constexpr std::size_t read_slack = 64;          // bytes: 15 fp32 elements, and alignment
   std::size_t offset_of(int r) const;  // in bytes
   std::size_t shared_bytes() const;    // all registers, with their alignment
 };

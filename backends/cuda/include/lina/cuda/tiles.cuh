@@ -478,51 +478,92 @@ __device__ __forceinline__ float operand_at(const S* a, int i, int k) {
 }
 
 // A's fragment at (i0, k0) of op(a) and B's at (k0, column j0) of op(b),
-// packed to Prec: from bf16 registers with ldmatrix where the 16 × 16 (or
-// 8 × 16) elements it reads lie in the register (outside R or C but inside
-// the pitch they only reach results that are not stored), else element by
-// element (fp32 pairs adjacent in k: the compiler already loads them as one
-// 64-bit word, the registers' offsets being constants).
-template <class Prec, int R, int K, bool T, int P, class S>
-__device__ __forceinline__ void a_fragment(unsigned (&af)[4], const S* a, int i0, int k0, int lane) {
-  if constexpr (mma_k<Prec>::value == 16) {
-    if constexpr (same<S, bf16_bits>::value) {
-      if ((K % 16 == 0 || k0 + 16 <= K) && (T ? i0 + 16 <= P : i0 + 16 <= R)) {
-        ldmatrix<T>(af, a + mma16::ldmatrix_offset(lane, true, T, P, i0, k0));
-        return;
-      }
+// packed to Prec. A fragment whose elements all lie in the register (the k
+// inside K; rows past R or columns past C, past the pitch too, only reach
+// results that are not stored) is read as stored: with ldmatrix from bf16
+// registers, else element by element from one address at constant offsets
+// (written out: the compiler computed `(k0 + k) * P + j` again for each
+// element, ~25 instructions per fp32 fragment where 6 do); only one at the
+// edge of K, or past the pitch, tests each element (Checked).
+template <class Prec, int R, int K, bool T, int P, bool Checked, class S>
+__device__ __forceinline__ void a_elements(unsigned (&af)[4], const S* a, int i0, int k0, int lane) {
+  constexpr bool k16 = mma_k<Prec>::value == 16;
+  const int g = lane >> 2, q = lane & 3;
+  if constexpr (!Checked) {
+    constexpr int di = T ? 1 : P, dk = T ? P : 1;  // steps along op(a)'s rows and k
+    const S* const p = a + (i0 + g) * di + (k0 + (k16 ? 2 * q : q)) * dk;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int e = (r & 1) * 8 * di + (r >> 1) * (k16 ? 8 : 4) * dk;  // mma16::a_row, a_k
+      if constexpr (k16)
+        af[r] = pack(Prec{}, get(p, e), get(p, e + dk));
+      else
+        af[r] = pack(Prec{}, get(p, e));
     }
+  } else if constexpr (k16) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = i0 + mma16::a_row(lane, r), k = k0 + mma16::a_k(lane, r);
       af[r] = pack(Prec{}, operand_at<R, K, T, P>(a, i, k), operand_at<R, K, T, P>(a, i, k + 1));
     }
   } else {
-    const int g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int r = 0; r < 4; ++r) af[r] = pack(Prec{}, operand_at<R, K, T, P>(a, i0 + g + (r & 1) * 8, k0 + q + (r >> 1) * 4));
   }
 }
+template <class Prec, int R, int K, bool T, int P, class S>
+__device__ __forceinline__ void a_fragment(unsigned (&af)[4], const S* a, int i0, int k0, int lane) {
+  constexpr int KS = mma_k<Prec>::value;
+  // Every stripe's rows lie in the register: when T, rows past the pitch run
+  // into the next k's (or the register's slack, lina::cuda::program::read_slack).
+  constexpr bool rows_inside = T || R % 16 == 0;
+  if ((K % KS == 0 || k0 + KS <= K) && (rows_inside || i0 + 16 <= R)) {
+    if constexpr (KS == 16 && same<S, bf16_bits>::value)
+      ldmatrix<T>(af, a + mma16::ldmatrix_offset(lane, true, T, P, i0, k0));
+    else
+      a_elements<Prec, R, K, T, P, false>(af, a, i0, k0, lane);
+  } else {
+    a_elements<Prec, R, K, T, P, true>(af, a, i0, k0, lane);
+  }
+}
 // b is K × C (C × K when T); its fragment is read as op(b)ᵀ, C × K, whose row j is column j of op(b).
-template <class Prec, int C, int K, bool T, int P, class S>
-__device__ __forceinline__ void b_fragment(unsigned (&bf)[2], const S* b, int j0, int k0, int lane) {
-  if constexpr (mma_k<Prec>::value == 16) {
-    if constexpr (same<S, bf16_bits>::value) {
-      if ((K % 16 == 0 || k0 + 16 <= K) && (T ? j0 + 8 <= C : j0 + 8 <= P)) {
-        ldmatrix<!T>(bf, b + mma16::ldmatrix_offset(lane, false, !T, P, j0, k0));
-        return;
-      }
+template <class Prec, int C, int K, bool T, int P, bool Checked, class S>
+__device__ __forceinline__ void b_elements(unsigned (&bf)[2], const S* b, int j0, int k0, int lane) {
+  constexpr bool k16 = mma_k<Prec>::value == 16;
+  const int j = j0 + (lane >> 2), q = lane & 3;  // mma16::b_col
+  if constexpr (!Checked) {
+    constexpr int dk = T ? 1 : P;  // op(b)(k, j) is b's (j, k) when T
+    const S* const p = b + (T ? j * P : j) + (k0 + (k16 ? 2 * q : q)) * dk;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int e = r * (k16 ? 8 : 4) * dk;  // mma16::b_k
+      if constexpr (k16)
+        bf[r] = pack(Prec{}, get(p, e), get(p, e + dk));
+      else
+        bf[r] = pack(Prec{}, get(p, e));
     }
-    const int j = j0 + mma16::b_col(lane);
+  } else if constexpr (k16) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int k = k0 + mma16::b_k(lane, r);
       bf[r] = pack(Prec{}, operand_at<C, K, !T, P>(b, j, k), operand_at<C, K, !T, P>(b, j, k + 1));
     }
   } else {
-    const int j = j0 + (lane >> 2), q = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) bf[r] = pack(Prec{}, operand_at<C, K, !T, P>(b, j, k0 + q + r * 4));
+  }
+}
+template <class Prec, int C, int K, bool T, int P, class S>
+__device__ __forceinline__ void b_fragment(unsigned (&bf)[2], const S* b, int j0, int k0, int lane) {
+  constexpr int KS = mma_k<Prec>::value;
+  constexpr bool columns_inside = !T || C % 8 == 0;  // (as rows_inside)
+  if ((K % KS == 0 || k0 + KS <= K) && (columns_inside || j0 + 8 <= C)) {
+    if constexpr (KS == 16 && same<S, bf16_bits>::value)
+      ldmatrix<!T>(bf, b + mma16::ldmatrix_offset(lane, false, !T, P, j0, k0));
+    else
+      b_elements<Prec, C, K, T, P, false>(bf, b, j0, k0, lane);
+  } else {
+    b_elements<Prec, C, K, T, P, true>(bf, b, j0, k0, lane);
   }
 }
 
@@ -585,21 +626,24 @@ struct mma_split {
 };
 
 // One 16-row stripe's NB tiles of 8 columns from n0 (those in [lo, hi)):
-// acc += op(a)·op(b) over the k steps op(a)'s triangle TriA keeps.
-template <class Prec, int R, int C, int K, bool TA, bool TB, int PA, int PB, int TriA, int NB, class SA, class SB>
+// acc += op(a)·op(b) over the k steps op(a)'s triangle TriA keeps. Full: all
+// NB tiles are in [lo, hi) (the caller tested it once), so the k loop has no
+// test per tile: one branch per tile split it into blocks the compiler
+// recomputed each fragment's address in (~25 instructions per mma, ~8 without).
+template <class Prec, int R, int C, int K, bool TA, bool TB, int PA, int PB, int TriA, bool Full, int NB, class SA, class SB>
 __device__ __forceinline__ void mma_stripe(float (&acc)[NB][4], const SA* a, const SB* b, int i0, int n0, int lo, int hi,
                                            int lane) {
   constexpr int KS = mma_k<Prec>::value, NT = (C + 7) / 8, KT = (K + KS - 1) / KS;
   const int k_lo = tri_first<TriA>(i0, KS), k_hi = tri_end<TriA>(i0, KS, KT);
 #pragma unroll 2
-  for (int kt = n0 < hi && n0 + NB > lo ? k_lo : k_hi; kt < k_hi; ++kt) {
+  for (int kt = Full || (n0 < hi && n0 + NB > lo) ? k_lo : k_hi; kt < k_hi; ++kt) {
     const int k0 = kt * KS;
     unsigned af[4];
     a_fragment<Prec, R, K, TA, PA>(af, a, i0, k0, lane);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      if (NT % NB != 0 && n0 + nb >= NT) break;
-      if (n0 + nb < lo || n0 + nb >= hi) continue;
+      if (!Full && NT % NB != 0 && n0 + nb >= NT) break;
+      if (!Full && (n0 + nb < lo || n0 + nb >= hi)) continue;
       unsigned bf[2];
       b_fragment<Prec, C, K, TB, PB>(bf, b, (n0 + nb) * 8, k0, lane);
       mma(Prec{}, acc[nb], af, bf);
@@ -630,8 +674,13 @@ __device__ void mma_product(ST* t, const SA* a, const SB* b, const SA2* a2 = nul
         const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
         acc[nb][r] = Acc && i < R && j < C && n0 + nb >= lo && n0 + nb < hi ? get(t, i * PT + j) : 0.0f;
       }
-    mma_stripe<Prec, R, C, K, TA, TB, PA, PB, TriA>(acc, a, b, i0, n0, lo, hi, lane);
-    if constexpr (K2 > 0) mma_stripe<Prec, R, C, K2, TA2, TB2, PA2, PB2, TriA2>(acc, a2, b2, i0, n0, lo, hi, lane);
+    if (n0 >= lo && n0 + NB <= hi) {  // (hi ≤ NT)
+      mma_stripe<Prec, R, C, K, TA, TB, PA, PB, TriA, true>(acc, a, b, i0, n0, lo, hi, lane);
+      if constexpr (K2 > 0) mma_stripe<Prec, R, C, K2, TA2, TB2, PA2, PB2, TriA2, true>(acc, a2, b2, i0, n0, lo, hi, lane);
+    } else {
+      mma_stripe<Prec, R, C, K, TA, TB, PA, PB, TriA, false>(acc, a, b, i0, n0, lo, hi, lane);
+      if constexpr (K2 > 0) mma_stripe<Prec, R, C, K2, TA2, TB2, PA2, PB2, TriA2, false>(acc, a2, b2, i0, n0, lo, hi, lane);
+    }
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
