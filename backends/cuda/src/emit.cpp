@@ -103,19 +103,21 @@ struct emitter {
   void load(int ind, cuda::instruction const& i, std::string_view map) {
     std::string const& t = name(i.dst);
     memory const m = source(i.slot);
+    // The block's threads where they differ from the default (its loops take them as a constant).
+    std::string const threads = p.tiles.threads != 256 ? fmt::format(", {}", p.tiles.threads) : "";
     if (i.accumulate)  // t += an fp32 buffer (a split backward's sums)
       line(ind, "tl::load_add<{}, {}, {}>({}, {}, {}, {}, {}, {}, {});  // the earlier slices' sums added", rows(i.dst),
            cols(i.dst), pitch(i.dst), t, m.operand, m.base, i.whole ? "0" : "r0", i.by_m_tile ? "m0" : "0",
            i.whole ? rows(i.dst) : "rows", i.whole ? std::to_string(i.width) : width(i));
     else if (i.whole)  // all rows of the operand (W), once
-      line(ind, "tl::load<{}, {}, {}, {}>({}, {}, {}, 0, 0, {}, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst), t,
-           m.operand, m.base, rows(i.dst), i.width);
+      line(ind, "tl::load<{}, {}, {}, {}{}>({}, {}, {}, 0, 0, {}, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst),
+           threads, t, m.operand, m.base, rows(i.dst), i.width);
     else if (map.empty())
-      line(ind, "tl::load<{}, {}, {}, {}>({}, {}, {}, r0, {}, rows, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst), t,
-           m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
+      line(ind, "tl::load<{}, {}, {}, {}{}>({}, {}, {}, r0, {}, rows, {});", m.type, rows(i.dst), cols(i.dst), pitch(i.dst),
+           threads, t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
     else
-      line(ind, "tl::load_map<{}, {}, {}, {}, {}>({}, {}, {}, r0, {}, rows, {});  // load, map", m.type, map,
-           rows(i.dst), cols(i.dst), pitch(i.dst), t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
+      line(ind, "tl::load_map<{}, {}, {}, {}, {}{}>({}, {}, {}, r0, {}, rows, {});  // load, map", m.type, map,
+           rows(i.dst), cols(i.dst), pitch(i.dst), threads, t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
   }
 
   // A masked product's triangle (tl::tri_*); fused: with the mask after it in its stores.

@@ -280,14 +280,15 @@ __device__ __forceinline__ void put_group(S* dst, int j, const float* x) {
 }
 
 // load followed by map t φ (element-wise), in one pass: the emitter fuses the
-// pair; the result is the two instructions' (φ on rows < rows only).
+// pair; the result is the two instructions' (φ on rows < rows only). Threads:
+// the block's (the emitter names it where it is not 256).
 //
 // Each thread takes groups of one 16-byte vector of a row (8 or 4 elements)
 // and first issues the loads of up to U groups, then converts, maps and stores
 // them: the loads are in flight together. A group is loaded as one vector
 // where the row is contiguous, in range and 16-byte aligned; elsewhere
 // (strided columns, the edges) element by element.
-template <class E, class Map, int R, int C, int P, class S>
+template <class E, class Map, int R, int C, int P, int Threads = 256, class S>
 __device__ void load_map(S* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
   constexpr int VN = vector_of<E>::n, CG = (C + VN - 1) / VN, G = R * CG, U = 4;
   constexpr int bytes = VN == 8 ? 2 : 4;
@@ -300,13 +301,16 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
   if (rows_in_vectors(in, base, c0, width, bytes)) {
     const char* const first = data + (base + r0 * in.stride[2] + c0) * bytes;  // the chunk's first row
     const long long pitch = in.stride[2] * bytes;
-    if (blockDim.x % CG == 0) {
+    if constexpr (Threads % CG == 0) {
       // A thread keeps one column group, its rows `step` apart: one address,
       // advanced by a constant. (Finding each group's row, column and 64-bit
       // offset again, as below, made the loop 376 instructions per four
       // groups at D = 128 instead of 285; for widths whose groups do not
-      // divide the block — [V|1] — advancing with a carry was barely shorter.)
-      const int step = static_cast<int>(blockDim.x / CG), j = static_cast<int>(threadIdx.x % CG) * VN;
+      // divide the block — [V|1] — advancing with a carry was barely shorter.
+      // Chosen at compile time: both loops in one kernel took NVRTC half as
+      // long again.)
+      constexpr int step = Threads / CG;
+      const int j = static_cast<int>(threadIdx.x % CG) * VN;
       const long long jump = step * pitch;
       const bool whole = j + VN <= width;
       const char* p = first + static_cast<int>(threadIdx.x / CG) * pitch + j * bytes;
@@ -333,30 +337,30 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
           put_group<E, C>(t + i * P + j, j, x);
         }
       }
-      return;
-    }
-    for (int g0 = threadIdx.x; g0 < G; g0 += U * static_cast<int>(blockDim.x)) {
-      u32x4 raw[U];
+    } else {
+      for (int g0 = threadIdx.x; g0 < G; g0 += U * static_cast<int>(blockDim.x)) {
+        u32x4 raw[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
-        raw[u] = u32x4{{0u, 0u, 0u, 0u}};
-        if (g < G && i < rows && j + VN <= width) raw[u] = *reinterpret_cast<const u32x4*>(first + i * pitch + j * bytes);
-      }
+        for (int u = 0; u < U; ++u) {
+          const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
+          raw[u] = u32x4{{0u, 0u, 0u, 0u}};
+          if (g < G && i < rows && j + VN <= width) raw[u] = *reinterpret_cast<const u32x4*>(first + i * pitch + j * bytes);
+        }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
-        if (g >= G) break;
-        float x[VN];
-        unpack(E{}, raw[u], x);
-        if (width % VN != 0 && i < rows && j < width && j + VN > width)  // the width ends in this group
+        for (int u = 0; u < U; ++u) {
+          const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
+          if (g >= G) break;
+          float x[VN];
+          unpack(E{}, raw[u], x);
+          if (width % VN != 0 && i < rows && j < width && j + VN > width)  // the width ends in this group
 #pragma unroll
-          for (int w = 0; w < VN; ++w)
-            x[w] = j + w < width ? load_element(E{}, first + i * pitch, j + w) : 0.0f;
-        if (i < rows)
+            for (int w = 0; w < VN; ++w)
+              x[w] = j + w < width ? load_element(E{}, first + i * pitch, j + w) : 0.0f;
+          if (i < rows)
 #pragma unroll
-          for (int w = 0; w < VN; ++w) x[w] = map_for<E, Map>::apply(x[w]);
-        put_group<E, C>(t + i * P + j, j, x);
+            for (int w = 0; w < VN; ++w) x[w] = map_for<E, Map>::apply(x[w]);
+          put_group<E, C>(t + i * P + j, j, x);
+        }
       }
     }
     return;
@@ -396,9 +400,9 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
 
 // t[i][j] = in(base + (r0+i)·row_stride + (c0+j)·col_stride) for i < rows,
 // j < width, c0 + j < cols; 0 elsewhere.
-template <class E, int R, int C, int P, class S>
+template <class E, int R, int C, int P, int Threads = 256, class S>
 __device__ void load(S* t, const operand& in, long long base, long long r0, long long c0, int rows, int width) {
-  load_map<E, identity, R, C, P>(t, in, base, r0, c0, rows, width);
+  load_map<E, identity, R, C, P, Threads>(t, in, base, r0, c0, rows, width);
 }
 
 // A hint that changes no tile: rows r0 … r0 + rows − 1 of `in` (columns c0 …
