@@ -7,8 +7,8 @@
 #include <atomic>
 #include <nvrtc.h>
 
+#include <charconv>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -158,12 +158,14 @@ compiled_kernel compile_cached_in(std::string const& dir, std::string_view sourc
     std::ifstream in(file, std::ios::binary);
     if (in) {
       std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      // "log <bytes>\n" read by hand: the log itself may start with white space.
+      std::size_t const eol = data.find('\n', key.size());
       std::size_t log_size = 0;
-      int read = 0;
-      if (data.size() > key.size() && data.compare(0, key.size(), key) == 0 &&
-          std::sscanf(data.c_str() + key.size(), "log %zu\n%n", &log_size, &read) == 1 && read > 0 &&
-          data.size() - key.size() - static_cast<std::size_t>(read) > log_size) {
-        auto const log = data.begin() + static_cast<std::ptrdiff_t>(key.size()) + read;
+      if (data.size() > key.size() && data.compare(0, key.size(), key) == 0 && eol != std::string::npos &&
+          eol > key.size() + 4 && data.compare(key.size(), 4, "log ") == 0 &&
+          std::from_chars(data.data() + key.size() + 4, data.data() + eol, log_size).ptr == data.data() + eol &&
+          data.size() - (eol + 1) > log_size) {
+        auto const log = data.begin() + static_cast<std::ptrdiff_t>(eol + 1);
         compiled_kernel out;
         out.kernel = std::string(kernel_name);
         out.arch = std::string(arch);

@@ -523,7 +523,8 @@ __device__ __forceinline__ float operand_at(const S* a, int i, int k) {
 // registers, else element by element from one address at constant offsets
 // (written out: the compiler computed `(k0 + k) * P + j` again for each
 // element, ~25 instructions per fp32 fragment where 6 do); only one at the
-// edge of K, or past the pitch, tests each element (Checked).
+// edge of K, or past the stored rows (an untransposed A's R, a transposed
+// B's C), tests each element (Checked).
 template <class Prec, int R, int K, bool T, int P, bool Checked, class S>
 __device__ __forceinline__ void a_elements(unsigned (&af)[4], const S* a, int i0, int k0, int lane) {
   constexpr bool k16 = mma_k<Prec>::value == 16;
