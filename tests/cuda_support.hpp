@@ -203,7 +203,8 @@ cuda::program chained_program(Plan const& plan, cuda::options opt, std::size_t d
 // or a state), there is a __syncthreads() — in straight-line code, and
 // around a chunk loop's back edge (its body walked twice). Tiles are the
 // program's register names among a call's arguments; a call writes its first
-// (exp_rows its first three), a store none but global memory. Returns the
+// (exp_rows its first three), a store none but global memory (row_divide_store
+// both). Returns the
 // first pair without one ("" if none).
 std::string unguarded_hazard(cuda::program const& p, std::string const& src) {
   std::set<std::string> names;
@@ -240,6 +241,7 @@ std::string unguarded_hazard(cuda::program const& p, std::string const& src) {
         args.back() += c;
     }
     bool const store = fn == "store" || fn == "store_state" || fn == "store_partial";
+    bool const to_global = store || fn == "row_divide_store";  // (which writes its tile too)
     int const writes = store || fn == "prefetch" ? 0 : fn == "exp_rows" ? 3 : 1;
     for (std::size_t a = 0; a < args.size(); ++a)
       if (names.count(args[a])) {
@@ -248,7 +250,7 @@ std::string unguarded_hazard(cuda::program const& p, std::string const& src) {
       }
     bool const reads_written = fn == "load_state" || fn == "add_partials" || line.find("args.extra") != std::string::npos ||
                                line.find("args.state_in") != std::string::npos;
-    if (store) o.writes.insert("<global>"), o.reads.insert("<global>");
+    if (to_global) o.writes.insert("<global>"), o.reads.insert("<global>");
     if (reads_written && fn != "prefetch") o.reads.insert("<global>");
     return o;
   };

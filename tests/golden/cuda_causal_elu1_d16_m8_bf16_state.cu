@@ -41,6 +41,7 @@ extern "C" __global__ void __launch_bounds__(256) lina_causal_elu1_elu1_d16_m8_t
   for (long long r0 = 0; r0 < args.n; r0 += chunk) {
     const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
     tl::load_map<in_type, tl::elu_plus_one, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);  // load, map
+    __syncthreads();
     tl::load_map<in_type, tl::elu_plus_one, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);  // load, map
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, m0, rows, tile_m);
     __syncthreads();
@@ -50,9 +51,7 @@ extern "C" __global__ void __launch_bounds__(256) lina_causal_elu1_elu1_d16_m8_t
     tl::product2<tl::mma_bf16, o_rows, o_cols, o_pitch, a_cols, false, false, a_pitch, v_pitch, tl::tri_lower, q_cols, false, false, q_pitch, state_pitch, tl::tri_none>(o, a, v, q, state);  // o = a·v + q·state
     __syncthreads();
     tl::product<tl::mma_bf16, state_rows, state_cols, k_rows, true, false, true, state_pitch, k_pitch, v_pitch>(state, k, v);  // state += kᵀ·v
-    tl::row_divide<o_rows, o_cols, o_pitch>(o, eps);
-    __syncthreads();
-    tl::store<out_type, o_rows, o_cols, o_pitch>(o, args.out, out_base, r0, m0, rows, tile_m);
+    tl::row_divide_store<out_type, o_rows, o_cols, o_pitch>(o, eps, args.out, out_base, r0, m0, rows, tile_m);  // rowdiv, store
   }
   __syncthreads();
   tl::store_state<state_rows, state_cols, state_pitch, true>(state, args.state_out, state_out_base, m0, tile_m);

@@ -55,8 +55,6 @@ extern "C" __global__ void __launch_bounds__(256) lina_causal_poly2_poly2_d4_m8_
     tl::product2<tl::fma_f32, o_rows, o_cols, o_pitch, a_cols, false, false, a_pitch, v_pitch, tl::tri_lower, q_cols, false, false, q_pitch, state_pitch, tl::tri_none>(o, a, v, q, state);  // o = a·v + q·state
     __syncthreads();
     tl::product<tl::fma_f32, state_rows, state_cols, k_rows, true, false, true, state_pitch, k_pitch, v_pitch>(state, k, v);  // state += kᵀ·v
-    tl::row_divide<o_rows, o_cols, o_pitch>(o, eps);
-    __syncthreads();
-    tl::store<out_type, o_rows, o_cols, o_pitch>(o, args.out, out_base, r0, m0, rows, tile_m);
+    tl::row_divide_store<out_type, o_rows, o_cols, o_pitch>(o, eps, args.out, out_base, r0, m0, rows, tile_m);  // rowdiv, store
   }
 }

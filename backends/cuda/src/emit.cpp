@@ -83,6 +83,13 @@ struct emitter {
             (mask.op == opcode::mask_anticausal && product.tri_t == triangle::upper));
   }
 
+  // rowdiv and the store of its rows after it: one tl::row_divide_store, a
+  // pass over the tile instead of two and no barrier between (the forward's last two).
+  static bool divide_store_fusable(cuda::instruction const& divide, cuda::instruction const& store) {
+    return divide.op == opcode::row_divide && divide.b < 0 && store.op == opcode::store && store.dst == divide.dst &&
+           !store.whole && !store.accumulate;
+  }
+
   // The memory of a load slot: args.in[s] (element type in_type, base in{s}_base)
   // or, past the inputs, an extra buffer (its own element type).
   struct memory {
@@ -118,6 +125,14 @@ struct emitter {
     else
       line(ind, "tl::load_map<{}, {}, {}, {}, {}{}>({}, {}, {}, r0, {}, rows, {});  // load, map", m.type, map,
            rows(i.dst), cols(i.dst), pitch(i.dst), threads, t, m.operand, m.base, i.by_m_tile ? "m0" : "0", width(i));
+  }
+
+  // rowdiv of a register, and the store of it (divide_store_fusable).
+  void divide_store(int ind, cuda::instruction const& store) {
+    memory const m = sink(store.slot);
+    line(ind, "tl::row_divide_store<{}, {}, {}, {}>({}, eps, {}, {}, r0, {}, rows, {});  // rowdiv, store", m.type,
+         rows(store.dst), cols(store.dst), pitch(store.dst), name(store.dst), m.operand, m.base,
+         store.by_m_tile ? "m0" : "0", width(store));
   }
 
   // A masked product's triangle (tl::tri_*); fused: with the mask after it in its stores.
@@ -373,11 +388,12 @@ struct emitter {
 
   // The instructions the emitted operation at list[n] covers: 2 where a pair
   // is fused — a load and the element-wise map after it (tl::load_map), two
-  // products summed into one register (tl::product2), a product and its mask.
+  // products summed into one register (tl::product2), a product and its mask,
+  // rowdiv and the store after it (tl::row_divide_store).
   static std::size_t fused_at(emitter const& e, std::vector<cuda::instruction> const& list, std::size_t n) {
     if (n + 1 >= list.size()) return 1;
     cuda::instruction const &x = list[n], &y = list[n + 1];
-    return fusable(x, y) || e.sum_fusable(x, y) || masks_fusable(x, y) ? 2 : 1;
+    return fusable(x, y) || e.sum_fusable(x, y) || masks_fusable(x, y) || divide_store_fusable(x, y) ? 2 : 1;
   }
   // A list of instructions (a pass's body, a quadratic program's own rows),
   // fused and with its barriers; ind < 0 only finds the barriers.
@@ -394,6 +410,8 @@ struct emitter {
         load(ind, list[n], map_tag(list[n + 1].map));
       } else if (sum_fusable(list[n], list[n + 1])) {
         product2(ind, list[n], list[n + 1]);
+      } else if (divide_store_fusable(list[n], list[n + 1])) {
+        divide_store(ind, list[n + 1]);
       } else {
         product(ind, list[n], true);
       }

@@ -1105,6 +1105,54 @@ __device__ void store(const S* t, const operand& out, long long base, long long 
   }
 }
 
+// row_divide then store of the same tile, in one pass (the emitter fuses the
+// pair that ends a forward chunk): a thread takes a 16-byte group of a row of
+// the output (8 or 4 elements), divides it by the row's reciprocal (as
+// row_divide), writes it back and stores it — the tile read once, not three
+// times, and no barrier between. The tile and the memory afterwards are the
+// pair's: every row divided, rows < rows stored; the last column read, never
+// written (no thread writes what another reads).
+template <class E, int R, int C, int P>
+__device__ void row_divide_store(float* t, float eps, const operand& out, long long base, long long r0, long long c0,
+                                 int rows, int width) {
+  constexpr int VN = vector_of<E>::n, CG = (C + VN - 1) / VN, bytes = VN == 8 ? 2 : 4;
+  char* const data = static_cast<char*>(const_cast<void*>(out.data));
+  const bool vectors = rows_in_vectors(out, base, c0, width, bytes);
+  for (int g = threadIdx.x; g < R * CG; g += blockDim.x) {
+    const int i = g / CG, j = g % CG * VN;
+    float* const row = t + i * P;
+    const float r = __frcp_rn(row[C - 1] + eps);
+    float x[VN] = {};
+#pragma unroll
+    for (int h = 0; h < VN / 4; ++h) {
+      const int c = j + 4 * h;  // (a multiple of 4, as P: 16-byte aligned)
+      if (c >= C) break;        // (the next row's, which its thread is writing)
+      const f32x4 y = *reinterpret_cast<const f32x4*>(row + c);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) x[4 * h + w] = c + w < C - 1 ? __fmul_rn(y.x[w], r) : y.x[w];
+      if (c + 4 <= C - 1) {
+        *reinterpret_cast<f32x4*>(row + c) = f32x4{{x[4 * h], x[4 * h + 1], x[4 * h + 2], x[4 * h + 3]}};
+      } else {
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+          if (c + w < C - 1) row[c + w] = x[4 * h + w];
+      }
+    }
+    if (i >= rows) continue;
+    const long long at = base + (r0 + i) * out.stride[2];  // the output row's first element
+    if (vectors && j + VN <= C && j + VN <= width) {
+      u32x4 packed;
+      pack_vector(E{}, x, packed);
+      *reinterpret_cast<u32x4*>(data + (at + c0 + j) * bytes) = packed;
+    } else {
+#pragma unroll
+      for (int w = 0; w < VN; ++w)
+        if (j + w < C && j + w < width && c0 + j + w < out.cols)
+          store_element(E{}, data, at + (c0 + j + w) * out.stride[3], x[w]);
+    }
+  }
+}
+
 // The state of a chained kernel: this block's part of the fp32 [C, W] running
 // sums of one (batch, head). t[i][j] = s(i, c0 + j) for j < width and c0 + j
 // < m_cols (m_cols = s.cols − 1 when Z, else s.cols); Z: t[i][C−1] = s(i,
