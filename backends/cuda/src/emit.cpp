@@ -505,8 +505,14 @@ struct emitter {
     }
     line(0, "}}  // namespace");
     line(0, "");
-    line(0, "extern \"C\" __global__ void __launch_bounds__({}) {}(const tl::forward_args args) {{", p.tiles.threads,
-         p.kernel_name);
+    // A decoding step is latency-bound (a token per block: the state read and
+    // written once), so it keeps the three blocks per SM it had at 74
+    // registers (D = 128) before the loads became straight-line code and took
+    // it to 112 (two blocks): ptxas fits it in 79 with no spills (four would
+    // spill) — where its shared memory lets three blocks share an SM (sm_90: 228 KB).
+    bool const three = p.spec.step && 3 * (p.shared_bytes() + 1024) <= 228 * 1024;
+    line(0, "extern \"C\" __global__ void __launch_bounds__({}{}) {}(const tl::forward_args args) {{", p.tiles.threads,
+         three ? ", 3" : "", p.kernel_name);
     line(2, "extern __shared__ __align__(16) unsigned char shared[];");
     for (std::size_t r = 0; r < p.registers.size(); ++r) {
       if (!used[r]) continue;
