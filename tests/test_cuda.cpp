@@ -91,6 +91,43 @@ TEST_CASE("tile fragments: ldmatrix's rows give mma.m16n8k16's bf16 fragments, e
   CHECK(std::all_of(c.begin(), c.end(), [](auto e) { return e.first < 16 && e.second < 8; }));
 }
 
+// The fragments tiles.cuh reads element by element (fp32 registers, and any
+// whole fragment it need not test) take one address per lane and one offset
+// per register (mma16::lane_offset, a_register_offset, b_register_offset):
+// those must name the elements the fragment layouts put there — m16n8k16's
+// (a_row, a_k, b_k, b_col; a pair, the second one step along k further) and,
+// from the PTX ISA, m16n8k8 tf32's (A: rows g, g + 8 × columns q, q + 4; B:
+// rows q, q + 4 × column g; g = lane / 4, q = lane % 4) — stored either way.
+TEST_CASE("tile fragments: element-wise reads at one address per lane give the mma fragments, either storage order") {
+  using lina::tile::mma16;
+  for (int const pitch : {12, 68, 76, 136})
+    for (bool const k_major : {false, true}) {  // k along the stored rows
+      CAPTURE(pitch);
+      CAPTURE(k_major);
+      int const outer = k_major ? 1 : pitch, k = k_major ? pitch : 1;  // steps, in elements
+      auto at = [&](int o, int kk) { return o * outer + kk * k; };
+      for (int lane = 0; lane < 32; ++lane) {
+        CAPTURE(lane);
+        int const g = lane / 4, q = lane % 4;
+        for (int r = 0; r < 4; ++r) {
+          CAPTURE(r);
+          int const a16 = mma16::lane_offset(lane, outer, k, true) + mma16::a_register_offset(r, outer, k, true);
+          CHECK(a16 == at(mma16::a_row(lane, r), mma16::a_k(lane, r)));
+          CHECK(a16 + k == at(mma16::a_row(lane, r), mma16::a_k(lane, r) + 1));
+          int const a8 = mma16::lane_offset(lane, outer, k, false) + mma16::a_register_offset(r, outer, k, false);
+          CHECK(a8 == at(g + (r & 1) * 8, q + (r >> 1) * 4));
+          if (r < 2) {
+            int const b16 = mma16::lane_offset(lane, outer, k, true) + mma16::b_register_offset(r, k, true);
+            CHECK(b16 == at(mma16::b_col(lane), mma16::b_k(lane, r)));
+            CHECK(b16 + k == at(mma16::b_col(lane), mma16::b_k(lane, r) + 1));
+            int const b8 = mma16::lane_offset(lane, outer, k, false) + mma16::b_register_offset(r, k, false);
+            CHECK(b8 == at(g, q + r * 4));
+          }
+        }
+      }
+    }
+}
+
 // A user-defined map with no CUDA formulas: the CPU runs it, the kernels cannot.
 struct host_only {
   static constexpr std::string_view name = "host_only";

@@ -65,6 +65,18 @@ struct mma16 {
   static LINA_TILE_FN int b_col(int lane) { return lane >> 2; }
   static LINA_TILE_FN int c_row(int lane, int r) { return (lane >> 2) + (r >> 1) * 8; }
   static LINA_TILE_FN int c_col(int lane, int r) { return 2 * (lane & 3) + (r & 1); }
+  // Fragments read element by element (a_elements, b_elements): lane l's
+  // elements lie at one offset from the fragment's first element, plus one per
+  // register; `outer` and `k` are the steps, in elements, along op(a)'s rows
+  // (op(b)'s columns) and along k as stored. k16: the layout above (a
+  // register's second element at + k); else m16n8k8's (one element).
+  static LINA_TILE_FN int lane_offset(int lane, int outer, int k, bool k16) {
+    return (lane >> 2) * outer + (k16 ? 2 * (lane & 3) : lane & 3) * k;
+  }
+  static LINA_TILE_FN int a_register_offset(int r, int outer, int k, bool k16) {
+    return (r & 1) * 8 * outer + (r >> 1) * (k16 ? 8 : 4) * k;
+  }
+  static LINA_TILE_FN int b_register_offset(int r, int k, bool k16) { return r * (k16 ? 8 : 4) * k; }
   // ldmatrix.x4 (an A fragment) or .x2 (a B fragment, seen as op(b)ᵀ: 8 rows
   // × 16 k) loads 8 × 8 matrices of 16-bit elements whose 8 rows, 16 bytes
   // each, lanes 8m … 8m + 7 point at. For the fragments above matrix m holds
@@ -528,13 +540,12 @@ __device__ __forceinline__ float operand_at(const S* a, int i, int k) {
 template <class Prec, int R, int K, bool T, int P, bool Checked, class S>
 __device__ __forceinline__ void a_elements(unsigned (&af)[4], const S* a, int i0, int k0, int lane) {
   constexpr bool k16 = mma_k<Prec>::value == 16;
-  const int g = lane >> 2, q = lane & 3;
   if constexpr (!Checked) {
     constexpr int di = T ? 1 : P, dk = T ? P : 1;  // steps along op(a)'s rows and k
-    const S* const p = a + (i0 + g) * di + (k0 + (k16 ? 2 * q : q)) * dk;
+    const S* const p = a + i0 * di + k0 * dk + mma16::lane_offset(lane, di, dk, k16);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int e = (r & 1) * 8 * di + (r >> 1) * (k16 ? 8 : 4) * dk;  // mma16::a_row, a_k
+      const int e = mma16::a_register_offset(r, di, dk, k16);
       if constexpr (k16)
         af[r] = pack(Prec{}, get(p, e), get(p, e + dk));
       else
@@ -547,6 +558,7 @@ __device__ __forceinline__ void a_elements(unsigned (&af)[4], const S* a, int i0
       af[r] = pack(Prec{}, operand_at<R, K, T, P>(a, i, k), operand_at<R, K, T, P>(a, i, k + 1));
     }
   } else {
+    const int g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int r = 0; r < 4; ++r) af[r] = pack(Prec{}, operand_at<R, K, T, P>(a, i0 + g + (r & 1) * 8, k0 + q + (r >> 1) * 4));
   }
@@ -570,13 +582,13 @@ __device__ __forceinline__ void a_fragment(unsigned (&af)[4], const S* a, int i0
 template <class Prec, int C, int K, bool T, int P, bool Checked, class S>
 __device__ __forceinline__ void b_elements(unsigned (&bf)[2], const S* b, int j0, int k0, int lane) {
   constexpr bool k16 = mma_k<Prec>::value == 16;
-  const int j = j0 + (lane >> 2), q = lane & 3;  // mma16::b_col
+  const int j = j0 + (lane >> 2);  // mma16::b_col
   if constexpr (!Checked) {
-    constexpr int dk = T ? 1 : P;  // op(b)(k, j) is b's (j, k) when T
-    const S* const p = b + (T ? j * P : j) + (k0 + (k16 ? 2 * q : q)) * dk;
+    constexpr int dj = T ? P : 1, dk = T ? 1 : P;  // op(b)(k, j) is b's (j, k) when T
+    const S* const p = b + j0 * dj + k0 * dk + mma16::lane_offset(lane, dj, dk, k16);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int e = r * (k16 ? 8 : 4) * dk;  // mma16::b_k
+      const int e = mma16::b_register_offset(r, dk, k16);
       if constexpr (k16)
         bf[r] = pack(Prec{}, get(p, e), get(p, e + dk));
       else
@@ -589,6 +601,7 @@ __device__ __forceinline__ void b_elements(unsigned (&bf)[2], const S* b, int j0
       bf[r] = pack(Prec{}, operand_at<C, K, !T, P>(b, j, k), operand_at<C, K, !T, P>(b, j, k + 1));
     }
   } else {
+    const int q = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) bf[r] = pack(Prec{}, operand_at<C, K, !T, P>(b, j, k0 + q + r * 4));
   }
