@@ -204,8 +204,7 @@ cuda::program chained_program(Plan const& plan, cuda::options opt, std::size_t d
 // around a chunk loop's back edge (its body walked twice). Tiles are the
 // program's register names among a call's arguments; a call writes its first
 // (exp_rows its first three), a store none but global memory (row_divide_store
-// both). Returns the
-// first pair without one ("" if none).
+// both). Returns the first pair without one ("" if none).
 std::string unguarded_hazard(cuda::program const& p, std::string const& src) {
   std::set<std::string> names;
   for (auto const& r : p.registers) names.insert(r.name);

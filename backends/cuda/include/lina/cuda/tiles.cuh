@@ -291,6 +291,24 @@ __device__ __forceinline__ void put_group(S* dst, int j, const float* x) {
     if (j + w < C) put(dst, w, x[w]);
 }
 
+// A group load_map's vector loops loaded (raw: zeros where nothing was read)
+// into the tile: unpacked, its elements past the width read one by one where
+// the width ends inside it, mapped on rows < rows, put at row i, column j.
+// `row`: the input row's first element.
+template <class E, class Map, int C, int P, class S>
+__device__ __forceinline__ void map_group(S* t, const u32x4& raw, const char* row, int i, int j, int rows, int width) {
+  constexpr int VN = vector_of<E>::n;
+  float x[VN];
+  unpack(E{}, raw, x);
+  if (width % VN != 0 && i < rows && j < width && j + VN > width)  // the width ends in this group
+#pragma unroll
+    for (int w = 0; w < VN; ++w) x[w] = j + w < width ? load_element(E{}, row, j + w) : 0.0f;
+  if (i < rows)
+#pragma unroll
+    for (int w = 0; w < VN; ++w) x[w] = map_for<E, Map>::apply(x[w]);
+  put_group<E, C>(t + i * P + j, j, x);
+}
+
 // load followed by map t φ (element-wise), in one pass: the emitter fuses the
 // pair; the result is the two instructions' (φ on rows < rows only). Threads:
 // the block's (the emitter names it where it is not 256).
@@ -335,18 +353,8 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          const int i = i0 + u * step;
-          if (i >= R) break;
-          float x[VN];
-          unpack(E{}, raw[u], x);
-          if (width % VN != 0 && i < rows && j < width && !whole)  // the width ends in this group
-#pragma unroll
-            for (int w = 0; w < VN; ++w)
-              x[w] = j + w < width ? load_element(E{}, p + u * jump - j * bytes, j + w) : 0.0f;
-          if (i < rows)
-#pragma unroll
-            for (int w = 0; w < VN; ++w) x[w] = map_for<E, Map>::apply(x[w]);
-          put_group<E, C>(t + i * P + j, j, x);
+          if (i0 + u * step >= R) break;
+          map_group<E, Map, C, P>(t, raw[u], p + u * jump - j * bytes, i0 + u * step, j, rows, width);
         }
       }
     } else {
@@ -362,16 +370,7 @@ __device__ void load_map(S* t, const operand& in, long long base, long long r0, 
         for (int u = 0; u < U; ++u) {
           const int g = g0 + u * static_cast<int>(blockDim.x), i = g / CG, j = g % CG * VN;
           if (g >= G) break;
-          float x[VN];
-          unpack(E{}, raw[u], x);
-          if (width % VN != 0 && i < rows && j < width && j + VN > width)  // the width ends in this group
-#pragma unroll
-            for (int w = 0; w < VN; ++w)
-              x[w] = j + w < width ? load_element(E{}, first + i * pitch, j + w) : 0.0f;
-          if (i < rows)
-#pragma unroll
-            for (int w = 0; w < VN; ++w) x[w] = map_for<E, Map>::apply(x[w]);
-          put_group<E, C>(t + i * P + j, j, x);
+          map_group<E, Map, C, P>(t, raw[u], first + i * pitch, i, j, rows, width);
         }
       }
     }
@@ -833,6 +832,14 @@ __device__ void map_grad_rows(float* t, const float* a, const operand& in, long 
   }
 }
 
+// 1/d of rowdiv's row i, correctly rounded (as the CPU backend's rowdiv): d =
+// den + eps, den the row's last column — or, with the shifts m of softmax
+// rows (pitch PM), fmaf(eps, exp(−m_i), den).
+template <int PM>
+__device__ __forceinline__ float row_reciprocal(float den, float eps, const float* m, int i) {
+  return __frcp_rn(m ? fmaf(eps, expf(-m[i * PM]), den) : den + eps);
+}
+
 // rowdiv's adjoint (program.hpp, rowdiv_grad): with o = [num | den] (W
 // columns, pitch PO) and t = ∂out (the first W − 1 columns), r = 1/d, d =
 // den + eps (softmax rows shifted by m, pitch PM: fmaf(eps, exp(−m), den)):
@@ -849,7 +856,7 @@ __device__ void rowdiv_grad(float* t, const float* o, float eps, int rows, const
     const int i = e / S, j0 = e % S * L, j1 = j0 + L < W - 1 ? j0 + L : W - 1;
     float r = 0.0f, s = 0.0f;
     if (i < rows) {
-      r = __frcp_rn(m ? fmaf(eps, expf(-m[i * PM]), o[i * PO + W - 1]) : o[i * PO + W - 1] + eps);
+      r = row_reciprocal<PM>(o[i * PO + W - 1], eps, m, i);
       for (int j = j0; j < j1; ++j) s = fmaf(t[i * PT + j], __fmul_rn(o[i * PO + j], r), s);
     }
 #pragma unroll
@@ -873,8 +880,7 @@ __device__ void row_divide(float* t, float eps, const float* m = nullptr) {
   for (int e = threadIdx.x; e < R * V; e += blockDim.x) {
     const int i = e / V, j = e % V * 4;
     float* const row = t + i * P;
-    const float d = m ? fmaf(eps, expf(-m[i * PM]), row[C - 1]) : row[C - 1] + eps;
-    const float r = __frcp_rn(d);
+    const float r = row_reciprocal<PM>(row[C - 1], eps, m, i);
     if (j + 4 <= C - 1) {
       f32x4 x = *reinterpret_cast<const f32x4*>(row + j);
 #pragma unroll
@@ -1134,7 +1140,7 @@ __device__ void row_divide_store(float* t, float eps, const operand& out, long l
   for (int g = threadIdx.x; g < R * CG; g += blockDim.x) {
     const int i = g / CG, j = g % CG * VN;
     float* const row = t + i * P;
-    const float r = __frcp_rn(row[C - 1] + eps);
+    const float r = row_reciprocal<1>(row[C - 1], eps, nullptr, i);
     float x[VN] = {};
 #pragma unroll
     for (int h = 0; h < VN / 4; ++h) {
