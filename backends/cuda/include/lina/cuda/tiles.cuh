@@ -2,7 +2,9 @@
 // host half is the emulation (backends/cuda/src/emulate.cpp). Generated
 // kernels (emit.cpp) include this header; it is embedded in the library as a
 // string and handed to NVRTC as "lina/tiles.cuh", so it includes nothing —
-// no toolkit header, no standard library.
+// no toolkit header, no standard library. The tests also compile it, with the
+// kernels that include it, as host C++ (LINA_TILES_ON_HOST, tests/simt) and
+// run them on the CPU against the emulation.
 //
 // Every operation is block-wide: all threads of the block call it with the
 // same arguments, and it works on fp32 (or bf16) tiles in shared memory
@@ -44,9 +46,10 @@ static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 19 * 48 + 40,
               "forward_args must keep the layout of lina::cuda::forward_args (program.hpp)");
 
 // ---- where a lane's tensor-core operands live ----------------------------------------
-// Plain arithmetic, so this part also compiles as host C++ (without __CUDACC__
-// the header stops after it): tests/test_cuda.cpp checks it against the PTX
-// ISA's description of mma.m16n8k16 and ldmatrix.
+// Plain arithmetic, so this part also compiles as host C++ on its own (without
+// __CUDACC__ or LINA_TILES_ON_HOST the header stops after it):
+// tests/test_cuda.cpp checks it against the PTX ISA's description of
+// mma.m16n8k16 and ldmatrix.
 #if defined(__CUDACC__)
 #define LINA_TILE_FN __host__ __device__ __forceinline__ constexpr
 #else
@@ -91,7 +94,89 @@ struct mma16 {
   }
 };
 
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(LINA_TILES_ON_HOST)
+
+// ---- the PTX the tiles use --------------------------------------------------------------
+// Every instruction written in inline PTX, named once here. Compiled as host
+// C++ for tests/simt (LINA_TILES_ON_HOST), the header takes these from the
+// host run instead — conversions by their rounding rules, mma and ldmatrix as
+// whole-warp operations — and everything below it runs as written.
+#if !defined(LINA_TILES_ON_HOST)
+namespace ptx {
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ unsigned short f32_to_bf16(float x) {  // nearest even
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+__device__ __forceinline__ unsigned short f32_to_f16(float x) {  // nearest even
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+// Two values rounded to nearest even, `lo` in the low half.
+__device__ __forceinline__ unsigned f32x2_to_bf16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ unsigned f32x2_to_f16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ unsigned f32_to_tf32(float x) {  // nearest, ties away from zero
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float ex2_approx(float x) {  // 2^x, subnormal results 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.L2 [%0];" : : "l"(p)); }
+// d += a·b on the warp's fragments (lina::tile::mma16 has where each lane's live).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+  return a;
+}
+// ldmatrix of 16-bit elements in shared memory: four (two) 8 × 8 matrices
+// whose rows lanes 8m … 8m + 7 point at (p: this lane's row).
+template <bool Trans>
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+}
+template <bool Trans>
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* p) {
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(shared_address(p)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(shared_address(p)));
+}
+}  // namespace ptx
+#endif
 
 // ---- element types ----------------------------------------------------------------
 struct f32 {};
@@ -113,21 +198,14 @@ __device__ __forceinline__ float load_element(bf16, const void* p, long long i) 
   return __uint_as_float(static_cast<unsigned int>(static_cast<const unsigned short*>(p)[i]) << 16);
 }
 __device__ __forceinline__ float load_element(f16, const void* p, long long i) {
-  unsigned short h = static_cast<const unsigned short*>(p)[i];
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
+  return ptx::f16_to_f32(static_cast<const unsigned short*>(p)[i]);
 }
 __device__ __forceinline__ void store_element(f32, void* p, long long i, float x) { static_cast<float*>(p)[i] = x; }
 __device__ __forceinline__ void store_element(bf16, void* p, long long i, float x) {
-  unsigned short h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  static_cast<unsigned short*>(p)[i] = h;
+  static_cast<unsigned short*>(p)[i] = ptx::f32_to_bf16(x);
 }
 __device__ __forceinline__ void store_element(f16, void* p, long long i, float x) {
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  static_cast<unsigned short*>(p)[i] = h;
+  static_cast<unsigned short*>(p)[i] = ptx::f32_to_f16(x);
 }
 
 // ---- feature maps -------------------------------------------------------------------
@@ -151,11 +229,7 @@ struct relu {
 // result goes to, and 0 where e^x is below fp32's normal range (x < −87.3;
 // .ftz: one instruction, not four) — in place of expf's ten instructions, for
 // every element of φ(Q) and φ(K) and of their adjoints. fp32 inputs keep expf.
-__device__ __forceinline__ float exp_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
-  return y;
-}
+__device__ __forceinline__ float exp_approx(float x) { return ptx::ex2_approx(x * 1.44269504088896341f); }
 template <class Map> struct map_16bit : Map {};
 template <> struct map_16bit<elu_plus_one> {
   __device__ static float apply(float x) { return x > 0.0f ? x + 1.0f : exp_approx(x); }  // NaN passes
@@ -210,11 +284,7 @@ __device__ __forceinline__ float get(const bf16_bits* t, int e) {
   return __uint_as_float(static_cast<unsigned int>(t[e].bits) << 16);
 }
 __device__ __forceinline__ void put(float* t, int e, float x) { t[e] = x; }
-__device__ __forceinline__ void put(bf16_bits* t, int e, float x) {
-  unsigned short h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  t[e].bits = h;
-}
+__device__ __forceinline__ void put(bf16_bits* t, int e, float x) { t[e].bits = ptx::f32_to_bf16(x); }
 
 // ---- tile operations ----------------------------------------------------------------
 template <int R, int C, int P, class S>
@@ -248,9 +318,8 @@ __device__ __forceinline__ void unpack(bf16, const u32x4& r, float* x) {
 __device__ __forceinline__ void unpack(f16, const u32x4& r, float* x) {
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    unsigned short lo = static_cast<unsigned short>(r.x[w] & 0xffffu), hi = static_cast<unsigned short>(r.x[w] >> 16);
-    asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * w]) : "h"(lo));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * w + 1]) : "h"(hi));
+    x[2 * w] = ptx::f16_to_f32(static_cast<unsigned short>(r.x[w] & 0xffffu));
+    x[2 * w + 1] = ptx::f16_to_f32(static_cast<unsigned short>(r.x[w] >> 16));
   }
 }
 
@@ -280,8 +349,7 @@ __device__ __forceinline__ void put_group(S* dst, int j, const float* x) {
     if (VN == 8 && j + VN <= C) {  // 8 bf16 values, rounded in pairs, one 16-byte store
       u32x4 packed;
 #pragma unroll
-      for (int h = 0; h < 4; ++h)
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed.x[h]) : "f"(x[2 * h + 1]), "f"(x[2 * h]));
+      for (int h = 0; h < 4; ++h) packed.x[h] = ptx::f32x2_to_bf16x2(x[2 * h], x[2 * h + 1]);
       *reinterpret_cast<u32x4*>(dst) = packed;
       return;
     }
@@ -432,7 +500,7 @@ __device__ void prefetch(const operand& in, long long base, long long r0, long l
     const char* const row = data + (base + (r0 + e / lines) * in.stride[2] + c0) * bytes;
     const char* const at =
         reinterpret_cast<const char*>(reinterpret_cast<unsigned long long>(row) & ~127ull) + (e % lines) * 128;
-    if (at < row + row_bytes) asm volatile("prefetch.L2 [%0];" : : "l"(at));
+    if (at < row + row_bytes) ptx::prefetch_l2(at);
   }
 }
 
@@ -471,25 +539,13 @@ __device__ void ones_column(S* t, int rows) {
 }
 
 // ---- tensor-core fragments (mma.sync, sm_80+; where each lane's live: mma16) --------
-__device__ __forceinline__ unsigned pack(mma_bf16, float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ unsigned pack(mma_tf32, float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+__device__ __forceinline__ unsigned pack(mma_bf16, float lo, float hi) { return ptx::f32x2_to_bf16x2(lo, hi); }
+__device__ __forceinline__ unsigned pack(mma_tf32, float x) { return ptx::f32_to_tf32(x); }
 __device__ __forceinline__ void mma(mma_bf16, float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  ptx::mma_bf16(d, a, b);
 }
 __device__ __forceinline__ void mma(mma_tf32, float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  ptx::mma_tf32(d, a, b);
 }
 template <class Prec> struct mma_k;
 template <> struct mma_k<mma_bf16> { static constexpr int value = 16; };
@@ -497,27 +553,13 @@ template <> struct mma_k<mma_tf32> { static constexpr int value = 8; };
 
 // ldmatrix on bf16 registers: the bits mma reads, so the same operands as
 // reading each element and packing it again (a bf16 value packs to itself).
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
-  return a;
-}
 template <bool Trans>
 __device__ __forceinline__ void ldmatrix(unsigned (&r)[4], const bf16_bits* p) {
-  if constexpr (Trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
+  ptx::ldmatrix_x4<Trans>(r, p);
 }
 template <bool Trans>
 __device__ __forceinline__ void ldmatrix(unsigned (&r)[2], const bf16_bits* p) {
-  if constexpr (Trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
-                 : "=r"(r[0]), "=r"(r[1]) : "r"(shared_address(p)));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(shared_address(p)));
+  ptx::ldmatrix_x2<Trans>(r, p);
 }
 
 // op(a)(i, k) of an R × K operand stored with pitch P (K × R when T), 0 outside.
@@ -1049,11 +1091,11 @@ __device__ __forceinline__ void pack_vector(f32, const float* x, u32x4& r) {
 }
 __device__ __forceinline__ void pack_vector(bf16, const float* x, u32x4& r) {
 #pragma unroll
-  for (int h = 0; h < 4; ++h) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r.x[h]) : "f"(x[2 * h + 1]), "f"(x[2 * h]));
+  for (int h = 0; h < 4; ++h) r.x[h] = ptx::f32x2_to_bf16x2(x[2 * h], x[2 * h + 1]);
 }
 __device__ __forceinline__ void pack_vector(f16, const float* x, u32x4& r) {
 #pragma unroll
-  for (int h = 0; h < 4; ++h) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r.x[h]) : "f"(x[2 * h + 1]), "f"(x[2 * h]));
+  for (int h = 0; h < 4; ++h) r.x[h] = ptx::f32x2_to_f16x2(x[2 * h], x[2 * h + 1]);
 }
 
 // out(r0 + i, c0 + j) = t[i][j] (Add: out += t, read in E: a gradient of an
@@ -1311,7 +1353,7 @@ __device__ void add_partials(float* t, const operand& s, long long base, long lo
   }
 }
 
-#endif  // __CUDACC__
+#endif  // __CUDACC__ || LINA_TILES_ON_HOST
 
 }  // namespace tile
 }  // namespace lina
