@@ -15,4 +15,14 @@ namespace lina::cuda {
 // std::invalid_argument), also when n = 0 (it then copies the state).
 void emulate(program const& p, forward_args const& args);
 
+// What emulate() runs a kernel with, once its arguments are checked: the
+// interpreter of program.hpp's semantics unless a runner is installed. A
+// runner gets the blocks a launch would have (it is not called where a launch
+// would launch nothing) and throws what it cannot run. The tests install one
+// that runs the generated CUDA source itself on the host (tests/simt), and
+// every emulated path — cuda::emulate, split forwards, gradients, steps — goes
+// through it. Returns the runner it replaces (nullptr: the interpreter).
+using kernel_runner = void (*)(program const& p, forward_args const& args, std::int64_t blocks);
+kernel_runner set_kernel_runner(kernel_runner runner) noexcept;
+
 }  // namespace lina::cuda

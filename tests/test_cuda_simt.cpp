@@ -1,0 +1,209 @@
+// The generated kernels run as written on the host (tests/simt): the emulated
+// paths with the interpreter swapped for each kernel's own source — tiles.cuh's
+// loads, fragments, products and stores, the emitter's barriers — against the
+// interpreter, at the device tests' shapes and tolerances. What the `device:`
+// tests check on a GPU, checked on every commit, less the device's own
+// arithmetic (its expf, its tensor cores' order of summation).
+#include "cuda_support.hpp"
+#include "simt/runner.hpp"
+
+namespace {
+
+// f() through the interpreter and as written: {as written, interpreter}.
+template <class F>
+auto both_ways(F&& f) {
+  auto want = f();
+  ::test::simt::scope as_written;
+  return std::pair{f(), std::move(want)};
+}
+
+double forward_tolerance(cuda::dtype dt) { return dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4; }
+double gradient_tolerance(cuda::dtype dt) { return dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt) / 2; }
+
+template <class Plan>
+void forward_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt) {
+  CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+  test::rng r{seed};
+  auto [q, k, v] = random_inputs(s, dt, r, false);
+  auto [got, want] = both_ways([&] { return cuda::emulate(plan, opt, Q = q, K = k, V = v); });
+  CHECK(relative_rms(got, want) <= forward_tolerance(dt));
+}
+template <class Plan>
+void forward_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed) {
+  forward_both_ways(plan, dt, s, seed, {dt, dt});
+}
+
+template <class Plan>
+void gradient_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt) {
+  CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(opt.split_rows);
+  test::rng r{seed};
+  auto [q, k, v] = random_inputs(s, dt, r, false);
+  auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+  auto [got, want] = both_ways([&] { return cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v); });
+  CHECK(relative_rms(got[Q], want[Q]) <= gradient_tolerance(dt));
+  CHECK(relative_rms(got[K], want[K]) <= gradient_tolerance(dt));
+  CHECK(relative_rms(got[V], want[V]) <= gradient_tolerance(dt));
+}
+template <class Plan>
+void gradient_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed) {
+  gradient_both_ways(plan, dt, s, seed, {dt, dt});
+}
+
+}  // namespace
+
+TEST_CASE("simt: forward kernels as written = the interpreter") {
+  constexpr auto causal_plan = compile<order::linear>(causal_expr);
+  constexpr auto full_plan = compile<order::linear>(full_expr);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16})
+    for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{1, 1, 70, 256, 48}}) {
+      forward_both_ways(causal_plan, dt, s, 100);
+      forward_both_ways(full_plan, dt, s, 200);
+      forward_both_ways(compile(softmax_expr), dt, s, 300);
+    }
+  // The benchmark's head size: two 64-column M tiles, and the fp32 tensor-core (tf32) kernels.
+  forward_both_ways(causal_plan, cuda::dtype::bf16, shape{1, 2, 150, 128, 128}, 400);
+  forward_both_ways(causal_plan, cuda::dtype::f32, shape{1, 2, 150, 128, 128}, 410, {});
+  cuda::options tf32{cuda::dtype::f16, cuda::dtype::f32};
+  forward_both_ways(causal_plan, cuda::dtype::f16, shape{1, 2, 150, 48, 40}, 420, tf32);
+}
+
+TEST_CASE("simt: layouts, poly2 past a block's state, stacked layers and cross-attention as written = the interpreter") {
+  constexpr auto causal_plan = compile<order::linear>(causal_expr);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    // Odd M (16-bit rows aligned every eighth row) and [B,N,H,M] outputs: stores in part element by element.
+    forward_both_ways(causal_plan, dt, shape{1, 2, 77, 24, 13}, 800);
+    std::size_t const b = 2, h = 3, n = 90, d = 16, m = 24;
+    auto q = rounded(tensor<float>::random({b, h, n, d}, 801), dt), k = rounded(tensor<float>::random({b, h, n, d}, 802), dt),
+         v = rounded(tensor<float>::random({b, h, n, m}, 803), dt);
+    auto [got, want] = both_ways([&] {
+      tensor<float> bnhm({b, n, h, m});
+      tensor_view<float> out(bnhm.data(), {b, h, n, m}, {static_cast<std::ptrdiff_t>(n * h * m), static_cast<std::ptrdiff_t>(m),
+                                                         static_cast<std::ptrdiff_t>(h * m), 1});
+      cuda::emulate_into(causal_plan, {dt, dt}, out, Q = q, K = k, V = v);
+      return bnhm;
+    });
+    CHECK(relative_rms(got, want) <= forward_tolerance(dt));
+    // poly2 past a block's state (C = 2080): quadratic, through its kernel (q·k)².
+    forward_both_ways(compile<order::linear>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V), dt,
+                      shape{1, 2, 130, 64, 16}, 700);
+  }
+  // Grouped-query attention: K and V with a zero head stride.
+  {
+    std::size_t const b = 2, hkv = 2, g = 3, n = 70, d = 16, m = 12;
+    auto q = tensor<float>::random({b, hkv * g, n, d}, 901), k = tensor<float>::random({b, hkv, n, d}, 902),
+         v = tensor<float>::random({b, hkv, n, m}, 903);
+    auto const gq = test::grouped_heads(q, g, false), gk = test::grouped_heads(k, g, true), gv = test::grouped_heads(v, g, true);
+    auto [got, want] = both_ways([&] { return cuda::emulate(causal_plan, Q = gq, K = gk, V = gv); });
+    CHECK(relative_rms(got, want) <= 1e-6);
+  }
+  // Stacked layers, and the gradient of one with K in both layers (add_program).
+  {
+    constexpr auto stack = compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2);
+    auto t = [](std::size_t cols, std::uint64_t seed) { return tensor<float>::random({2, 2, 150, cols}, seed); };
+    auto q = t(16, 1), k = t(16, 2), v = t(16, 3), k2 = t(16, 4), v2 = t(24, 5), dout = t(24, 6);
+    auto [got, want] = both_ways([&] { return cuda::emulate(stack, Q = q, K = k, Vd = v, K2 = k2, V2 = v2); });
+    CHECK(relative_rms(got, want) <= 1e-6);
+    constexpr auto shared = compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K)))) * V2);
+    auto [g, g_want] = both_ways([&] { return cuda::emulate_gradient(shared, {}, dout, Q = q, K = k, Vd = v, V2 = v2); });
+    CHECK(relative_rms(g[K], g_want[K]) <= 1e-5);
+    CHECK(relative_rms(g[Q], g_want[Q]) <= 1e-5);
+  }
+  // Cross-attention: K and V over 130 rows, Q over 70 (n_keys).
+  {
+    constexpr auto cross = compile<order::linear>(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Kx))) * Vx);
+    auto q = tensor<float>::random({1, 2, 70, 16}, 7), k = tensor<float>::random({1, 2, 130, 16}, 8),
+         v = tensor<float>::random({1, 2, 130, 24}, 9), dout = tensor<float>::random({1, 2, 70, 24}, 10);
+    auto [got, want] = both_ways([&] { return cuda::emulate(cross, Q = q, Kx = k, Vx = v); });
+    CHECK(relative_rms(got, want) <= 1e-6);
+    auto [g, g_want] = both_ways([&] { return cuda::emulate_gradient(cross, {}, dout, Q = q, Kx = k, Vx = v); });
+    CHECK(relative_rms(g[Kx], g_want[Kx]) <= 1e-5);
+    CHECK(relative_rms(g[Q], g_want[Q]) <= 1e-5);
+  }
+}
+
+TEST_CASE("simt: gradient kernels as written = the interpreter") {
+  constexpr auto causal_plan = compile<order::linear>(causal_expr);
+  constexpr auto full_plan = compile<order::linear>(full_expr);
+  constexpr auto softmax_plan = compile(softmax_expr);
+  for (shape s : {shape{2, 3, 40, 16, 8}, shape{1, 2, 150, 64, 64}, shape{1, 1, 70, 128, 128}}) {
+    gradient_both_ways(causal_plan, cuda::dtype::f32, s, 900);
+    gradient_both_ways(causal_plan, cuda::dtype::bf16, s, 910);
+    gradient_both_ways(full_plan, cuda::dtype::bf16, s, 920);
+    gradient_both_ways(softmax_plan, cuda::dtype::f32, s, 940);
+    gradient_both_ways(softmax_plan, cuda::dtype::bf16, s, 950);
+  }
+  gradient_both_ways(causal_plan, cuda::dtype::bf16, shape{1, 1, 40, 256, 256}, 960);  // M's columns in slices
+  // N in groups of rows (the split backward: three kernels).
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    cuda::options opt{dt, dt};
+    opt.split_rows = 128;
+    gradient_both_ways(causal_plan, dt, shape{1, 2, 300, 64, 64}, 970, opt);
+  }
+  gradient_both_ways(compile<order::linear>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V),
+                     cuda::dtype::f32, shape{1, 2, 70, 64, 16}, 990);
+  // favor: ∂W per (batch, head); inside softmax.
+  auto favor_case = [&](auto const& plan) {
+    std::size_t const b = 2, h = 2, n = 100, d = 32, m = 16, f = 24;
+    auto q = tensor<float>::random({b, h, n, d}, 930), k = tensor<float>::random({b, h, n, d}, 931),
+         v = tensor<float>::random({b, h, n, m}, 932), dout = tensor<float>::random({b, h, n, m}, 933);
+    auto const w = gaussian_projection<float>(d, f, 934);
+    auto [got, want] = both_ways([&] { return cuda::emulate_gradient(plan, {}, dout, Q = q, K = k, V = v, W = broadcast(w, b, h)); });
+    for (auto const& [x, y] : {std::pair{got[Q], want[Q]}, {got[K], want[K]}, {got[V], want[V]}, {got[W], want[W]}})
+      CHECK(relative_rms(x, y) <= 1e-5);
+  };
+  favor_case(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V));
+  favor_case(compile(normalize(causal(exp(phi<favor>(Q, W) * transpose(phi<favor>(K, W)) * 0.5))) * V));
+}
+
+TEST_CASE("simt: steps, chained and split forwards, requested schedules as written = the interpreter") {
+  constexpr auto plan = compile<order::linear>(causal_expr);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    for (shape s : {shape{2, 3, 9, 16, 8}, shape{1, 2, 40, 64, 64}, shape{2, 1, 20, 48, 130}, shape{1, 2, 6, 128, 128}}) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      test::rng r{700};
+      auto [q, k, v] = random_inputs(s, dt, r, false);
+      // A prompt, then a step per token: the outputs and the state.
+      auto decode = [&] {
+        auto rnn = cuda::recurrent(plan, s.b, s.h, {dt, dt}, cuda::memory::host);
+        tensor<float> out({s.b, s.h, s.n, s.m});
+        std::size_t const prompt = s.n / 2;
+        rnn.prefill_into(rows_of(out, 0, prompt), Q = test::tokens(q, 0, prompt), K = test::tokens(k, 0, prompt),
+                         V = test::tokens(v, 0, prompt));
+        for (std::size_t t = prompt; t < s.n; ++t)
+          rnn.step_into(rows_of(out, t, t + 1), Q = test::tokens(q, t, t + 1), K = test::tokens(k, t, t + 1),
+                        V = test::tokens(v, t, t + 1));
+        tensor<float> st(rnn.state().shape());
+        std::copy(rnn.state().data(), rnn.state().data() + rnn.state().size(), st.data());
+        return std::pair{out, st};
+      };
+      auto [got, want] = both_ways(decode);
+      CHECK(relative_rms(got.first, want.first) <= forward_tolerance(dt));
+      CHECK(relative_rms(got.second, want.second) <= 1e-6);
+      // Two chained blocks of rows, and N in groups of rows (partials, then the scan).
+      auto chained = [&] {
+        cuda::state st(plan, s.b, s.h, cuda::memory::host);
+        std::size_t const cut = s.n / 3;
+        tensor<float> out({s.b, s.h, s.n, s.m});
+        cuda::emulate_into(plan, {dt, dt}, rows_of(out, 0, cut), st, Q = test::tokens(q, 0, cut), K = test::tokens(k, 0, cut),
+                           V = test::tokens(v, 0, cut));
+        cuda::emulate_into(plan, {dt, dt}, rows_of(out, cut, s.n), st, Q = test::tokens(q, cut, s.n),
+                           K = test::tokens(k, cut, s.n), V = test::tokens(v, cut, s.n));
+        return std::pair{out, sums_of(st)};
+      };
+      auto [c, c_want] = both_ways(chained);
+      CHECK(relative_rms(c.first, c_want.first) <= forward_tolerance(dt));
+      CHECK(relative_rms(c.second, c_want.second) <= 1e-6);
+      cuda::options split{dt, dt};
+      split.split_rows = chained_program(plan, split, s.d, s.m).tiles.chunk;
+      forward_both_ways(plan, dt, s, 710, split);
+    }
+  // The schedules the benchmark's sweep and the device test request.
+  for (cuda::tile_request t : {cuda::tile_request{32, 64, true}, {16, 32}, {64, 64, false, 512}, {32, 0, false, 128},
+                               {16, 0, false, 0, 4}}) {
+    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads); CAPTURE(t.groups);
+    cuda::options opt{cuda::dtype::bf16, cuda::dtype::bf16};
+    opt.tiles = t;
+    forward_both_ways(plan, cuda::dtype::bf16, shape{1, 2, 177, 64, 64}, 1100, opt);
+    gradient_both_ways(plan, cuda::dtype::bf16, shape{1, 2, 177, 64, 64}, 1110, opt);
+  }
+}
