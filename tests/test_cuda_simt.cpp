@@ -206,4 +206,11 @@ TEST_CASE("simt: steps, chained and split forwards, requested schedules as writt
     forward_both_ways(plan, cuda::dtype::bf16, shape{1, 2, 177, 64, 64}, 1100, opt);
     gradient_both_ways(plan, cuda::dtype::bf16, shape{1, 2, 177, 64, 64}, 1110, opt);
   }
+  // The benchmark's sweep at D = 128 (bench/cuda_forward.cpp, --tiles): an M tile of all 128 columns.
+  for (cuda::tile_request t : {cuda::tile_request{64, 128}, {32, 128, true}, {16, 128}, {64, 128, false, 512}}) {
+    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads);
+    cuda::options opt{cuda::dtype::bf16, cuda::dtype::bf16};
+    opt.tiles = t;
+    forward_both_ways(plan, cuda::dtype::bf16, shape{1, 1, 100, 128, 128}, 1200, opt);
+  }
 }
