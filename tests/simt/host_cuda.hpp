@@ -27,6 +27,9 @@
 
 #include <cstdint>
 #include <cstdio>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 #include <vector>
 
 #define __global__ __attribute__((visibility("default")))
@@ -339,7 +342,13 @@ inline bool complete_warp(launch& L, unsigned w) {
 // completes when its last lane arrives, a barrier when every thread waits at
 // it.
 inline bool run_block(launch& L) {
+#if defined(__SANITIZE_ADDRESS__)
+  ASAN_UNPOISON_MEMORY_REGION(shared, sizeof shared);
+#endif
   memset(shared, 0xff, sizeof shared);  // NaN (fp32 and bf16) until written
+#if defined(__SANITIZE_ADDRESS__)  // past the kernel's dynamic shared memory: an error to touch
+  ASAN_POISON_MEMORY_REGION(shared + L.shared_bytes, sizeof shared - L.shared_bytes);
+#endif
   for (unsigned t = 0; t < L.threads; ++t) {
     fiber& f = L.fibers[t];
     start(f.resume, L.stacks.data() + t * stack_bytes, stack_bytes, fiber_entry, L.scheduler);

@@ -4,7 +4,8 @@
 // threads as fibers. What the interpreter (cuda::emulate) cannot see — the
 // CUDA half of the tile vocabulary: fragment layouts, vector loads and
 // stores, index arithmetic, barriers placed by the emitter — is checked here
-// on every commit, against the interpreter.
+// on every commit, against the interpreter — with AddressSanitizer where the
+// process has it loaded (ctest preloads it: tests/CMakeLists.txt).
 #pragma once
 
 #include <cstdint>
