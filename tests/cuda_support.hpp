@@ -499,6 +499,18 @@ void launch_vs_emulation(Plan const& plan, cuda::dtype dt, shape s, std::uint64_
 constexpr auto causal_expr = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
 constexpr auto full_expr = normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V;
 constexpr auto softmax_expr = normalize(causal(exp(Q * transpose(K) * 0.125))) * V;
+// check(plan, dtype, shape, seed) for the forward cases the device test launches
+// (and the host run of the kernels as written): causal and non-causal linear,
+// causal softmax; every dtype; N = 1 to 200, D and M up to 256.
+template <class F>
+void for_each_launch_case(F&& check) {
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16})
+    for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{1, 1, 70, 256, 48}}) {
+      check(compile<order::linear>(causal_expr), dt, s, 100);
+      check(compile<order::linear>(full_expr), dt, s, 200);
+      check(compile(softmax_expr), dt, s, 300);
+    }
+}
 // f(plan, the bindings among b... that plan reads).
 template <class Plan, class F, class... B>
 auto on_inputs_of(Plan const& plan, F&& f, B const&... b) {

@@ -468,13 +468,7 @@ TEST_CASE("device: launched kernels agree with the emulation") {
   if (skipped_without(dev)) return;
   MESSAGE("device " << dev.device << ": " << dev.arch);
   constexpr auto causal_plan = compile<order::linear>(causal_expr);
-  constexpr auto full_plan = compile<order::linear>(full_expr);
-  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16})
-    for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{1, 1, 70, 256, 48}}) {
-      launch_vs_emulation(causal_plan, dt, s, 100);
-      launch_vs_emulation(full_plan, dt, s, 200);
-      launch_vs_emulation(compile(softmax_expr), dt, s, 300);
-    }
+  for_each_launch_case([](auto const& plan, cuda::dtype dt, shape s, std::uint64_t seed) { launch_vs_emulation(plan, dt, s, seed); });
   // Outputs the stores write 16 bytes at a time only in part: odd M (rows of 26 bytes in 16-bit
   // types: aligned every eighth row) and [B,N,H,M] (rows H·M apart), element by element elsewhere.
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {

@@ -58,13 +58,12 @@ void gradient_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t
 
 TEST_CASE("simt: forward kernels as written = the interpreter") {
   constexpr auto causal_plan = compile<order::linear>(causal_expr);
-  constexpr auto full_plan = compile<order::linear>(full_expr);
-  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16})
-    for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{1, 1, 70, 256, 48}}) {
-      forward_both_ways(causal_plan, dt, s, 100);
-      forward_both_ways(full_plan, dt, s, 200);
-      forward_both_ways(compile(softmax_expr), dt, s, 300);
-    }
+  // The device test's cases, less some of the fp32 and f16 kernels (the same
+  // shape logic as bf16's; their loads, conversions and tf32 products at two shapes each).
+  for_each_launch_case([](auto const& plan, cuda::dtype dt, shape s, std::uint64_t seed) {
+    bool const small_or_odd_m = s.n == 1 || s.m == 200;
+    if (dt == cuda::dtype::bf16 || (dt == cuda::dtype::f32) == small_or_odd_m) forward_both_ways(plan, dt, s, seed);
+  });
   // The benchmark's head size: two 64-column M tiles, and the fp32 tensor-core (tf32) kernels.
   forward_both_ways(causal_plan, cuda::dtype::bf16, shape{1, 2, 150, 128, 128}, 400);
   forward_both_ways(causal_plan, cuda::dtype::f32, shape{1, 2, 150, 128, 128}, 410, {});
@@ -198,9 +197,11 @@ TEST_CASE("simt: steps, chained and split forwards, requested schedules as writt
       auto [c, c_want] = both_ways(chained);
       CHECK(relative_rms(c.first, c_want.first) <= forward_tolerance(dt));
       CHECK(relative_rms(c.second, c_want.second) <= 1e-6);
-      cuda::options split{dt, dt};
-      split.split_rows = chained_program(plan, split, s.d, s.m).tiles.chunk;
-      forward_both_ways(plan, dt, s, 710, split);
+      if (dt == cuda::dtype::bf16) {  // (fp32's split kernels differ in types only; the gradients split fp32 too)
+        cuda::options split{dt, dt};
+        split.split_rows = chained_program(plan, split, s.d, s.m).tiles.chunk;
+        forward_both_ways(plan, dt, s, 710, split);
+      }
     }
   // The schedules the benchmark's sweep and the device test request.
   for (cuda::tile_request t : {cuda::tile_request{32, 64, true}, {16, 32}, {64, 64, false, 512}, {32, 0, false, 128},
