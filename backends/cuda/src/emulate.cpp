@@ -485,10 +485,8 @@ struct block {
   }
 };
 
-}  // namespace
+std::atomic<kernel_runner> installed_runner{nullptr};  // (set_kernel_runner)
 
-namespace {
-std::atomic<kernel_runner> installed_runner{nullptr};
 }  // namespace
 
 kernel_runner set_kernel_runner(kernel_runner runner) noexcept { return installed_runner.exchange(runner); }
