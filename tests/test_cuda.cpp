@@ -495,7 +495,7 @@ TEST_CASE("device: launched kernels agree with the emulation") {
       for (std::size_t y = 0; y < h; ++y)
         for (std::size_t r = 0; r < n; ++r)
           for (std::size_t c = 0; c < m; ++c) got.data()[((x * h + y) * n + r) * m + c] = bnhm.data()[((x * n + r) * h + y) * m + c];
-    CHECK(relative_rms(got, want) <= (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
+    CHECK(relative_rms(got, want) <= forward_tolerance(dt));
   }
   // Grouped-query attention through views: K and V with a zero head stride (test_cuda_forward.cpp).
   {
@@ -768,7 +768,7 @@ TEST_CASE("device: to_device / to_host round trip, evaluate = CPU backend, chain
     // neighbouring bf16 on one side and not the other (measured on an H200:
     // 1.4e-5 at N = 200, D = M = 64): the 16-bit outputs' bound.
     CHECK(relative_rms(wide, cuda::emulate(plan, {dt, cuda::dtype::f32}, Q = q, K = k, V = v)) <=
-          (dt == cuda::dtype::f32 ? 1e-6 : tolerance(dt) / 4));
+          forward_tolerance(dt));
     // Two chained launches = the chained emulation, state included.
     std::size_t at = s.n / 3 + 1;
     cuda::state st(plan, s.b, s.h), host(plan, s.b, s.h, cuda::memory::host);

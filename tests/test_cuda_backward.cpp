@@ -706,9 +706,7 @@ TEST_CASE("device: gradients = their emulation") {
     auto want = cuda::emulate_gradient(plan, {dt, dt}, dout, Q = q, K = k, V = v);
     auto dq = cuda::to_device<E>(q), dk = cuda::to_device<E>(k), dv = cuda::to_device<E>(v), dd = cuda::to_device<E>(dout);
     auto got = cuda::gradient(plan, dd, nullptr, Q = dq, K = dk, V = dv);
-    // fp32: the same fma chains, but expf differs from the host's exp by ulps;
-    // 16-bit: the tensor cores sum in their own order.
-    double const tol = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt) / 2;
+    double const tol = gradient_tolerance(dt);
     CHECK(relative_rms(cuda::to_host(got[Q]), want[Q]) <= tol);
     CHECK(relative_rms(cuda::to_host(got[K]), want[K]) <= tol);
     CHECK(relative_rms(cuda::to_host(got[V]), want[V]) <= tol);

@@ -194,6 +194,8 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask, int width = 32) {
   return r;
 }
 
+// The conversions by their rules, written here rather than taken from
+// lina/cuda/numeric.hpp (the interpreter's), as the fragment layouts below are.
 namespace lina {
 namespace tile {
 namespace ptx {
