@@ -845,7 +845,7 @@ void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Ou
   }
   program<T, Plan, Bound, Outputs> prog(plan, in, outs, st, *ws, per_thread);
   long total = static_cast<long>(in.batch * in.heads);
-  bool threads = worth_threads(in, st);
+  [[maybe_unused]] bool const threads = worth_threads(in, st);  // (read by the pragmas alone)
   auto run = [&](long bh) { prog.run(static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads); };
   if (st) {
     // with a state, every call gives each thread the same slices, so a

@@ -463,7 +463,11 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
     if (da > 0) {
       if constexpr (Outputs) a.pack(first, m, reverse, pa, ldab, work);
       b.pack(first, m, reverse, pb, ldab, work);
-      auto [pc_rows, ldc] = rows_of(c, first, m, pc);
+      // (not a structured binding: the lambda below reads both, which C++20
+      // allows but Clang before 16 refuses)
+      auto const c_rows = rows_of(c, first, m, pc);
+      T const* const pc_rows = c_rows.first;
+      index const ldc = c_rows.second;
       detail::second_output<T> d;
       if constexpr (Dual) {
         auto [px_rows, ldx] = rows_of(sec.x, first, m, px);
