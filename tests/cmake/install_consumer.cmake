@@ -1,5 +1,6 @@
 # Install the built tree into a scratch prefix, then configure, build and run
-# tests/consumer against it with find_package(lina).
+# tests/consumer against it with find_package(lina) (with the CUDA backend:
+# its kernel embedded by lina_cuda_embed_kernels).
 file(REMOVE_RECURSE ${WORK_DIR})
 set(prefix ${WORK_DIR}/prefix)
 foreach(step
@@ -13,3 +14,10 @@ foreach(step
   endif()
 endforeach()
 message("${out}")
+if(EXISTS ${WORK_DIR}/build/consumer_cuda)
+  execute_process(COMMAND ${WORK_DIR}/build/consumer_cuda RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "consumer_cuda failed:\n${out}\n${err}")
+  endif()
+  message("${out}")
+endif()

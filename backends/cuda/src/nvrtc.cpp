@@ -14,6 +14,8 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <system_error>
 #include <unistd.h>
 
@@ -120,16 +122,64 @@ std::string cache_directory() {
 }
 
 namespace {
-std::atomic<int> cache_hits{0}, cache_compiled{0};
+std::atomic<int> cache_hits{0}, cache_compiled{0}, cache_embedded{0};
 
 std::uint64_t fnv1a(std::string_view s) {
   std::uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
   return h;
 }
+
+// The embedded kernels: registered during static initialisation (of any
+// translation unit, so a function-local registry), read under the same lock.
+struct embedded_registry {
+  std::mutex lock;
+  std::vector<embedded_kernel const*> kernels;
+};
+embedded_registry& embedded() {
+  static embedded_registry r;
+  return r;
+}
+
+std::optional<compiled_kernel> find_embedded(std::string_view source, std::string_view kernel_name, std::string_view arch) {
+  embedded_registry& r = embedded();
+  std::lock_guard<std::mutex> guard(r.lock);
+  if (r.kernels.empty()) return std::nullopt;
+  unsigned long long const tiles = tiles_header_hash();
+  for (embedded_kernel const* e : r.kernels)
+    if (e->tiles_hash == tiles && kernel_name == e->kernel && arch == e->arch && source == e->source) {
+      compiled_kernel out;
+      out.kernel = std::string(kernel_name);
+      out.arch = std::string(arch);
+      out.options = options_for(arch, {});
+      out.log = e->log;
+      out.image.assign(e->image, e->image + e->image_size);
+      out.embedded = true;
+      return out;
+    }
+  return std::nullopt;
+}
 }  // namespace
 
-cache_counts cache_statistics() { return {cache_hits.load(), cache_compiled.load()}; }
+cache_counts cache_statistics() { return {cache_hits.load(), cache_compiled.load(), cache_embedded.load()}; }
+
+unsigned long long tiles_header_hash() {
+  static unsigned long long const h = fnv1a(tiles_header());
+  return h;
+}
+
+std::size_t register_embedded_kernels(embedded_kernel const* kernels, std::size_t n) {
+  embedded_registry& r = embedded();
+  std::lock_guard<std::mutex> guard(r.lock);
+  for (std::size_t i = 0; i < n; ++i) r.kernels.push_back(kernels + i);
+  return n;
+}
+
+std::size_t embedded_kernel_count() {
+  embedded_registry& r = embedded();
+  std::lock_guard<std::mutex> guard(r.lock);
+  return r.kernels.size();
+}
 
 compiled_kernel compile_cached(std::string_view source, std::string_view kernel_name, std::string_view arch,
                                std::vector<std::string> const& extra_options) {
@@ -138,6 +188,11 @@ compiled_kernel compile_cached(std::string_view source, std::string_view kernel_
 
 compiled_kernel compile_cached_in(std::string const& dir, std::string_view source, std::string_view kernel_name,
                                   std::string_view arch, std::vector<std::string> const& extra_options) {
+  if (extra_options.empty())
+    if (std::optional<compiled_kernel> e = find_embedded(source, kernel_name, arch)) {
+      ++cache_embedded;
+      return std::move(*e);
+    }
   if (dir.empty()) {
     ++cache_compiled;
     return compile(source, kernel_name, arch, extra_options);

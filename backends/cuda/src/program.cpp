@@ -1406,6 +1406,44 @@ split_programs split_programs_of(attention_spec const& s) {
   return {std::move(partials), std::move(scan)};
 }
 
+std::vector<program> kernels_of(attention_spec s) {
+  std::vector<program> out;
+  auto add = [&](program p) {
+    for (program const& q : out)
+      if (q.kernel_name == p.kernel_name && q.description == p.description) return;
+    out.push_back(std::move(p));
+  };
+  // Each variant as its launch makes it: one that throws std::invalid_argument
+  // is one that a launch refuses too (the plan has no such form), so it needs no kernel.
+  auto variant = [&](auto make) {
+    try {
+      make();
+    } catch (std::invalid_argument const&) {
+    }
+  };
+  s.step = false;
+  for (bool chained : {false, true}) {
+    s.chained = chained;
+    if (chained && (!s.causal || quadratic_form(s))) break;  // (no state to carry)
+    add(program_of(s));  // (throws for a spec no launch takes: maps that differ, no D or M)
+    variant([&] {
+      split_programs sp = split_programs_of(s);
+      add(std::move(sp.partials)), add(std::move(sp.scan));
+    });
+    variant([&] {
+      for (program& p : backward_programs_of(s)) add(std::move(p));
+    });
+    variant([&] {
+      for (program& p : split_backward_programs_of(s)) add(std::move(p));
+    });
+    if (chained) {
+      s.step = true;
+      variant([&] { add(program_of(s)); });
+    }
+  }
+  return out;
+}
+
 program add_program(dtype t, std::size_t cols) {
   if (cols == 0) throw std::invalid_argument("lina::cuda::add_program: no columns");
   builder b;

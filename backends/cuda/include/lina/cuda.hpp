@@ -3,6 +3,8 @@
 //   cuda::spec_of(plan)                 what the kernel computes, from the plan's type
 //   cuda::program_of(plan, opts, D = d, M = m)   the tile program (lina/cuda/program.hpp)
 //   cuda::source(plan, opts, D = d, M = m)       the generated CUDA source
+//   cuda::kernels_of(plan, opts, D = d, M = m)   every kernel its launches may run (to
+//                                                compile ahead of time: lina/cuda/embed.hpp)
 //   cuda::emulate(plan, opts, Q = q, K = k, V = v)   the result through the host emulation
 //   cuda::emulate_into(plan, opts, out, Q = q, …)    the same into a view of any layout
 //   cuda::evaluate_into(plan, out, stream, Q = q, …)  a launch on the GPU, on device views
@@ -23,7 +25,7 @@
 //   non-causal:  φ(Q)·(φ(K)ᵀ·V)                  or  (φ(Q)·φ(K)ᵀ)·V
 //   softmax:     causal(exp(s·(φ(Q)·φ(K)ᵀ)))·V   or  exp(s·(φ(Q)·φ(K)ᵀ))·V (s optional),
 //                or exp(s·causal(φ(Q)·φ(K)ᵀ))·V (the mask before exp: masked keys weigh 1):
-//                quadratic, a block per chunk of query rows (no backward yet)
+//                quadratic, a block per chunk of query rows (its backward: two launches)
 // and a select between two of these that compute the same thing (what
 // compile() leaves for a dynamic N): the chunked kernel is both orders at
 // once — quadratic inside a chunk, linear across chunks — so the CPU's
@@ -482,9 +484,10 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
   return s;
 }
 
-// The tile program of `plan` at these extents (D = d, M = m where dynamic).
+namespace detail {
+// The spec of `plan` at these extents (D = d, M = m, F = f where dynamic).
 template <class Plan, class... E>
-program program_of(Plan const& plan, options opt, E const&... extents) {
+attention_spec spec_at(Plan const& plan, options opt, E const&... extents) {
   attention_spec s = spec_of(plan, opt);
   if constexpr (detail::forward_plan<Plan>::ok) {
     using QI = typename detail::forward_plan<Plan>::q::input;
@@ -495,7 +498,32 @@ program program_of(Plan const& plan, options opt, E const&... extents) {
       s.f = detail::extent_from<typename detail::forward_plan<Plan>::q::param::cols>("columns of W: random features",
                                                                                     extents...);
   }
-  return program_of(s);
+  return s;
+}
+}  // namespace detail
+
+// The tile program of `plan` at these extents (D = d, M = m where dynamic).
+template <class Plan, class... E>
+program program_of(Plan const& plan, options opt, E const&... extents) {
+  return program_of(detail::spec_at(plan, opt, extents...));
+}
+
+// Every kernel that evaluate, evaluate_into (with a state or without), gradient
+// and recurrent may launch for `plan` at these extents, whatever B, H, N and the
+// device (lina/cuda/program.hpp, kernels_of): the list a program compiles ahead
+// of time (lina_cuda_embed_kernels, docs/cuda.md). opt's dtypes and tile
+// request as the launches will be given them. One layer: a stacked plan's
+// layers are listed one by one.
+template <class Plan, class... E>
+std::vector<program> kernels_of(Plan const& plan, options opt, E const&... extents) {
+  if constexpr (detail::forward_plan<Plan>::stacked) {
+    static_assert(!detail::forward_plan<Plan>::stacked,
+                  "lina::cuda::kernels_of: a stacked plan runs one kernel per layer; list each layer's attention "
+                  "(compile(layer)) with its own extents");
+    return {};
+  } else {
+    return kernels_of(detail::spec_at(plan, opt, extents...));
+  }
 }
 
 // The generated CUDA source of `plan` at these extents.

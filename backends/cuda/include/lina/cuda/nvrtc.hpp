@@ -3,6 +3,7 @@
 // be compiled, for every target architecture, on any machine with the toolkit.
 #pragma once
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -29,6 +30,7 @@ struct compiled_kernel {
   std::string log;              // NVRTC's log; empty for a clean compile
   std::vector<std::string> options;
   bool from_cache = false;      // read from the on-disk cache (compile_cached)
+  bool embedded = false;        // linked into the program ahead of time (below; compile_cached)
 };
 
 // Compile a generated kernel source for one architecture: "sm_80", "sm_90"
@@ -38,7 +40,9 @@ struct compiled_kernel {
 compiled_kernel compile(std::string_view source, std::string_view kernel_name, std::string_view arch,
                         std::vector<std::string> const& extra_options = {});
 
-// compile(), through an on-disk cache of images keyed by the source, the tile
+// compile(), from the kernels embedded in the program (below) where one has
+// this source, architecture and tile header (and no extra options), else
+// through an on-disk cache of images keyed by the source, the tile
 // header, the options, the architecture and NVRTC's version (a 64-bit hash in
 // the file name, the full key checked inside the file). The folder is
 // $LINA_CUDA_CACHE, else $XDG_CACHE_HOME/lina, else ~/.cache/lina;
@@ -57,8 +61,29 @@ std::string cache_directory();  // "" when off
 // launches' time went.
 struct cache_counts {
   int hits = 0, compiled = 0;
+  int embedded = 0;  // found among the embedded kernels
 };
 cache_counts cache_statistics();
+
+// Kernels compiled ahead of time and linked into the program: the source file
+// that lina_cuda_embed_kernels (CMake; lina/cuda/embed.hpp) generates defines an
+// array of these and registers it during static initialisation, so that a
+// launch finds its kernel without NVRTC. An entry matches a compile_cached call
+// whose source, kernel name and architecture equal its own, compiled against
+// the same tile header (tiles_hash: tiles_header_hash()). The array must
+// outlive every call (static data). Returns the number registered (n).
+struct embedded_kernel {
+  char const* kernel;
+  char const* arch;
+  char const* source;
+  unsigned long long tiles_hash;
+  char const* image;
+  std::size_t image_size;
+  char const* log;  // NVRTC's log of the compile (empty: clean)
+};
+std::size_t register_embedded_kernels(embedded_kernel const* kernels, std::size_t n);
+std::size_t embedded_kernel_count();  // registered so far
+unsigned long long tiles_header_hash();  // of the tile header this library gives NVRTC
 
 // The folder of the toolkit's headers NVRTC is pointed at (-I): the environment's
 // LINA_CUDA_INCLUDE_DIR when set, else the one this library was built against.

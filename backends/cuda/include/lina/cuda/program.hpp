@@ -595,6 +595,17 @@ std::int64_t split_rows(std::int64_t blocks, std::int64_t n, int chunk, int sms)
 // chunks (so at most G of them; 0 where that makes one group).
 std::int64_t split_rows(tile_request const& t, std::int64_t blocks, std::int64_t n, int chunk, int sms);
 
+// Every kernel a launch of the spec's attention may run at its D, M (and F),
+// whatever B, H, N and the device: the forward (one pass, and its
+// chunk-parallel form where the plan has one), the backward (one pass or
+// softmax's launches, the split form), and for a causal linear plan the same
+// chained (with a state) and the decoding step. Each once, in that order; a
+// variant the plan has not (a launch of it would throw before running) is left
+// out. What lina_cuda_embed_kernels compiles ahead of time (docs/cuda.md);
+// the caller's tile request (s.tiles) and dtypes as given, s.chained and
+// s.step ignored.
+std::vector<program> kernels_of(attention_spec s);
+
 // The linear plan a spec computes, in lina's notation, written from the spec
 // alone: every plan with this spec (either order, a select between them) gets
 // the same text, so the same kernel source and one cache entry.
