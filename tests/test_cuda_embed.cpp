@@ -1,12 +1,21 @@
 // Kernels compiled ahead of time (lina_cuda_embed_kernels): this binary embeds
 // the kernels of tests/embed/plans.hpp for sm_90. Without a GPU: the embedded
 // images are what compile_cached returns (no NVRTC), byte for byte NVRTC's;
-// a kernel not embedded still compiles; and cuda::kernels_of lists exactly the
+// a kernel not embedded still compiles; the generator's file and errors; and cuda::kernels_of lists exactly the
 // kernels the launches of a plan run — recorded through the emulation, which
 // takes the same programs as a launch on every path.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
+
 #include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <lina/cuda/embed.hpp>
 #include <lina/cuda/emit.hpp>
 #include <lina/cuda/emulate.hpp>
 #include <lina/cuda/nvrtc.hpp>
@@ -116,4 +125,37 @@ TEST_CASE("kernels_of lists exactly the kernels a plan's launches run: forward, 
   (void)cuda::emulate(softmax_plan, {}, Q = q, K = k, V = v);
   (void)cuda::emulate_gradient(softmax_plan, {}, dout, Q = q, K = k, V = v);
   CHECK(softmax_runs.sources == sources_of(cuda::kernels_of(softmax_plan, {}, D = d, M = m)));
+}
+
+TEST_CASE("embedding kernels: the written file, and errors that say what is wrong") {
+  namespace fs = std::filesystem;
+  setenv("LINA_CUDA_CACHE", LINA_TEST_NVRTC_CACHE, 0);  // (the suite's NVRTC cache, not the user's)
+  fs::path const dir = fs::temp_directory_path() / ("lina-embed-test-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::string const file = (dir / "kernels.cpp").string();
+  std::vector<cuda::program> const one = {cuda::program_of(softmax_plan, {}, D = d, M = m)};
+  // One kernel, listed twice, for two architectures: two images; their source and names in the file.
+  CHECK(cuda::write_embedded_kernels(file, {one[0], one[0]}, {"sm_90", "sm_80"}) == 2);
+  std::ifstream in(file);
+  std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(text.find("register_embedded_kernels") != std::string::npos);
+  CHECK(text.find("{\"" + one[0].kernel_name + "\", \"sm_80\", source1") != std::string::npos);
+  // The same text again leaves the file alone (the application is not rebuilt for nothing).
+  auto const stamp = fs::last_write_time(file);
+  fs::last_write_time(file, stamp - std::chrono::hours(1));
+  CHECK(cuda::write_embedded_kernels(file, one, {"sm_90", "sm_80"}) == 2);
+  CHECK(fs::last_write_time(file) == stamp - std::chrono::hours(1));
+  // Errors: no architecture, an unknown one, a generator's unknown argument, a folder that is not there.
+  CHECK_THROWS_WITH_AS(cuda::write_embedded_kernels(file, one, {}), doctest::Contains("no architecture"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(cuda::write_embedded_kernels(file, one, {"sm90"}), doctest::Contains("unknown architecture sm90"),
+                       cuda::nvrtc_error);
+  char arg0[] = "gen", bad[] = "--arches", out[] = "--out", nowhere[] = "/nonexistent-lina-dir/k.cpp", arch[] = "--arch",
+       sm[] = "sm_90";
+  char* unknown[] = {arg0, bad, sm};
+  CHECK(cuda::embed_main(3, unknown, one) == 1);
+  char* unwritable[] = {arg0, out, nowhere, arch, sm};
+  CHECK_THROWS_WITH_AS(cuda::write_embedded_kernels(nowhere, one, {"sm_90"}), doctest::Contains("cannot write"),
+                       std::runtime_error);
+  CHECK(cuda::embed_main(5, unwritable, one) == 1);
+  fs::remove_all(dir);
 }

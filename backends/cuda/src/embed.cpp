@@ -86,12 +86,13 @@ int embed_main(int argc, char** argv, std::vector<program> const& programs) {
   try {
     for (int i = 1; i < argc; ++i) {
       std::string_view const a = argv[i];
-      if ((a == "--out" || a == "--arch") && i + 1 < argc) {
-        (a == "--out" ? out : archs.emplace_back()) = argv[++i];
-      } else {
+      if (a == "--out" && i + 1 < argc)
+        out = argv[++i];
+      else if (a == "--arch" && i + 1 < argc)
+        archs.emplace_back(argv[++i]);
+      else
         throw std::invalid_argument(fmt::format("unknown argument {} (usage: {} --out FILE --arch sm_XY [--arch …])", a,
                                                 argc > 0 ? argv[0] : "generator"));
-      }
     }
     if (out.empty()) throw std::invalid_argument("no --out FILE");
     std::size_t const n = write_embedded_kernels(out, programs, archs);
