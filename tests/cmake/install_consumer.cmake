@@ -2,6 +2,7 @@
 # tests/consumer against it with find_package(lina) (with the CUDA backend:
 # its kernel embedded by lina_cuda_embed_kernels).
 file(REMOVE_RECURSE ${WORK_DIR})
+set(ENV{LINA_CUDA_CACHE} ${BUILD_DIR}/tests/nvrtc-cache)  # (the CUDA consumer's generator: not the user's cache)
 set(prefix ${WORK_DIR}/prefix)
 foreach(step
     "${CMAKE_COMMAND};--install;${BUILD_DIR};--prefix;${prefix}"
