@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "lina/detail/exp.hpp"
+#include "lina/detail/madd.hpp"
 
 namespace lina {
 
@@ -160,12 +161,13 @@ struct favor {
   template <class T>
   static void apply(T const* x, std::size_t d, T const* w, std::size_t m, T* out) {
     // z = x·W a row of W at a time (contiguous, vectorised over j; each z_j
-    // still sums over i in order), then the exp over the row
+    // still sums over i in order, fused as the CPU backend's product of all
+    // rows sums it: the same bits), then the exp over the row
     for (std::size_t j = 0; j < m; ++j) out[j] = 0;
     for (std::size_t i = 0; i < d; ++i) {
       T const xi = x[i];
       T const* wi = w + i * m;
-      for (std::size_t j = 0; j < m; ++j) out[j] += wi[j] * xi;
+      for (std::size_t j = 0; j < m; ++j) out[j] = detail::madd(wi[j], xi, out[j]);
     }
     finish(x, d, m, out);
   }

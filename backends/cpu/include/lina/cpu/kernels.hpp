@@ -633,7 +633,7 @@ inline void gemm_tile(matrix<T> const& a, index i0, T const* __restrict b, index
     for (int r = 0; r < R; ++r) {
       Vec x = simd::broadcast<Vec>(ar[r][p * cs]);
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] += x * bv[v];
+      for (int v = 0; v < V; ++v) acc[r][v] = simd::madd(x, bv[v], acc[r][v]);  // fused as favor::apply's sums
     }
   }
 #pragma GCC unroll 8
