@@ -10,13 +10,21 @@ namespace {
 // One backward case: the inputs and ∂out as a kernel reading dt sees them, and
 // the two references — cpu::gradient of the plan (fp32, the same inputs) and
 // of the expression in double.
+template <class Cpu, class Exact>
+struct backward_inputs {
+  tensor<float> q, k, v, dout;
+  Cpu cpu;
+  Exact exact;
+};
 template <class Plan, class Expr>
 auto backward_case(Plan const& plan, Expr const& expr, shape const& s, cuda::dtype dt, test::rng& r, bool positive) {
-  auto [q, k, v] = random_inputs(s, dt, r, positive);
+  auto inputs = random_inputs(s, dt, r, positive);
+  auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
   auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
   auto cpu = cpu::gradient(plan, dout, Q = q, K = k, V = v);
   auto exact = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
-  return std::tuple{std::move(q), std::move(k), std::move(v), std::move(dout), std::move(cpu), std::move(exact)};
+  return backward_inputs<decltype(cpu), decltype(exact)>{std::move(q), std::move(k), std::move(v), std::move(dout),
+                                                         std::move(cpu), std::move(exact)};
 }
 
 // The emulated backward kernel of compile<order::linear>(expr) against
@@ -34,7 +42,10 @@ void check_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> con
     double worst = 0, worst_mma = 0;
     for (shape const& s : cases) {
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
-      auto [q, k, v, dout, cpu, exact] = backward_case(plan, expr, s, dt, r, positive);
+      auto bc = backward_case(plan, expr, s, dt, r, positive);
+      auto &q = bc.q, &k = bc.k, &v = bc.v, &dout = bc.dout;
+      auto const &cpu = bc.cpu;
+      auto const &exact = bc.exact;
       for (bool exact_products : {true, false}) {
         if (!exact_products && dt == cuda::dtype::f32) continue;
         cuda::options opt{dt, dt, exact_products};
@@ -189,7 +200,10 @@ void check_softmax_backward(Expr const& expr, std::uint64_t seed, std::vector<sh
     double worst = 0, worst_mma = 0;
     for (shape const& s : cases) {
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
-      auto [q, k, v, dout, cpu, exact] = backward_case(plan, expr, s, dt, r, positive);
+      auto bc = backward_case(plan, expr, s, dt, r, positive);
+      auto &q = bc.q, &k = bc.k, &v = bc.v, &dout = bc.dout;
+      auto const &cpu = bc.cpu;
+      auto const &exact = bc.exact;
       auto g = cuda::emulate_gradient(plan, {dt, dt, true}, dout, Q = q, K = k, V = v);
       bool const fast = dt != cuda::dtype::f32 && identity;
       decltype(g) mma;
@@ -276,7 +290,8 @@ void check_tied(Expr const& expr, std::uint64_t seed, std::size_t size = 16) {
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (shape s : shapes) {
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d);
-      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto inputs = random_inputs(s, dt, r, false);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, r.next()), dt);
       auto const wd = widened(dout);
       auto got = on_inputs_of(plan, [&](auto const& p, auto const&... b) { return cuda::emulate_gradient(p, {dt, dt, true}, dout, b...); },
@@ -474,7 +489,8 @@ void check_split_backward(Expr const& expr, std::uint64_t seed, std::vector<shap
   double worst = 0;
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (shape const& s : cases) {
-      auto [q, k, v] = random_inputs(s, dt, r, positive);
+      auto inputs = random_inputs(s, dt, r, positive);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
       for (bool exact : {true, false}) {
         if (!exact && dt == cuda::dtype::f32) continue;
@@ -494,7 +510,8 @@ void check_split_backward(Expr const& expr, std::uint64_t seed, std::vector<shap
           double const tol = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt);
           for (auto [name, x, y] : {std::tuple{"∂Q", &g[Q], &once[Q]}, std::tuple{"∂K", &g[K], &once[K]},
                                     std::tuple{"∂V", &g[V], &once[V]}}) {
-            CAPTURE(name);
+            char const* const which = name;  // (Clang < 16 cannot capture a binding)
+            CAPTURE(which);
             double const e = relative_rms(*x, *y);
             CHECK(e <= tol);
             worst = std::max(worst, e / tol);
@@ -591,7 +608,8 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
       for (shape const& s : cases) {
         std::size_t const cut = s.n < 2 ? 0 : r.in(1, s.n - 1);
         CAPTURE(spec.description); CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(cut);
-        auto [q, k, v] = random_inputs(s, dt, r, false);
+        auto inputs = random_inputs(s, dt, r, false);
+        auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
         auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
         cuda::options const opt{dt, dt, true};
         auto whole = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
@@ -603,7 +621,8 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
         auto [g1, d0] = cuda::emulate_gradient(plan, opt, first(dout), none, d1, Q = first(q), K = first(k), V = first(v));
         for (auto const& [name, w, a, b] : {std::tuple{"∂Q", &whole[Q], &g1[Q], &g2[Q]}, std::tuple{"∂K", &whole[K], &g1[K], &g2[K]},
                                             std::tuple{"∂V", &whole[V], &g1[V], &g2[V]}}) {
-          CAPTURE(name);
+          char const* const which = name;  // (Clang < 16 cannot capture a binding)
+          CAPTURE(which);
           tensor<float> joined(w->shape());
           for (std::size_t i = 0; i < s.b; ++i)
             for (std::size_t j = 0; j < s.h; ++j)
@@ -637,7 +656,8 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
           for (auto const& [name, a, b] : {std::tuple{"split ∂Q", &h1[Q], &g1[Q]}, std::tuple{"split ∂K", &h1[K], &g1[K]},
                                            std::tuple{"split ∂V", &h1[V], &g1[V]}, std::tuple{"split ∂Q", &h2[Q], &g2[Q]},
                                            std::tuple{"split ∂K", &h2[K], &g2[K]}, std::tuple{"split ∂V", &h2[V], &g2[V]}}) {
-            CAPTURE(name);
+            char const* const which = name;  // (Clang < 16 cannot capture a binding)
+            CAPTURE(which);
             CHECK(relative_rms(*a, *b) <= tol);
           }
           CHECK(relative_rms(sums_of(e1), sums_of(d1)) <= tol);
@@ -701,7 +721,8 @@ TEST_CASE("device: gradients = their emulation") {
     cuda::dtype const dt = dtype_for<E>();
     CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
     test::rng r{seed};
-    auto [q, k, v] = random_inputs(s, dt, r, false);
+    auto inputs = random_inputs(s, dt, r, false);
+    auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
     auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
     auto want = cuda::emulate_gradient(plan, {dt, dt}, dout, Q = q, K = k, V = v);
     auto dq = cuda::to_device<E>(q), dk = cuda::to_device<E>(k), dv = cuda::to_device<E>(v), dd = cuda::to_device<E>(dout);

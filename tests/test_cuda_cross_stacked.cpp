@@ -18,7 +18,8 @@ void check_cross(Expr const& expr, std::uint64_t seed, std::size_t max_d = 40) {
   static_assert(cuda::lowerable<decltype(plan)>);
   test::rng r{seed};
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
-    for (auto [n, s] : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}, {65, 64}, {1, 200}}) {
+    for (auto const& ns : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}, {65, 64}, {1, 200}}) {
+      std::size_t const n = ns.first, s = ns.second;  // (not a binding: Clang < 16 cannot capture one)
       std::size_t const d = r.in(1, max_d), m = r.in(1, 80), b = 2, h = 2;
       CAPTURE(cuda::spec_of(plan).description); CAPTURE(cuda::name_of(dt)); CAPTURE(n); CAPTURE(s); CAPTURE(d); CAPTURE(m);
       auto q = rounded(tensor<float>::random({b, h, n, d}, r.next()), dt);

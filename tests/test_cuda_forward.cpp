@@ -82,7 +82,8 @@ TEST_CASE("softmax: rows whose exp overflows fp32 still normalise (the running m
   constexpr auto plan = compile(expr);
   shape const s{1, 2, 150, 16, 12};
   test::rng r{45};
-  auto [q, k, v] = random_inputs(s, cuda::dtype::f32, r, false);
+  auto inputs = random_inputs(s, cuda::dtype::f32, r, false);
+  auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
   for (std::size_t i = 0; i < q.size(); ++i) q.data()[i] *= 3.0f;  // scores up to ~8·3·16: exp(300)
   auto cpu32 = cpu::evaluate(plan, Q = q, K = k, V = v);
   bool overflowed = false;
@@ -164,7 +165,8 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
     auto const plan = plan_of(expr);
     test::rng r{seed};
     for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
-      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto inputs = random_inputs(s, dt, r, false);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
       double const bound = tolerance(dt) + rounding_bound(expr, dt, q, k, v, exact);
       for (int t : {16, 32, 64})
@@ -210,7 +212,8 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
   constexpr auto plan = compile<order::linear>(expr);
   test::rng r{74};
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
-    auto [q, k, v] = random_inputs(s, dt, r, false);
+    auto inputs = random_inputs(s, dt, r, false);
+    auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
     auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
     auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
     auto exact_grad = cpu::gradient(expr, widened(dout), Q = widened(q), K = widened(k), V = widened(v));
@@ -420,7 +423,8 @@ TEST_CASE("requested groups: N split into the groups asked for, = the same rows 
   auto same_rows = [&](auto const& expr, bool has_split, std::uint64_t seed) {
     auto const plan = plan_of(expr);
     test::rng r{seed};
-    auto [q, k, v] = random_inputs(s, cuda::dtype::bf16, r, false);
+    auto inputs = random_inputs(s, cuda::dtype::bf16, r, false);
+    auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
     auto exact = cpu::evaluate(expr, Q = widened(q), K = widened(k), V = widened(v));
     cuda::options opt{cuda::dtype::bf16, cuda::dtype::bf16};
     opt.tiles = {16, 0};
@@ -447,7 +451,8 @@ TEST_CASE("requested groups: N split into the groups asked for, = the same rows 
   {  // a split forward differs from one pass only in the order of sums
     auto const plan = plan_of(causal_expr);
     test::rng r{84};
-    auto [q, k, v] = random_inputs(s, cuda::dtype::f32, r, false);
+    auto inputs = random_inputs(s, cuda::dtype::f32, r, false);
+    auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
     cuda::options opt{};
     opt.tiles = {16, 0};
     auto const one = cuda::emulate(plan, opt, Q = q, K = k, V = v);
@@ -481,7 +486,8 @@ TEST_CASE("device: launches at a requested schedule = their emulation at it") {
     CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads); CAPTURE(t.groups);
     shape const s{1, 2, 777, 64, 64};
     test::rng r{1100};
-    auto [q, k, v] = random_inputs(s, cuda::dtype::bf16, r, false);
+    auto inputs = random_inputs(s, cuda::dtype::bf16, r, false);
+    auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
     auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), cuda::dtype::bf16);
     cuda::options opt{cuda::dtype::bf16, cuda::dtype::bf16};
     opt.tiles = t;

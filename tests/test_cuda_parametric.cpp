@@ -33,7 +33,8 @@ void check_parametric(Expr const& expr, std::uint64_t seed) {
     for (shape const& s : cases) {
       std::size_t const f = r.in(1, 48);
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
-      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto inputs = random_inputs(s, dt, r, false);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto w = rounded(gaussian_projection<float>(s.d, f, r.next()), dt);
       auto wb = broadcast(w, s.b, s.h);
       auto const wd = widened(w);
@@ -115,7 +116,8 @@ TEST_CASE("favor and random Fourier features with a W for φ(Q) and another for 
     for (shape const s : {shape{1, 2, 1, 7, 4}, shape{2, 1, 70, 16, 9}, shape{1, 2, 130, 24, 33}}) {
       std::size_t const f = r.in(1, 40);
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
-      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto inputs = random_inputs(s, dt, r, false);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto const p1 = rounded(gaussian_projection<float>(s.d, f, r.next()), dt), p2 = rounded(gaussian_projection<float>(s.d, f, r.next()), dt);
       auto const w1 = broadcast(p1, s.b, s.h), w2 = broadcast(p2, s.b, s.h);
       auto const wd1 = widened(p1), wd2 = widened(p2);
@@ -177,7 +179,8 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector
       // F: given, or drawn (F = 1 leaves a normalised favor row φ(q)-free but for eps: ∂Q is noise)
       std::size_t const f = features ? features : r.in(2, 24);
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
-      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto inputs = random_inputs(s, dt, r, false);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
       std::vector<tensor<float>> proj;  // one projection per W symbol, shared by batch and heads
       for (std::size_t i = 0; i < sizeof...(W); ++i) proj.push_back(rounded(gaussian_projection<float>(s.d, f, r.next()), dt));
@@ -274,7 +277,8 @@ TEST_CASE("backward: favor and random Fourier features (∂W per batch and head)
     auto const expr = normalize(exp(phi<favor>(Q, W) * transpose(phi<favor>(Kc, W)) * 0.5)) * Vc;
     auto const plan = compile(expr);
     test::rng r{113};
-    for (auto [n, s] : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}}) {
+    for (auto const& ns : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}}) {
+      std::size_t const n = ns.first, s = ns.second;  // (not a binding: Clang < 16 cannot capture one)
       std::size_t const b = 2, h = 1, d = 12, m = 9, f = 16;
       CAPTURE(n); CAPTURE(s);
       auto q = tensor<float>::random({b, h, n, d}, r.next()), k = tensor<float>::random({b, h, s, d}, r.next());
@@ -299,7 +303,8 @@ TEST_CASE("backward: favor and random Fourier features (∂W per batch and head)
     auto const one_w = compile<order::linear>(normalize(phi<favor>(Q, W) * transpose(phi<favor>(Kc, W))) * Vc);
     auto const two_w = compile<order::linear>(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(Kc, W2)) * Vc);
     test::rng r{116};
-    for (auto [n, s] : {std::pair<std::size_t, std::size_t>{20, 130}, {130, 20}, {65, 64}}) {
+    for (auto const& ns : {std::pair<std::size_t, std::size_t>{20, 130}, {130, 20}, {65, 64}}) {
+      std::size_t const n = ns.first, s = ns.second;  // (not a binding: Clang < 16 cannot capture one)
       std::size_t const b = 2, h = 1, d = 12, m = 9, f = 16;
       CAPTURE(n); CAPTURE(s);
       auto q = tensor<float>::random({b, h, n, d}, r.next()), k = tensor<float>::random({b, h, s, d}, r.next());

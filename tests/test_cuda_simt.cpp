@@ -26,7 +26,8 @@ template <class Plan>
 void forward_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt) {
   CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
   test::rng r{seed};
-  auto [q, k, v] = random_inputs(s, dt, r, false);
+  auto inputs = random_inputs(s, dt, r, false);
+  auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
   auto [got, want] = both_ways([&] { return cuda::emulate(plan, opt, Q = q, K = k, V = v); });
   CHECK(relative_rms(got, want) <= forward_tolerance(dt));
 }
@@ -39,7 +40,8 @@ template <class Plan>
 void gradient_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt) {
   CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(opt.split_rows);
   test::rng r{seed};
-  auto [q, k, v] = random_inputs(s, dt, r, false);
+  auto inputs = random_inputs(s, dt, r, false);
+  auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
   auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
   auto [got, want] = both_ways([&] { return cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v); });
   CHECK(relative_rms(got[Q], want[Q]) <= gradient_tolerance(dt));
@@ -163,7 +165,8 @@ TEST_CASE("simt: steps, chained and split forwards, requested schedules as writt
     for (shape s : {shape{2, 3, 9, 16, 8}, shape{1, 2, 40, 64, 64}, shape{2, 1, 20, 48, 130}, shape{1, 2, 6, 128, 128}}) {
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
       test::rng r{700};
-      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto inputs = random_inputs(s, dt, r, false);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       // A prompt, then a step per token: the outputs and the state.
       auto decode = [&] {
         auto rnn = cuda::recurrent(plan, s.b, s.h, {dt, dt}, cuda::memory::host);

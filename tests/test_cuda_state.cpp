@@ -19,7 +19,8 @@ void check_chained(Expr const& expr, std::uint64_t seed, std::vector<shape> cons
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
     double worst = 0;
     for (shape const& s : fixed) {
-      auto [q, k, v] = random_inputs(s, dt, r, positive);
+      auto inputs = random_inputs(s, dt, r, positive);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       cuda::options opt{dt, dt, true};  // exact products: the tight checks below; the tensor cores' after them
       int const chunk = chained_program(linear, opt, s.d, s.m).tiles.chunk;
       std::size_t mid = s.n < 3 ? s.n / 2 : r.in(1, s.n - 1);
@@ -251,7 +252,8 @@ void check_steps(Expr const& expr, std::uint64_t seed, std::vector<shape> const&
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
     double worst = 0;
     for (shape const& s : cases) {
-      auto [q, k, v] = random_inputs(s, dt, r, positive);
+      auto inputs = random_inputs(s, dt, r, positive);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       std::size_t const prompt = s.n < 2 ? 0 : r.in(0, s.n / 2);
       CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(prompt);
       for (bool exact : {true, false}) {
@@ -351,7 +353,8 @@ TEST_CASE("device: recurrent steps = their emulation, and allocate nothing after
     cuda::dtype const dt = dtype_for<E>();
     CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
     test::rng r{seed};
-    auto [q, k, v] = random_inputs(s, dt, r, false);
+    auto inputs = random_inputs(s, dt, r, false);
+    auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
     auto gpu = cuda::recurrent(plan, s.b, s.h, {dt, dt});
     auto host = cuda::recurrent(plan, s.b, s.h, {dt, dt}, cuda::memory::host);
     std::size_t const prompt = s.n / 2;
@@ -413,7 +416,8 @@ void check_split(Expr const& expr, std::uint64_t seed, std::vector<shape> const&
   double worst = 0;
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
     for (shape const& s : cases) {
-      auto [q, k, v] = random_inputs(s, dt, r, positive);
+      auto inputs = random_inputs(s, dt, r, positive);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       for (bool exact : {true, false}) {
         cuda::options opt{dt, dt, exact};
         auto const once = cuda::emulate(plan, opt, Q = q, K = k, V = v);
@@ -476,7 +480,8 @@ TEST_CASE("split: a chained block (groups of rows from the state in) = one pass,
     std::size_t const cut = 70;
     for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
       test::rng r{seed};
-      auto [q, k, v] = random_inputs(s, dt, r, false);
+      auto inputs = random_inputs(s, dt, r, false);
+      auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       cuda::options const opt{dt, dt};
       auto run = [&](std::int64_t rows, tensor<float>& out) {  // two blocks; the second split into groups of `rows`
         cuda::state st(plan, s.b, s.h, cuda::memory::host);
