@@ -1,5 +1,5 @@
-// a·b + c with one rounding wherever the target has a fused multiply-add, and
-// with two where it has none: the rule cpu::simd::madd follows for vectors.
+// a·b + c with one rounding wherever the target has a fused multiply-add for
+// T, and with two elsewhere: the rule cpu::simd::madd follows for vectors.
 // Kernels whose results must agree to the bit (a map applied row by row and the
 // same sums as one product) say madd explicitly on both sides rather than leave
 // `acc += a * b` to the compiler: GCC's contraction follows its tuning (for AMD
@@ -8,22 +8,19 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 namespace lina::detail {
 
-inline float madd(float a, float b, float c) {
+template <class T>
+inline T madd(T a, T b, T c) {
 #if defined(__FP_FAST_FMAF)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
+  if constexpr (std::is_same_v<T, float>) return std::fma(a, b, c);
 #endif
-}
-inline double madd(double a, double b, double c) {
 #if defined(__FP_FAST_FMA)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
+  if constexpr (std::is_same_v<T, double>) return std::fma(a, b, c);
 #endif
+  return a * b + c;
 }
 
 }  // namespace lina::detail

@@ -104,39 +104,22 @@ template <class V>
 inline V madd(V a, V b, V c) {
   if constexpr (std::is_floating_point_v<V>) {
     return lina::detail::madd(a, b, c);
-  } else {  // a vector without an intrinsic here (another target, or LINA_SIMD_BYTES): lane by lane
+  } else {
+#if defined(__FMA__) && (defined(__GNUC__) || defined(__clang__))
+    if constexpr (std::is_same_v<V, vector_of<float, 32>::type>) return _mm256_fmadd_ps(a, b, c);
+    if constexpr (std::is_same_v<V, vector_of<double, 32>::type>) return _mm256_fmadd_pd(a, b, c);
+    if constexpr (std::is_same_v<V, vector_of<float, 16>::type>) return _mm_fmadd_ps(a, b, c);
+    if constexpr (std::is_same_v<V, vector_of<double, 16>::type>) return _mm_fmadd_pd(a, b, c);
+#endif
+#if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+    if constexpr (std::is_same_v<V, vector_of<float, 64>::type>) return _mm512_fmadd_ps(a, b, c);
+    if constexpr (std::is_same_v<V, vector_of<double, 64>::type>) return _mm512_fmadd_pd(a, b, c);
+#endif
+    // a vector without an intrinsic here (another target, or LINA_SIMD_BYTES): lane by lane
     for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(a[0])); ++l) c[l] = lina::detail::madd(a[l], b[l], c[l]);
     return c;
   }
 }
-#if defined(__FMA__) && (defined(__GNUC__) || defined(__clang__))
-inline vector_of<float, 32>::type madd(vector_of<float, 32>::type a, vector_of<float, 32>::type b,
-                                       vector_of<float, 32>::type c) {
-  return _mm256_fmadd_ps(a, b, c);
-}
-inline vector_of<double, 32>::type madd(vector_of<double, 32>::type a, vector_of<double, 32>::type b,
-                                        vector_of<double, 32>::type c) {
-  return _mm256_fmadd_pd(a, b, c);
-}
-inline vector_of<float, 16>::type madd(vector_of<float, 16>::type a, vector_of<float, 16>::type b,
-                                       vector_of<float, 16>::type c) {
-  return _mm_fmadd_ps(a, b, c);
-}
-inline vector_of<double, 16>::type madd(vector_of<double, 16>::type a, vector_of<double, 16>::type b,
-                                        vector_of<double, 16>::type c) {
-  return _mm_fmadd_pd(a, b, c);
-}
-#endif
-#if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
-inline vector_of<float, 64>::type madd(vector_of<float, 64>::type a, vector_of<float, 64>::type b,
-                                       vector_of<float, 64>::type c) {
-  return _mm512_fmadd_ps(a, b, c);
-}
-inline vector_of<double, 64>::type madd(vector_of<double, 64>::type a, vector_of<double, 64>::type b,
-                                        vector_of<double, 64>::type c) {
-  return _mm512_fmadd_pd(a, b, c);
-}
-#endif
 
 // Sum of a vector's lanes, in a fixed order (halves added pairwise).
 template <class Vec, class T>
