@@ -29,11 +29,22 @@ double best_seconds(F&& f, int reps) {
   return best;
 }
 
-// 128 independent lanes: 8 AVX-512 or 16 AVX2 vectors of floats, enough to
-// cover FMA latency x ports.
+// The widest vector the build targets, in bytes.
+#if defined(__AVX512F__)
+inline constexpr int vector_bytes = 64;
+#elif defined(__AVX__)
+inline constexpr int vector_bytes = 32;
+#else
+inline constexpr int vector_bytes = 16;
+#endif
+
+// Ten vectors of independent accumulators: enough to cover FMA latency x ports
+// (4-5 cycles x 2 ports on current x86) and, with the two operands, within 16
+// registers. (A fixed 128 lanes is 32 AVX2 vectors of doubles: they lived in
+// memory and the probe read a quarter of the fp64 peak.)
 template <class T = float>
 double fma_gflops() {
-  constexpr int lanes = 128;
+  constexpr int lanes = 10 * vector_bytes / static_cast<int>(sizeof(T));
   long iters = 20'000'000;
   double best = 0;
   for (int rep = 0; rep < 3; ++rep) {
