@@ -79,6 +79,42 @@ void poly2_row(float const* x, int d, float* out) {
   }
 }
 
+// The products' inner loops, nearly all of the emulation's work: one row's
+// chains acc[c] = fma(u[k·u_step], w[k·w_step + c], acc[c]) for k in [k0, k1),
+// c in [c0, c1). Each fma is exactly rounded however it is computed, so vector
+// lanes give the numbers of a scalar loop. lina::cuda is built for any x86-64,
+// where std::fma is a call to libm (its FMA version: VEX code) from SSE code;
+// and where a caller has left the upper halves of the vector registers dirty,
+// each switch between the two encodings stalls (measured: 180 ns a call instead
+// of 3 after one 256-bit instruction without vzeroupper). On the 2-core Xeon of
+// 2026-12-03 the emulated backward tests took minutes each that way (the split
+// backward's case over 12 minutes, 95 % in this loop; 0.8 s since; who left
+// the registers dirty was not traced). So where the
+// CPU has AVX2 and FMA, a copy compiled for them runs: VEX code throughout,
+// with the fma in vector lanes, and it leaves the registers clean (vzeroupper).
+[[gnu::always_inline]] inline void fma_chains_as_built(float const* u, std::size_t u_step, float const* w, std::size_t w_step, float* acc,
+                                                       std::size_t k0, std::size_t k1, std::size_t c0, std::size_t c1) {
+  for (std::size_t k = k0; k < k1; ++k) {
+    float const a = u[k * u_step];
+    float const* row = w + k * w_step;
+    for (std::size_t c = c0; c < c1; ++c) acc[c] = std::fma(a, row[c], acc[c]);
+  }
+}
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+[[gnu::target("avx2,fma")]] void fma_chains_avx2(float const* u, std::size_t u_step, float const* w, std::size_t w_step, float* acc,
+                                                  std::size_t k0, std::size_t k1, std::size_t c0, std::size_t c1) {
+  fma_chains_as_built(u, u_step, w, w_step, acc, k0, k1, c0, c1);
+}
+#endif
+void fma_chains(float const* u, std::size_t u_step, float const* w, std::size_t w_step, float* acc, std::size_t k0, std::size_t k1,
+                std::size_t c0, std::size_t c1) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static bool const avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return fma_chains_avx2(u, u_step, w, w_step, acc, k0, k1, c0, c1);
+#endif
+  fma_chains_as_built(u, u_step, w, w_step, acc, k0, k1, c0, c1);
+}
+
 struct tile {
   int rows = 0, cols = 0;
   std::vector<float> v;
@@ -91,7 +127,7 @@ struct block {
   std::int64_t b = 0, h = 0, m_tile = 0;
   std::int64_t group = 0, groups = 1, row_begin = 0, row_end = 0;  // split programs: this block's rows
   std::vector<tile> reg{};
-  tile op_a{}, op_b{};  // rounded copies of product operands
+  tile op_a{}, op_b{}, op_bt{};  // rounded (and transposed) copies of product operands
 
   // Register r, or a copy of it rounded to precision p (into `copy`).
   tile const& rounded(int r, precision p, tile& copy) {
@@ -100,6 +136,15 @@ struct block {
     copy.rows = x.rows, copy.cols = x.cols;
     copy.v.resize(x.v.size());
     std::transform(x.v.begin(), x.v.end(), copy.v.begin(), [p](float e) { return round_operand(p, e); });
+    return copy;
+  }
+
+  // x transposed (into `copy`).
+  static tile const& transposed(tile const& x, tile& copy) {
+    copy.rows = x.cols, copy.cols = x.rows;
+    copy.v.resize(x.v.size());
+    for (int r = 0; r < x.rows; ++r)
+      for (int c = 0; c < x.cols; ++c) copy.at(c, r) = x.v[static_cast<std::size_t>(r) * static_cast<std::size_t>(x.cols) + static_cast<std::size_t>(c)];
     return copy;
   }
 
@@ -291,16 +336,14 @@ struct block {
         break;
       case opcode::product: {
         // Per element one fma chain in increasing k, as on the device (the
-        // tensor cores' order differs: only fma_f32 is bitwise); the loops run
-        // k outside the columns so that the chains of a row advance together
-        // (the order within each chain is unchanged). Operands are rounded
-        // to the product's precision first.
+        // tensor cores' order differs: only fma_f32 is bitwise); the chains of
+        // a row advance together (fma_chains). Operands are rounded to the
+        // product's precision first, and a transposed B is copied k-major.
         tile const& x = rounded(i.a, i.prec, op_a);
-        tile const& y = rounded(i.b, i.prec, op_b);
+        tile const& y = i.transpose_b ? transposed(rounded(i.b, i.prec, op_b), op_bt) : rounded(i.b, i.prec, op_b);
         std::size_t const inner = static_cast<std::size_t>(i.transpose_a ? x.rows : x.cols);
         std::size_t const cols = static_cast<std::size_t>(t.cols);
         std::size_t const a_row = i.transpose_a ? 1 : inner, a_k = i.transpose_a ? static_cast<std::size_t>(x.cols) : 1;
-        std::size_t const b_col = i.transpose_b ? inner : 1, b_k = i.transpose_b ? 1 : cols;
         // A masked product's triangles (program.hpp): row r's stripe starts at s.
         auto span = [](triangle tri, std::size_t s, std::size_t n) {
           return tri == triangle::lower   ? std::pair{std::size_t{0}, std::min(s + 16, n)}
@@ -314,11 +357,7 @@ struct block {
           std::fill(acc, acc + c0, 0.0f);
           std::fill(acc + c1, acc + cols, 0.0f);
           if (!i.accumulate) std::fill(acc + c0, acc + c1, 0.0f);
-          for (std::size_t k = k0; k < k1; ++k) {
-            float const u = x.v[r * a_row + k * a_k];
-            float const* w = y.v.data() + k * b_k;
-            for (std::size_t c = c0; c < c1; ++c) acc[c] = std::fma(u, w[c * b_col], acc[c]);
-          }
+          fma_chains(x.v.data() + r * a_row, a_k, y.v.data(), cols, acc, k0, k1, c0, c1);
         }
         break;
       }
