@@ -79,19 +79,30 @@ void poly2_row(float const* x, int d, float* out) {
   }
 }
 
+// vzeroupper where the CPU has AVX: the SSE code of the emulation then runs
+// without the stalls below whatever ran before it.
+void clean_upper_halves() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static bool const avx = __builtin_cpu_supports("avx");
+  if (avx)
+    asm volatile("vzeroupper" ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+                 "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#endif
+}
+
 // The products' inner loops, nearly all of the emulation's work: one row's
 // chains acc[c] = fma(u[k·u_step], w[k·w_step + c], acc[c]) for k in [k0, k1),
 // c in [c0, c1). Each fma is exactly rounded however it is computed, so vector
 // lanes give the numbers of a scalar loop. lina::cuda is built for any x86-64,
-// where std::fma is a call to libm (its FMA version: VEX code) from SSE code;
-// and where a caller has left the upper halves of the vector registers dirty,
-// each switch between the two encodings stalls (measured: 180 ns a call instead
-// of 3 after one 256-bit instruction without vzeroupper). On the 2-core Xeon of
-// 2026-12-03 the emulated backward tests took minutes each that way (the split
-// backward's case over 12 minutes, 95 % in this loop; 0.8 s since; who left
-// the registers dirty was not traced). So where the
-// CPU has AVX2 and FMA, a copy compiled for them runs: VEX code throughout,
-// with the fma in vector lanes, and it leaves the registers clean (vzeroupper).
+// where std::fma is a call into libm (its FMA version: VEX code) from SSE code,
+// and each switch between the two encodings stalls while the upper halves of
+// the vector registers are dirty (measured: 180 ns a call instead of 3). A
+// caller built with AVX at -O1 leaves them so (GCC inserts vzeroupper from -O2
+// on): the CUDA test files are, and there the emulated backward tests took
+// minutes each (the split backward's case over 12 minutes, 95 % in this loop;
+// 0.8 s since). So where the CPU has AVX2 and FMA, a copy compiled for them
+// runs (VEX code throughout, the fma in vector lanes), and emulate() starts
+// from clean registers, as the SSE code after the copy does.
 [[gnu::always_inline]] inline void fma_chains_as_built(float const* u, std::size_t u_step, float const* w, std::size_t w_step, float* acc,
                                                        std::size_t k0, std::size_t k1, std::size_t c0, std::size_t c1) {
   for (std::size_t k = k0; k < k1; ++k) {
@@ -110,7 +121,10 @@ void fma_chains(float const* u, std::size_t u_step, float const* w, std::size_t 
                 std::size_t c0, std::size_t c1) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   static bool const avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2) return fma_chains_avx2(u, u_step, w, w_step, acc, k0, k1, c0, c1);
+  if (avx2) {
+    fma_chains_avx2(u, u_step, w, w_step, acc, k0, k1, c0, c1);
+    return clean_upper_halves();  // (a build below -O2 leaves the copy without its own vzeroupper)
+  }
 #endif
   fma_chains_as_built(u, u_step, w, w_step, acc, k0, k1, c0, c1);
 }
@@ -552,6 +566,7 @@ void emulate(program const& p, forward_args const& args) {
     throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " needs rows per group that are a "
                                 "positive multiple of its chunk");
   std::int64_t const blocks = blocks_of(p, args), groups = groups_of(p, args);
+  clean_upper_halves();
   if (kernel_runner const run = installed_runner.load()) {
     if (blocks > 0 && (args.n > 0 || p.spec.chained)) run(p, args, blocks);  // (as device.cpp's check_launch)
     return;
