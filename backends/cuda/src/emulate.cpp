@@ -79,10 +79,15 @@ void poly2_row(float const* x, int d, float* out) {
   }
 }
 
+// x86-64 with GCC or Clang: CPU feature checks and target attributes (below).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LINA_EMULATE_X86 1
+#endif
+
 // vzeroupper where the CPU has AVX: the SSE code of the emulation then runs
 // without the stalls below whatever ran before it.
 void clean_upper_halves() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef LINA_EMULATE_X86
   static bool const avx = __builtin_cpu_supports("avx");
   if (avx)
     asm volatile("vzeroupper" ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
@@ -111,7 +116,7 @@ void clean_upper_halves() {
     for (std::size_t c = c0; c < c1; ++c) acc[c] = std::fma(a, row[c], acc[c]);
   }
 }
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef LINA_EMULATE_X86
 [[gnu::target("avx2,fma")]] void fma_chains_avx2(float const* u, std::size_t u_step, float const* w, std::size_t w_step, float* acc,
                                                   std::size_t k0, std::size_t k1, std::size_t c0, std::size_t c1) {
   fma_chains_as_built(u, u_step, w, w_step, acc, k0, k1, c0, c1);
@@ -119,7 +124,7 @@ void clean_upper_halves() {
 #endif
 void fma_chains(float const* u, std::size_t u_step, float const* w, std::size_t w_step, float* acc, std::size_t k0, std::size_t k1,
                 std::size_t c0, std::size_t c1) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef LINA_EMULATE_X86
   static bool const avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2) {
     fma_chains_avx2(u, u_step, w, w_step, acc, k0, k1, c0, c1);
