@@ -12,6 +12,7 @@
 // and review the diff.
 #include "cuda_support.hpp"
 #include <lina/cuda/tiles.cuh>
+#include <regex>
 
 TEST_CASE("numeric: fp16 and bf16 conversions round to nearest even") {
   using namespace lina::cuda;
@@ -413,6 +414,70 @@ TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp: forward, backward, s
       if (t.tile_m == 0 && t.groups > 0)
         for (auto const& p : cuda::split_backward_programs_of(spec)) check_compiles(p);
     }
+  }
+}
+
+namespace {
+// The instructions tiles.cuh writes inline (its asm statements: mma.sync,
+// ldmatrix, conversions, ex2, prefetch), by name: the first word of each
+// statement, declarations (.reg) left out.
+std::set<std::string> inline_ptx_instructions(std::string_view header) {
+  static std::regex const statement_text(R"re(asm\s*(?:volatile\s*)?\(\s*"([^"]*)")re");
+  std::set<std::string> names;
+  std::string const text(header);
+  for (auto m = std::sregex_iterator(text.begin(), text.end(), statement_text); m != std::sregex_iterator(); ++m) {
+    std::string body = (*m)[1];
+    for (char& c : body)
+      if (c == '{' || c == '}') c = ' ';
+    std::stringstream statements(body);
+    for (std::string statement; std::getline(statements, statement, ';');) {
+      std::stringstream words(statement);
+      std::string first;
+      if (words >> first && first != ".reg") names.insert(first);
+    }
+  }
+  return names;
+}
+}  // namespace
+
+// check_compiles assembles every kernel for sm_90 and takes sm_80 to PTX; the
+// assembler's sm_80 run is here: kernels that together write every instruction
+// of the tile vocabulary's inline PTX (checked on their PTX, so an instruction
+// added to tiles.cuh that none of them writes fails this test) compile to
+// sm_80 cubins with an empty log.
+TEST_CASE("every inline PTX instruction of the tile vocabulary assembles for sm_80") {
+  std::set<std::string> const wanted = inline_ptx_instructions(cuda::tiles_header());
+  CAPTURE(wanted.size());
+  REQUIRE(wanted.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 1);  // (the parser finds them)
+  REQUIRE(wanted.count("cvta.to.shared.u64") == 1);
+  std::vector<cuda::program> programs;
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
+    cuda::attention_spec s;
+    s.map_q = s.map_k = cuda::feature_map::elu_plus_one;
+    s.d = s.m = 64;
+    s.in = s.out = dt;
+    programs.push_back(cuda::program_of(s));
+    programs.push_back(cuda::backward_program_of(s));
+    s.tiles = {64, 64, true};  // prefetching
+    programs.push_back(cuda::program_of(s));
+    s.tiles = {};
+    s.softmax = true, s.scale = 0.125, s.map_q = s.map_k = cuda::feature_map::identity;
+    programs.push_back(cuda::program_of(s));
+  }
+  std::string ptx;
+  for (cuda::program const& p : programs) {
+    CAPTURE(p.kernel_name);
+    std::string const src = cuda::emit(p);
+    cuda::compiled_kernel text, cubin;
+    REQUIRE_NOTHROW(text = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, p.kernel_name, "compute_80", {"--Ofast-compile=max"}));
+    ptx.append(text.image.begin(), text.image.end());
+    REQUIRE_NOTHROW(cubin = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, p.kernel_name, "sm_80", {"--Ofast-compile=max"}));
+    CHECK(cubin.log == "");
+    CHECK(!cubin.image.empty());
+  }
+  for (std::string const& instruction : wanted) {
+    CAPTURE(instruction);
+    CHECK(ptx.find(instruction) != std::string::npos);
   }
 }
 

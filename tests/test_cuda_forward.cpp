@@ -2,8 +2,8 @@
 // runs in the host emulation and agrees with the CPU backend and with the
 // expression evaluated as written (in double), for every map, softmax,
 // parametric maps, cross-attention, stacked layers and strided layouts; the
-// kernels the tests generate compile with NVRTC for sm_80 and sm_90 with an
-// empty log.
+// kernels the tests generate compile with NVRTC (sm_90 cubins, compute_80 PTX)
+// with an empty log.
 #include "cuda_support.hpp"
 
 TEST_CASE("emulated causal forward = CPU backend = as written") {
