@@ -313,6 +313,19 @@ std::string unguarded_hazard(cuda::program const& p, std::string const& src) {
 // Through an on-disk cache in the build folder that the test processes share
 // (ctest runs each test case alone, and many compile the same kernels: a
 // fifth of the suite's NVRTC time); a kernel read back carries its log.
+// One NVRTC compile (through the cache) that must succeed with an empty log and an image.
+cuda::compiled_kernel check_compile(std::string const& src, std::string const& kernel, std::string const& arch,
+                                    std::vector<std::string> const& options) {
+  CAPTURE(arch);
+  CAPTURE(options.size());
+  CAPTURE(kernel);
+  cuda::compiled_kernel k;
+  REQUIRE_NOTHROW(k = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, kernel, arch, options));
+  CHECK(k.log == "");
+  CHECK(!k.image.empty());
+  return k;
+}
+
 void check_compiles(cuda::program const& p, bool as_launched = false) {
   static std::set<std::pair<std::string, bool>> done;
   std::string src = cuda::emit(p);
@@ -325,15 +338,7 @@ void check_compiles(cuda::program const& p, bool as_launched = false) {
   };
   std::vector<target> targets = {{"compute_80", {"--Ofast-compile=max"}}, {"sm_90", {"--Ofast-compile=max"}}};
   if (as_launched) targets.push_back({"sm_90", {}});
-  for (target const& t : targets) {
-    CAPTURE(t.arch);
-    CAPTURE(t.options.size());
-    CAPTURE(p.kernel_name);
-    cuda::compiled_kernel k;
-    REQUIRE_NOTHROW(k = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, p.kernel_name, t.arch, t.options));
-    CHECK(k.log == "");
-    CHECK(!k.image.empty());
-  }
+  for (target const& t : targets) check_compile(src, p.kernel_name, t.arch, t.options);
 }
 
 struct shape {
