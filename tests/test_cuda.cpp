@@ -440,12 +440,12 @@ std::set<std::string> inline_ptx_instructions(std::string_view header) {
 }
 }  // namespace
 
-// check_compiles assembles every kernel for sm_90 and takes sm_80 to PTX; the
-// assembler's sm_80 run is here: kernels that together write every instruction
-// of the tile vocabulary's inline PTX (checked on their PTX, so an instruction
+// check_compiles takes every kernel to PTX for sm_80 and sm_90; the
+// assembler's runs are here: kernels that together write every instruction of
+// the tile vocabulary's inline PTX (checked on their PTX, so an instruction
 // added to tiles.cuh that none of them writes fails this test) compile to
-// sm_80 cubins with an empty log.
-TEST_CASE("every inline PTX instruction of the tile vocabulary assembles for sm_80") {
+// sm_80 and sm_90 cubins with an empty log.
+TEST_CASE("every inline PTX instruction of the tile vocabulary assembles for sm_80 and sm_90") {
   std::set<std::string> const wanted = inline_ptx_instructions(cuda::tiles_header());
   CAPTURE(wanted.size());
   REQUIRE(wanted.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 1);  // (the parser finds them)
@@ -470,7 +470,7 @@ TEST_CASE("every inline PTX instruction of the tile vocabulary assembles for sm_
     std::string const src = cuda::emit(p);
     cuda::compiled_kernel const text = check_compile(src, p.kernel_name, "compute_80", {"--Ofast-compile=max"});
     ptx.append(text.image.begin(), text.image.end());
-    check_compile(src, p.kernel_name, "sm_80", {"--Ofast-compile=max"});
+    for (char const* arch : {"sm_80", "sm_90"}) check_compile(src, p.kernel_name, arch, {"--Ofast-compile=max"});
   }
   for (std::string const& instruction : wanted) {
     CAPTURE(instruction);
