@@ -272,6 +272,18 @@ auto make_gradients(backward_plan<F, E...> const*) -> gradients<Tensor, typename
 template <class Tensor, class BP>
 using gradients_of = decltype(detail::make_gradients<Tensor>(static_cast<BP const*>(nullptr)));
 
+// The same type from a forward plan's inputs alone (gradient(plan) has an
+// entry per input of inputs_of<P>, in that order), without deriving the
+// backward plan: for a backend whose backward does not run the derived plan
+// (CUDA's comes from the plan's spec), the derivation would be compile time
+// spent on a type.
+namespace detail {
+template <class Tensor, class... In>
+auto make_gradients(type_list<In...> const*) -> gradients<Tensor, In...>;
+}  // namespace detail
+template <class Tensor, class P>
+using gradients_for = decltype(detail::make_gradients<Tensor>(static_cast<inputs_of<P> const*>(nullptr)));
+
 // A backward plan as one plan: bundle(forward, ∂In…). Its schedule computes
 // every gradient, sharing what they have in common (the recomputed forward
 // pass, rowdiv′, φ(Q), …); the forward plan rides along as the first kid so

@@ -1382,8 +1382,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
   constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
-  using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
-  gradients_of<lina::tensor<float>, BP> g;
+  gradients_for<lina::tensor<float>, Plan> g;
   if constexpr (F::ok && F::stacked && !chained) {
     layers_backward(
         plan, g, dout, [&](auto const& layer, auto const&... b) { return emulate(layer, opt, b...); },
@@ -1528,8 +1527,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
   using Bound = decltype(in);
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using T = std::remove_const_t<typename Bound::value_type>;
-  using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
-  gradients_of<tensor<T>, BP> g;
+  gradients_for<tensor<T>, Plan> g;
   if constexpr (F::ok && F::stacked && !chained && is_device_view<typename Bound::view_type>) {
     layers_backward(
         plan, g, dout, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, tiles, b...); },
