@@ -105,6 +105,19 @@ static_assert(backward_is_constant_state<decltype(gradient(compile<order::linear
 static_assert(backward_is_constant_state<decltype(gradient(compile<order::linear>(causal_plain<identity>))), N_t>());
 static_assert(!backward_is_constant_state<decltype(gradient(compile<order::quadratic>(causal_attn<elu_plus_one>))), N_t>());
 
+// gradients_for<T, Plan> (what the CUDA backend returns, from the plan's inputs
+// alone) is the type the derived backward plan's gradients have: one entry per
+// input, in inputs_of order — with a run-time select, an input read twice,
+// and stacked layers.
+template <class P>
+constexpr bool same_gradient_type =
+    std::is_same_v<gradients_for<tensor<float>, P>, gradients_of<tensor<float>, decltype(gradient(P{}))>>;
+static_assert(same_gradient_type<decltype(compile(causal_attn<elu_plus_one>))>);
+static_assert(same_gradient_type<decltype(compile<order::linear>(full_plain<relu>))>);
+static_assert(same_gradient_type<decltype(compile(normalize(causal(phi<relu>(Q) * transpose(phi<relu>(Q)))) * V))>);
+static_assert(same_gradient_type<decltype(compile(
+                  normalize(causal(phi<relu>(Q) * transpose(phi<relu>(K)))) * causal_attn<elu_plus_one>))>);
+
 TEST_CASE("dout must have the output's shape") {
   auto q = tensor<float>::random({1, 2, 10, 4}, 1), v = tensor<float>::random({1, 2, 10, 3}, 2);
   auto bad_rows = tensor<float>::random({1, 2, 9, 3}, 3), bad_cols = tensor<float>::random({1, 2, 10, 4}, 4);
