@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 #include <cmath>
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -309,8 +310,9 @@ std::string unguarded_hazard(cuda::program const& p, std::string const& src) {
 // an instruction: tiles.cuh writes every architecture-specific one inline, and
 // test_cuda.cpp assembles each of them for sm_80 and sm_90 ("every inline PTX
 // instruction …"). With `as_launched`, sm_90 also takes the options a launch
-// uses, to a cubin with optimisation: the golden kernels and the ones
-// scripts/gpu-check's benchmark launches.
+// uses, to a cubin with optimisation and ptxas's report of its registers and
+// local memory (below): the golden kernels and the ones scripts/gpu-check's
+// benchmark launches.
 // Through an on-disk cache in the build folder that the test processes share
 // (ctest runs each test case alone, and many compile the same kernels: a
 // fifth of the suite's NVRTC time); a kernel read back carries its log.
@@ -327,6 +329,43 @@ cuda::compiled_kernel check_compile(std::string const& src, std::string const& k
   return k;
 }
 
+// What ptxas reports for a kernel (NVRTC's --ptxas-options=-v): its registers
+// per thread, stack frame and spills; `other` collects any line that is not such
+// a report (a warning), which must be empty like a quiet compile's log.
+struct ptxas_report {
+  int registers = -1;
+  long stack = -1, spill_stores = -1, spill_loads = -1;
+  std::string other;
+};
+ptxas_report read_ptxas_report(std::string const& log) {
+  ptxas_report r;
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    if (line.rfind("ptxas info    : ", 0) == 0 || line.rfind("ptxas         . ", 0) == 0) {
+      std::sscanf(line.c_str(), "ptxas info : Used %d registers", &r.registers);
+      std::sscanf(line.c_str(), "ptxas . %ld bytes stack frame, %ld bytes spill stores, %ld bytes spill loads", &r.stack,
+                  &r.spill_stores, &r.spill_loads);
+    } else {
+      r.other += line + "\n";
+    }
+  }
+  return r;
+}
+
+// Blocks of a program that fit on one sm_90 SM at once: by shared memory (228 KiB an SM,
+// 1 KiB of it per block), by registers (64 Ki an SM, allocated per warp in units of 256)
+// and by threads (2048).
+struct occupancy {
+  int by_shared, by_registers, by_threads;
+  int blocks() const { return std::min({by_shared, by_registers, by_threads}); }
+};
+occupancy sm90_occupancy(cuda::program const& p, int registers) {
+  int const warps = (p.tiles.threads + 31) / 32;
+  int const per_warp = (registers * 32 + 255) / 256 * 256;
+  return {static_cast<int>((228 * 1024) / (p.shared_bytes() + 1024)), 65536 / per_warp / warps, 2048 / p.tiles.threads};
+}
+
 void check_compiles(cuda::program const& p, bool as_launched = false) {
   static std::set<std::pair<std::string, bool>> done;
   std::string src = cuda::emit(p);
@@ -338,8 +377,31 @@ void check_compiles(cuda::program const& p, bool as_launched = false) {
     std::vector<std::string> options;
   };
   std::vector<target> targets = {{"compute_80", {"--Ofast-compile=max"}}, {"compute_90", {"--Ofast-compile=max"}}};
-  if (as_launched) targets.push_back({"sm_90", {}});
   for (target const& t : targets) check_compile(src, p.kernel_name, t.arch, t.options);
+  if (!as_launched) return;
+  // Optimised for sm_90 as a launch compiles it, with ptxas's report: what a kernel
+  // keeps in local memory stays a few scalars. A tile of accumulators or fragments
+  // that no longer fits in registers spills hundreds of bytes, each a round trip
+  // through L1 inside the products' loops; the kernels that spill today keep 2 to 7
+  // scalars there (8–28 bytes: the chained kernel's input bases, reloaded once per
+  // chunk; the split backward's third launch, in the loop that adds later groups'
+  // sums; softmax's forward at D = 128, six reloads a chunk of 2689 instructions —
+  // read in their sm_90 SASS with cuobjdump, 2026-12-03).
+  cuda::compiled_kernel k;
+  REQUIRE_NOTHROW(k = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, p.kernel_name, "sm_90", {"--ptxas-options=-v"}));
+  CHECK(!k.image.empty());
+  ptxas_report const r = read_ptxas_report(k.log);
+  CAPTURE(k.log);
+  CHECK(r.other == "");
+  CHECK(r.registers > 0);
+  CHECK(r.stack >= 0);  // (the report was read)
+  CHECK(r.stack <= 32);
+  CHECK(r.spill_stores <= 32);
+  CHECK(r.spill_loads <= 32);
+  occupancy const o = sm90_occupancy(p, r.registers);
+  MESSAGE(p.kernel_name << ": " << r.registers << " registers, " << p.tiles.threads << " threads, " << p.shared_bytes()
+                        << " bytes shared; blocks per SM " << o.blocks() << " (shared memory " << o.by_shared
+                        << ", registers " << o.by_registers << ", threads " << o.by_threads << ")");
 }
 
 struct shape {

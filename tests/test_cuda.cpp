@@ -385,6 +385,9 @@ TEST_CASE("the benchmark's kernels (bench/cuda_forward.cpp: forward, backward, s
     check_compiles(chained_program(plan, bf16, d, d), launched);
     auto spec = cuda::spec_of(plan, bf16);
     spec.d = spec.m = d;
+    auto const split_forward = cuda::split_programs_of(spec);  // (B·H below the SMs: B2 T16384 H16 D128)
+    check_compiles(split_forward.partials, launched);
+    check_compiles(split_forward.scan, launched);
     auto backward = cuda::backward_program_of(spec);  // its backward rows
     CHECK(backward.shared_bytes() <= cuda::shared_memory_budget);
     check_compiles(backward, launched);
