@@ -383,10 +383,11 @@ void check_compiles(cuda::program const& p, bool as_launched = false) {
   // keeps in local memory stays a few scalars. A tile of accumulators or fragments
   // that no longer fits in registers spills hundreds of bytes, each a round trip
   // through L1 inside the products' loops; the kernels that spill today keep 2 to 7
-  // scalars there (8–28 bytes: the chained kernel's input bases, reloaded once per
-  // chunk; the split backward's third launch, in the loop that adds later groups'
-  // sums; softmax's forward at D = 128, six reloads a chunk of 2689 instructions —
-  // read in their sm_90 SASS with cuobjdump, 2026-12-03).
+  // scalars there (8–28 bytes: offsets and predicates from the thread's index,
+  // computed once and reloaded a few times a chunk — six loads in a chunk of 2689
+  // instructions in softmax's forward at D = 128 — and, in the split backward's third
+  // launch, in the loop that adds later groups' sums; read in their sm_90 SASS with
+  // cuobjdump, 2026-12-03).
   cuda::compiled_kernel k;
   REQUIRE_NOTHROW(k = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, p.kernel_name, "sm_90", {"--ptxas-options=-v"}));
   CHECK(!k.image.empty());
