@@ -1,7 +1,8 @@
 // Peak extra memory and time of the derived backward against N: the linear
 // plan (prefix/suffix scans) and the quadratic plan (N x N), causal elu+1
 // attention, B = 1, H = 2, D = M = 64, float. Extra memory is what the CPU
-// backend allocates beyond inputs, dout and gradients (cpu::memory().peak).
+// backend allocates beyond inputs, dout and gradients (cpu::memory().peak),
+// including the workspace it keeps for the next call.
 //
 //   backward [--max-n 65536] [--quadratic-max-n 4096]
 #include <fmt/core.h>
@@ -49,6 +50,10 @@ result measure(Plan const& plan, std::size_t n) {
     return b;
   };
   double fwd = best([&] { auto o = cpu::evaluate(plan, Q = q, K = k, V = v); });
+  // Finished calls keep their workspaces for the next ones, and those count as
+  // live memory: without this, the peak would include what the forward and the
+  // previous lengths (the quadratic plan's N x N matrices) left cached.
+  cpu::release_cached_memory();
   cpu::memory().reset();
   double bwd = best([&] { auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v); });
   return {fwd, bwd, cpu::memory().peak.load()};

@@ -57,7 +57,7 @@ TEST_CASE("the slices of one call reuse their thread's memory") {
     auto q = tensor<float>::random({1, heads, n, 16}, 1), k = tensor<float>::random({1, heads, n, 16}, 2);
     auto v = tensor<float>::random({1, heads, n, 8}, 3), dout = tensor<float>::random({1, heads, n, 8}, 4);
     cpu::release_cached_memory();  // count this call's memory, not what earlier calls keep
-  cpu::memory().reset();
+    cpu::memory().reset();
     auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v);
     return cpu::memory().allocations.load();
   };
