@@ -354,8 +354,8 @@ ptxas_report read_ptxas_report(std::string const& log) {
 }
 
 // Blocks of a program that fit on one sm_90 SM at once: by shared memory (228 KiB an SM,
-// 1 KiB of it per block), by registers (64 Ki an SM, allocated per warp in units of 256)
-// and by threads (2048).
+// 1 KiB more per block: program.hpp), by registers (64 Ki an SM, allocated per warp in
+// units of 256) and by threads (2048).
 struct occupancy {
   int by_shared, by_registers, by_threads;
   int blocks() const { return std::min({by_shared, by_registers, by_threads}); }
@@ -363,7 +363,8 @@ struct occupancy {
 occupancy sm90_occupancy(cuda::program const& p, int registers) {
   int const warps = (p.tiles.threads + 31) / 32;
   int const per_warp = (registers * 32 + 255) / 256 * 256;
-  return {static_cast<int>((228 * 1024) / (p.shared_bytes() + 1024)), 65536 / per_warp / warps, 2048 / p.tiles.threads};
+  return {static_cast<int>(cuda::sm90_shared_bytes_per_sm / (p.shared_bytes() + cuda::shared_bytes_reserved_per_block)),
+          65536 / per_warp / warps, 2048 / p.tiles.threads};
 }
 
 void check_compiles(cuda::program const& p, bool as_launched = false) {

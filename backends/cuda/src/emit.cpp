@@ -507,11 +507,11 @@ struct emitter {
     line(0, "");
     // A decoding step is latency-bound (a token per block: the state read and
     // written once), and resident blocks are its loads in flight: it asks
-    // ptxas for three per SM where its shared memory allows them (sm_90: 228 KB
-    // an SM, 1 KB of it per block). At D = 128: 79 registers and no spills;
-    // unbounded it took 112 (two blocks); four would spill.
-    constexpr std::size_t sm_shared_bytes = 228 * 1024, block_reserved_bytes = 1024;
-    bool const three = p.spec.step && 3 * (p.shared_bytes() + block_reserved_bytes) <= sm_shared_bytes;
+    // ptxas for three per SM where its shared memory allows them (sm_90's per
+    // SM, less each block's reserve: program.hpp). At D = 128: 79 registers and
+    // no spills; unbounded it took 112 (two blocks); four would spill.
+    bool const three =
+        p.spec.step && 3 * (p.shared_bytes() + shared_bytes_reserved_per_block) <= sm90_shared_bytes_per_sm;
     line(0, "extern \"C\" __global__ void __launch_bounds__({}{}) {}(const tl::forward_args args) {{", p.tiles.threads,
          three ? ", 3" : "", p.kernel_name);
     line(2, "extern __shared__ __align__(16) unsigned char shared[];");

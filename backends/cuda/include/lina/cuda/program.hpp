@@ -298,6 +298,10 @@ struct tile_config {
 // The most dynamic shared memory a block may use: sm_80 allows 163 KiB per
 // block (sm_90: 227 KiB); 160 KiB fits both targets.
 inline constexpr std::size_t shared_memory_budget = 160 * 1024;
+// What an sm_90 SM holds for all its blocks: 228 KiB of shared memory, of which
+// each resident block also takes 1 KiB for itself (what decides how many blocks
+// share an SM, with their registers).
+inline constexpr std::size_t sm90_shared_bytes_per_sm = 228 * 1024, shared_bytes_reserved_per_block = 1024;
 
 // T = 64 when the tiles fit, else 32, then 16 (always 16 for a step spec: a
 // decode step reads one row, and a short chunk leaves more shared memory to
