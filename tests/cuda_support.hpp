@@ -316,19 +316,6 @@ std::string unguarded_hazard(cuda::program const& p, std::string const& src) {
 // Through an on-disk cache in the build folder that the test processes share
 // (ctest runs each test case alone, and many compile the same kernels: a
 // fifth of the suite's NVRTC time); a kernel read back carries its log.
-// One NVRTC compile (through the cache) that must succeed with an empty log and an image.
-cuda::compiled_kernel check_compile(std::string const& src, std::string const& kernel, std::string const& arch,
-                                    std::vector<std::string> const& options) {
-  CAPTURE(arch);
-  CAPTURE(options.size());
-  CAPTURE(kernel);
-  cuda::compiled_kernel k;
-  REQUIRE_NOTHROW(k = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, kernel, arch, options));
-  CHECK(k.log == "");
-  CHECK(!k.image.empty());
-  return k;
-}
-
 // What ptxas reports for a kernel (NVRTC's --ptxas-options=-v): its registers
 // per thread, stack frame and spills; `other` collects any line that is not such
 // a report (a warning), which must be empty like a quiet compile's log.
@@ -351,6 +338,24 @@ ptxas_report read_ptxas_report(std::string const& log) {
     }
   }
   return r;
+}
+
+// The option that asks ptxas for its report (read_ptxas_report).
+inline std::string const ptxas_report_option = "--ptxas-options=-v";
+
+// One NVRTC compile (through the cache) that must succeed with an image and an
+// empty log — apart from ptxas's report where the options ask for it.
+cuda::compiled_kernel check_compile(std::string const& src, std::string const& kernel, std::string const& arch,
+                                    std::vector<std::string> const& options) {
+  CAPTURE(arch);
+  CAPTURE(options.size());
+  CAPTURE(kernel);
+  cuda::compiled_kernel k;
+  REQUIRE_NOTHROW(k = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, kernel, arch, options));
+  bool const reported = std::find(options.begin(), options.end(), ptxas_report_option) != options.end();
+  CHECK((reported ? read_ptxas_report(k.log).other : k.log) == "");
+  CHECK(!k.image.empty());
+  return k;
 }
 
 // Blocks of a program that fit on one sm_90 SM at once: by shared memory (228 KiB an SM,
@@ -389,12 +394,9 @@ void check_compiles(cuda::program const& p, bool as_launched = false) {
   // instructions in softmax's forward at D = 128 — and, in the split backward's third
   // launch, in the loop that adds later groups' sums; read in their sm_90 SASS with
   // cuobjdump, 2026-12-03).
-  cuda::compiled_kernel k;
-  REQUIRE_NOTHROW(k = cuda::compile_cached_in(LINA_TEST_NVRTC_CACHE, src, p.kernel_name, "sm_90", {"--ptxas-options=-v"}));
-  CHECK(!k.image.empty());
+  cuda::compiled_kernel const k = check_compile(src, p.kernel_name, "sm_90", {ptxas_report_option});
   ptxas_report const r = read_ptxas_report(k.log);
   CAPTURE(k.log);
-  CHECK(r.other == "");
   CHECK(r.registers > 0);
   CHECK(r.stack >= 0);  // (the report was read)
   CHECK(r.stack <= 32);

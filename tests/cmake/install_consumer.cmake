@@ -6,9 +6,10 @@
 # CUDA Toolkit (CMake told the package is absent), installs that, and checks that
 # the consumer builds and runs with the CPU backend alone.
 file(REMOVE_RECURSE ${WORK_DIR})
-set(ENV{LINA_CUDA_CACHE} ${BUILD_DIR}/tests/nvrtc-cache)  # (the CUDA consumer's generator: not the user's cache)
 set(prefix ${WORK_DIR}/prefix)
-if(CPU_ONLY)
+if(NOT CPU_ONLY)
+  set(ENV{LINA_CUDA_CACHE} ${BUILD_DIR}/tests/nvrtc-cache)  # (the CUDA consumer's generator: not the user's cache)
+else()
   set(BUILD_DIR ${WORK_DIR}/lina)
   execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${BUILD_DIR} -DCMAKE_CXX_COMPILER=${CXX}
                           -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON -DLINA_BUILD_EXAMPLES=OFF -DLINA_BUILD_TESTS=OFF
