@@ -87,11 +87,17 @@ class state_info {
   // backend then makes their storage, zeroed).
   template <class L, class Bound>
   bool prepare(L const& plan, Bound const& in) {
-    if (unbound()) *this = state_info(plan, in.batch, in.heads);
+    return prepare(plan, in, in.batch, "B (batch)");
+  }
+  // The same for `count` sequences of these bindings, named `count_label` in
+  // errors (packed sequences: one state row per sequence, lina/sequences.hpp).
+  template <class L, class Bound>
+  bool prepare(L const& plan, Bound const& in, std::size_t count, char const* count_label) {
+    if (unbound()) *this = state_info(plan, count, in.heads);
     if (!belongs_to(typeid(L)))
       throw state_error("this state belongs to the plan " + plan_text_ + ", not to " + to_string(plan));
     std::string first(detail::front_t<typename Bound::inputs>::name.view());
-    if (in.batch != batch_) throw shape_error(first, "B (batch)", in.batch, batch_, "of the state");
+    if (count != batch_) throw shape_error(first, count_label, count, batch_, "of the state");
     if (in.heads != heads_) throw shape_error(first, "H (heads)", in.heads, heads_, "of the state");
 
     // The scanned (sequence) dimension may change between evaluations; no other may.

@@ -7,6 +7,7 @@
 #include "lina/cpu/gradient.hpp"
 #include "lina/cpu/kernels.hpp"
 #include "lina/cpu/matrix.hpp"
+#include "lina/cpu/packed.hpp"
 #include "lina/cpu/path.hpp"
 #include "lina/cpu/recurrent.hpp"
 #include "lina/cpu/state.hpp"

@@ -355,6 +355,9 @@ inline int sequence_parts(index rows) {
 inline constexpr std::size_t parallel_min_elements = std::size_t(1) << 15;
 template <class Bound, class T>
 bool worth_threads(Bound const& in, state<T> const* st) {
+#ifdef _OPENMP
+  if (omp_in_parallel()) return false;  // the caller's threads share the work (packed sequences)
+#endif
   std::size_t elements = st ? st->elements() : 0;
   for (auto const& v : in.views) elements += v.shape()[0] * v.shape()[1] * v.shape()[2] * v.shape()[3];
   return in.batch * in.heads > 1 && elements >= parallel_min_elements;

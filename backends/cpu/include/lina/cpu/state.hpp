@@ -33,7 +33,12 @@ class state : public state_info {
   // first), then the running sums of scan k for slice (b, h).
   template <class L, class Bound>
   void prepare(L const& plan, Bound const& in) {
-    if (!state_info::prepare(plan, in)) return;
+    prepare(plan, in, in.batch, "B (batch)");
+  }
+  // For `count` sequences of these bindings (packed sequences: one per sequence).
+  template <class L, class Bound>
+  void prepare(L const& plan, Bound const& in, std::size_t count, char const* count_label) {
+    if (!state_info::prepare(plan, in, count, count_label)) return;
     sums_.assign(scans(), {});
     for (std::size_t k = 0; k < scans(); ++k) sums_[k].assign(batch() * heads() * scan(k).a * scan(k).b, T(0));
   }
