@@ -1,7 +1,7 @@
 // The CUDA backend's forward kernels for attention built of several parts,
 // without a GPU: cross-attention (K and V over another sequence than Q),
-// stacked layers (one kernel per layer) and strided layouts read and written
-// in place, through the host emulation against the CPU backend and the
+// stacked layers (one kernel per layer), strided layouts read and written
+// in place and packed sequences of different lengths, through the host emulation against the CPU backend and the
 // expression as written.
 #include "cuda_support.hpp"
 
@@ -228,4 +228,129 @@ TEST_CASE("emulation reads and writes strided layouts in place: [B,N,H,D] = [B,H
   }
   tensor<float> wrong({b, h, n, m + 1});
   CHECK_THROWS_AS(cuda::emulate_into(plan, {}, wrong.view(), Q = q, K = k, V = v), shape_error);
+}
+
+// Packed sequences (lina/sequences.hpp): sequences of different lengths end
+// to end in one batch row, each evaluated as a batch of one. The packed
+// emulation, forward and backward, must equal each sequence copied out and
+// emulated alone, bit for bit, and the CPU backend's packed evaluation to the
+// dtype's tolerance; for
+// causal, non-causal, softmax, a stack and a cross-attention (Q packed, K and V
+// over S read whole by every sequence), with sequences of 0 and 1 rows.
+namespace {
+template <class X>
+tensor<float> sequence_rows(X const& x, sequences const& seqs, std::size_t s) {
+  auto v = view_of(x);
+  tensor<float> t({1, v.shape()[1], seqs.length(s), v.shape()[3]});
+  for (std::size_t h = 0; h < v.shape()[1]; ++h)
+    for (std::size_t n = 0; n < seqs.length(s); ++n)
+      for (std::size_t c = 0; c < v.shape()[3]; ++c) t(0, h, n, c) = v(0, h, seqs.begin(s) + n, c);
+  return t;
+}
+// (cross: K and V have `keys` rows of their own, bound whole.)
+template <class Expr>
+void check_packed_emulation(Expr const& expr, std::uint64_t seed, bool cross = false) {
+  auto const plan = plan_of(expr);
+  test::rng r{seed};
+  auto const seqs = sequences::from_lengths({70, 0, 1, 129, 5});
+  std::size_t const h = 2, d = r.in(1, 40), m = r.in(1, 40), keys = cross ? 33 : seqs.total();
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt)); CAPTURE(d); CAPTURE(m);
+    auto one = [&](std::size_t rows, std::size_t cols) { return rounded(tensor<float>::random({1, h, rows, cols}, r.next()), dt); };
+    auto q = one(seqs.total(), d), k = one(keys, d), v = one(keys, m);
+    cuda::options const opt{dt, dt, true};
+    auto got = cuda::emulate(plan, opt, seqs, Q = q, K = k, V = v);
+    CHECK(relative_rms(got, cpu::evaluate(expr, seqs, Q = widened(q), K = widened(k), V = widened(v))) <= tolerance(dt));
+    for (std::size_t s = 0; s < seqs.count(); ++s) {
+      CAPTURE(s);
+      auto alone = cross ? cuda::emulate(plan, opt, Q = sequence_rows(q, seqs, s), K = k, V = v)
+                         : cuda::emulate(plan, opt, Q = sequence_rows(q, seqs, s), K = sequence_rows(k, seqs, s),
+                                         V = sequence_rows(v, seqs, s));
+      CHECK(max_abs_diff(sequence_rows(got, seqs, s), alone) == 0);
+    }
+    // The backward: each sequence's gradients in its rows; K and V of a
+    // cross-attention (read whole by every sequence) get the sum of the
+    // sequences' shares, added in sequence order as here.
+    auto dout = one(seqs.total(), m);
+    auto g = cuda::emulate_gradient(plan, opt, dout, seqs, Q = q, K = k, V = v);
+    auto want = cpu::gradient(expr, widened(dout), seqs, Q = widened(q), K = widened(k), V = widened(v));
+    auto sums = g;
+    for (auto& x : sums.all()) x = tensor<float>(x.shape());
+    for (std::size_t s = 0; s < seqs.count(); ++s) {
+      CAPTURE(s);
+      auto ds = sequence_rows(dout, seqs, s), qs = sequence_rows(q, seqs, s);
+      auto gs = cross ? cuda::emulate_gradient(plan, opt, ds, Q = qs, K = k, V = v)
+                      : cuda::emulate_gradient(plan, opt, ds, Q = qs, K = sequence_rows(k, seqs, s), V = sequence_rows(v, seqs, s));
+      for (std::size_t i = 0; i < g.all().size(); ++i) {
+        if (g.all()[i].shape()[2] == seqs.total()) {
+          CHECK(max_abs_diff(sequence_rows(g.all()[i], seqs, s), gs.all()[i]) == 0);
+        } else {
+          for (std::size_t e = 0; e < gs.all()[i].size(); ++e) sums.all()[i].data()[e] += gs.all()[i].data()[e];
+        }
+      }
+    }
+    for (std::size_t i = 0; i < g.all().size(); ++i) {
+      CHECK(relative_rms(g.all()[i], as_float(want.all()[i])) <= tolerance(dt));
+      if (g.all()[i].shape()[2] != seqs.total()) CHECK(max_abs_diff(g.all()[i], sums.all()[i]) == 0);
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("packed sequences: each emulates as it would alone, and as the CPU backend's packed evaluation") {
+  check_packed_emulation(causal_expr, 81);
+  check_packed_emulation(full_expr, 82);
+  check_packed_emulation(softmax_expr, 83);
+  check_packed_emulation(phi<relu>(Q) * transpose(phi<relu>(Kx)) * Vx, 84, true);
+  // a stack: every input of both layers is cut, one launch per layer and sequence
+  constexpr auto stack = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2;
+  auto const plan = compile(stack);
+  auto const seqs = sequences::from_lengths({40, 1, 0, 90});
+  auto x = [&](std::size_t cols, std::uint64_t seed) { return tensor<float>::random({1, 2, seqs.total(), cols}, seed); };
+  auto q = x(8, 1), k = x(8, 2), v = x(8, 3), k2 = x(8, 4), v2 = x(5, 5);
+  auto got = cuda::emulate(plan, {}, seqs, Q = q, K = k, Vd = v, K2 = k2, V2 = v2);
+  CHECK(relative_rms(got, cpu::evaluate(stack, seqs, Q = widened(q), K = widened(k), Vd = widened(v), K2 = widened(k2),
+                                        V2 = widened(v2))) <= 1e-5);
+  for (std::size_t s = 0; s < seqs.count(); ++s) {
+    auto rows = [&](tensor<float> const& t) { return sequence_rows(t, seqs, s); };
+    CHECK(max_abs_diff(sequence_rows(got, seqs, s),
+                       cuda::emulate(plan, {}, Q = rows(q), K = rows(k), Vd = rows(v), K2 = rows(k2), V2 = rows(v2))) == 0);
+  }
+  // what the CPU backend refuses, this refuses too
+  tensor<float> out({1, 2, seqs.total() + 1, 5});
+  test::expect_shape_error([&] { cuda::emulate_into(plan, {}, out.view(), seqs, Q = q, K = k, Vd = v, K2 = k2, V2 = v2); },
+                           "out", "rows", seqs.total() + 1, seqs.total());
+  test::expect_shape_error([&] { (void)cuda::emulate(plan, {}, sequences::from_lengths({3}), Q = q, K = k, Vd = v, K2 = k2, V2 = v2); },
+                           "Q", "N", seqs.total(), 3);
+}
+
+// On a device: one launch per sequence, each with the schedule its length
+// gets (the 4100-row one split along N where the device has idle SMs), against
+// the packed emulation (unsplit: the same sums in another order, so to the
+// forward and gradient tolerances rather than bit for bit).
+TEST_CASE("device: packed sequences = their emulation, forward and backward") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  auto const plan = compile(causal_expr);
+  auto const seqs = sequences::from_lengths({300, 0, 1, 4100, 77});
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt));
+    auto one = [&](std::size_t cols, std::uint64_t seed) {
+      return rounded(tensor<float>::random({1, 2, seqs.total(), cols}, seed), dt);
+    };
+    auto q = one(64, 1), k = one(64, 2), v = one(48, 3);
+    auto want = cuda::emulate(plan, {dt, dt}, seqs, Q = q, K = k, V = v);
+    auto dout = one(48, 4);
+    auto want_g = cuda::emulate_gradient(plan, {dt, dt}, dout, seqs, Q = q, K = k, V = v);
+    auto go = [&]<class E>() {
+      auto dq = cuda::to_device<E>(q), dk = cuda::to_device<E>(k), dv = cuda::to_device<E>(v);
+      auto got = cuda::evaluate(plan, nullptr, seqs, Q = dq, K = dk, V = dv);
+      CHECK(relative_rms(cuda::to_host(got), want) <= forward_tolerance(dt));
+      auto g = cuda::gradient(plan, cuda::to_device<E>(dout), nullptr, seqs, Q = dq, K = dk, V = dv);
+      for (std::size_t i = 0; i < g.all().size(); ++i)
+        CHECK(relative_rms(cuda::to_host(g.all()[i]), want_g.all()[i]) <= gradient_tolerance(dt));
+    };
+    if (dt == cuda::dtype::f32) go.template operator()<float>();
+    if (dt == cuda::dtype::bf16) go.template operator()<cuda::bf16>();
+  }
 }

@@ -13,6 +13,8 @@
 //   cuda::state                                      a causal plan's running sums between
 //     emulate_into(plan, opts, out, st, Q = q, …)    evaluations (chaining blocks of a
 //     evaluate_into(plan, out, st, stream, …)        sequence), in host or device memory
+//   any of emulate, evaluate, gradient with a `sequences` before the bindings:
+//     packed sequences of different lengths (lina/sequences.hpp), one launch each
 //
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
 // live in translation units of their own that never see it.
@@ -54,6 +56,7 @@
 #include "lina/format.hpp"
 #include "lina/gradient.hpp"
 #include "lina/node.hpp"
+#include "lina/sequences.hpp"
 #include "lina/state.hpp"
 #include "lina/tensor.hpp"
 
@@ -1112,16 +1115,20 @@ operand device_operand(View const& v) {
 }
 
 // to += from on `stream` (add_program's kernel): the gradient of an input that
-// two layers of a stack share.
+// two layers of a stack share, or a packed sequence's gradient put in place.
 template <class T>
-void add_into(tensor<T>& to, tensor<T> const& from, void* stream) {
+void add_into(device_view<T> to, device_view<T const> from, void* stream) {
   shape4 const sh = to.shape();
   forward_args a;
-  a.in[0] = device_operand(from.view());
-  a.out = device_operand(to.view());
+  a.in[0] = device_operand(from);
+  a.out = device_operand(to);
   a.batch = static_cast<std::int64_t>(sh[0]), a.heads = static_cast<std::int64_t>(sh[1]);
   a.n = static_cast<std::int64_t>(sh[2]);
-  launch(add_program(dtype_of<T>, sh[3]), a, stream);
+  if (sh[3] > 0) launch(add_program(dtype_of<T>, sh[3]), a, stream);
+}
+template <class T>
+void add_into(tensor<T>& to, tensor<T> const& from, void* stream) {
+  add_into(to.view(), from.view(), stream);
 }
 
 // The launch of `plan`'s kernel on bound device inputs into `out` (shape
@@ -1271,6 +1278,74 @@ template <class Out = void, class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
   return evaluate<Out>(plan, st, stream, tile_request{}, bindings...);
+}
+
+// ---- packed sequences (lina/sequences.hpp) -----------------------------------------------
+// emulate_into(plan, opts, out, seqs, Q = q, …), emulate(plan, opts, seqs, …), and on
+// the device evaluate_into(plan, out, stream, [tiles,] seqs, …), evaluate(plan,
+// stream, [tiles,] seqs, …): sequences of different lengths laid end to end in
+// one batch row ([1, H, ΣN, D]), each evaluated as a batch of one — one launch
+// per sequence (per layer of a stack), each with the schedule its own length
+// gets (a long one split along N). Kernels that read the offsets themselves,
+// one launch for the pack, are not written yet.
+namespace detail {
+// Check a packed evaluation, then each(s, out rows of s, bindings of s...) in order.
+template <class Plan, class Out, class Each, class... B>
+void each_sequence(Out const& out, sequences const& seqs, Each const& each, B const&... bindings) {
+  using N = packed_dim<Plan>;
+  auto in = bind<Plan>(bindings...);
+  check_packed<N>(in, seqs);
+  check_result_shape<Plan>(out.shape(), in);
+  for (std::size_t s = 0; s < seqs.count(); ++s)
+    each(lina::detail::rows_of_view(out, seqs.begin(s), seqs.length(s)),
+         sequence_binding<N, inputs_of<Plan>>(bindings, seqs, s)...);
+}
+}  // namespace detail
+
+template <class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void emulate_into(Plan const& plan, options opt, tensor_view<float> out, sequences const& seqs, B const&... bindings) {
+  detail::each_sequence<Plan>(
+      out, seqs, [&](tensor_view<float> rows, auto const&... b) { emulate_into(plan, opt, rows, b...); }, bindings...);
+}
+template <class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+lina::tensor<float> emulate(Plan const& plan, options opt, sequences const& seqs, B const&... bindings) {
+  lina::tensor<float> out(result_shape<Plan>(bind<Plan>(bindings...)));
+  emulate_into(plan, opt, out.view(), seqs, bindings...);
+  return out;
+}
+template <class Plan, class O, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void evaluate_into(Plan const& plan, device_view<O> out, void* stream, tile_request tiles, sequences const& seqs,
+                   B const&... bindings) {
+  static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
+  check_tile_request(tiles);
+  detail::each_sequence<Plan>(
+      out, seqs, [&](device_view<O> rows, auto const&... b) { evaluate_into(plan, rows, stream, tiles, b...); },
+      bindings...);
+}
+template <class Plan, class O, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void evaluate_into(Plan const& plan, device_view<O> out, void* stream, sequences const& seqs, B const&... bindings) {
+  evaluate_into(plan, out, stream, tile_request{}, seqs, bindings...);
+}
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, void* stream, tile_request tiles, sequences const& seqs, B const&... bindings) {
+  check_tile_request(tiles);
+  auto in = bind<Plan>(bindings...);
+  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
+  using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
+  require_device("cuda::evaluate");
+  tensor<O> out(result_shape<Plan>(in), "cuda::evaluate");
+  evaluate_into(plan, out.view(), stream, tiles, seqs, bindings...);
+  return out;
+}
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, void* stream, sequences const& seqs, B const&... bindings) {
+  return evaluate<Out>(plan, stream, tile_request{}, seqs, bindings...);
 }
 
 // ---- gradients: the backward kernels ------------------------------------------------------
@@ -1622,6 +1697,86 @@ template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bindings) {
   return gradient(plan, dout, stream, tile_request{}, bindings...);
+}
+
+// ---- packed sequences' gradients ----
+// emulate_gradient(plan, opts, dout, seqs, Q = q, …) and gradient(plan, dout,
+// stream, [tiles,] seqs, Q = dq, …): each sequence's gradients (the backward
+// launches of a batch of one), put in place: an input cut into sequences gets
+// its rows, one every sequence reads whole (W, or K and V of a
+// cross-attention) the sum of the sequences' shares, in sequence order.
+namespace detail {
+template <class Plan, class Tensor, class... In, class Dout, class Grad, class Add, class... B>
+void packed_gradients(gradients<Tensor, In...>& g, Dout const& dout, sequences const& seqs, Grad const& grad,
+                      Add const& add, B const&... bindings) {
+  using N = packed_dim<Plan>;
+  for (std::size_t s = 0; s < seqs.count(); ++s) {
+    auto gs = grad(lina::detail::rows_of_view(view_of(dout), seqs.begin(s), seqs.length(s)),
+                   sequence_binding<N, inputs_of<Plan>>(bindings, seqs, s)...);
+    std::size_t i = 0;
+    ((add(cut_input<N, In> ? lina::detail::rows_of_view(g.all()[i].view(), seqs.begin(s), seqs.length(s))
+                           : g.all()[i].view(),
+          std::as_const(gs.all()[i]).view()),
+      ++i),
+     ...);
+  }
+}
+// g's tensors, zeroed, each shaped like its input (make(shape)).
+template <class Plan, class Tensor, class... In, class Bound, class Make>
+void packed_zeros(gradients<Tensor, In...>& g, Bound const& in, Make const& make) {
+  std::size_t i = 0;
+  ((g.all()[i++] = make(in.views[Bound::template input_index<In>()].shape())), ...);
+}
+}  // namespace detail
+
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, sequences const& seqs, B const&... bindings) {
+  auto in = bind<Plan>(bindings...);
+  check_packed<packed_dim<Plan>>(in, seqs);
+  detail::check_dout<Plan>(view_of(dout).shape(), in);
+  gradients_for<lina::tensor<float>, Plan> g;
+  detail::packed_zeros<Plan>(g, in, [](shape4 sh) { return lina::tensor<float>(sh); });
+  detail::packed_gradients<Plan>(
+      g, dout, seqs, [&](auto const& d, auto const&... b) { return emulate_gradient(plan, opt, d, b...); },
+      [](tensor_view<float> to, tensor_view<float const> from) {
+        auto const& sh = to.shape();
+        for (std::size_t b = 0; b < sh[0]; ++b)
+          for (std::size_t h = 0; h < sh[1]; ++h)
+            for (std::size_t r = 0; r < sh[2]; ++r)
+              for (std::size_t c = 0; c < sh[3]; ++c) to(b, h, r, c) += from(b, h, r, c);
+      },
+      bindings...);
+  return g;
+}
+
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, void* stream, tile_request tiles, sequences const& seqs,
+              B const&... bindings) {
+  check_tile_request(tiles);
+  auto in = bind<Plan>(bindings...);
+  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
+  using T = std::remove_const_t<typename decltype(in)::value_type>;
+  check_packed<packed_dim<Plan>>(in, seqs);
+  detail::check_dout<Plan>(view_of(dout).shape(), in);
+  char const* call = "cuda::gradient";
+  require_device(call);
+  gradients_for<tensor<T>, Plan> g;
+  detail::packed_zeros<Plan>(g, in, [&](shape4 sh) {
+    tensor<T> t(sh, call);
+    if (t.bytes() > 0) fill_zero(t.data(), t.bytes(), stream, call);
+    return t;
+  });
+  detail::packed_gradients<Plan>(
+      g, dout, seqs, [&](auto const& d, auto const&... b) { return gradient(plan, d, stream, tiles, b...); },
+      [&](device_view<T> to, device_view<T const> from) { detail::add_into(to, from, stream); }, bindings...);
+  return g;
+}
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, void* stream, sequences const& seqs, B const&... bindings) {
+  return gradient(plan, dout, stream, tile_request{}, seqs, bindings...);
 }
 // The chained form on the device (device states; see emulate_gradient).
 template <class Plan, class Dout, class... B>

@@ -30,15 +30,21 @@
 namespace lina::cpu {
 
 namespace detail {
-// f(s) for every sequence s: spread over the threads when there are at least
-// two sequences per thread and enough work to pay for starting them; else in
-// order, each call free to use the threads itself.
+// f(s) for every sequence s: spread over the threads, whole sequences,
+// longest first, when there are at least two per thread, enough work to pay
+// for starting threads, and no sequence longer than a thread's share of the
+// rows (else that one sequence would keep one thread busy while the others
+// wait: 4 sequences of 1k-16k tokens ran 10 % slower than one after another);
+// else in order, each call free to use the threads itself (over heads).
 template <class Bound, class F>
 void for_each_sequence(sequences const& seqs, Bound const& in, F const& f) {
   long const n = static_cast<long>(seqs.count());
 #ifdef _OPENMP
   long const threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  if (threads > 1 && n >= 2 * threads && worth_threads(in, static_cast<state<typename Bound::value_type> const*>(nullptr))) {
+  std::size_t longest = 0;
+  for (long s = 0; s < n; ++s) longest = std::max(longest, seqs.length(static_cast<std::size_t>(s)));
+  if (threads > 1 && n >= 2 * threads && longest * static_cast<std::size_t>(threads) <= seqs.total() &&
+      worth_threads(in, static_cast<state<typename Bound::value_type> const*>(nullptr))) {
     std::vector<std::size_t> order(static_cast<std::size_t>(n));
     std::iota(order.begin(), order.end(), std::size_t(0));
     std::stable_sort(order.begin(), order.end(),
