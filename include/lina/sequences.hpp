@@ -30,6 +30,15 @@
 
 namespace lina {
 
+namespace concepts {
+// A range of integers (std::vector<int32_t> as torch's cu_seqlens, std::vector<std::size_t>, ...).
+template <class R>
+concept integer_range = requires(R const& r) {
+  std::begin(r);
+  requires std::integral<std::remove_cvref_t<decltype(*std::begin(r))>>;
+};
+}  // namespace concepts
+
 // The offsets of S packed sequences: sequence s is rows [begin(s), begin(s) + length(s)).
 class sequences {
  public:
@@ -37,16 +46,13 @@ class sequences {
 
   // From cumulative offsets {0, N_0, N_0 + N_1, ...} (fla's cu_seqlens):
   // S + 1 of them, starting at 0, never decreasing.
-  template <class R>
-    requires requires(R const& r) {
-      std::begin(r);
-      requires std::integral<std::remove_cvref_t<decltype(*std::begin(r))>>;
-    }
+  template <concepts::integer_range R>
   static sequences from_offsets(R const& offsets) {
     sequences r;
     r.offsets_.clear();
     for (auto o : offsets) {
-      if (o < 0) throw std::invalid_argument("lina::sequences: offset " + std::to_string(r.offsets_.size()) + " is negative");
+      if constexpr (std::is_signed_v<decltype(o)>)
+        if (o < 0) throw std::invalid_argument("lina::sequences: offset " + std::to_string(r.offsets_.size()) + " is negative");
       auto u = static_cast<std::size_t>(o);
       if (r.offsets_.empty() && u != 0)
         throw std::invalid_argument("lina::sequences: the first offset must be 0, not " + std::to_string(u));
@@ -63,15 +69,12 @@ class sequences {
     return from_offsets(std::vector<std::size_t>(offsets));
   }
   // From the lengths {N_0, N_1, ...}.
-  template <class R>
-    requires requires(R const& r) {
-      std::begin(r);
-      requires std::integral<std::remove_cvref_t<decltype(*std::begin(r))>>;
-    }
+  template <concepts::integer_range R>
   static sequences from_lengths(R const& lengths) {
     sequences r;
     for (auto n : lengths) {
-      if (n < 0) throw std::invalid_argument("lina::sequences: length " + std::to_string(r.count()) + " is negative");
+      if constexpr (std::is_signed_v<decltype(n)>)
+        if (n < 0) throw std::invalid_argument("lina::sequences: length " + std::to_string(r.count()) + " is negative");
       r.offsets_.push_back(r.offsets_.back() + static_cast<std::size_t>(n));
     }
     return r;

@@ -1239,6 +1239,19 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
   evaluate_into(plan, out, st, stream, tile_request{}, bindings...);
 }
 
+namespace detail {
+// A new device tensor for the result of plan P on these device bindings, of
+// element type Out (void: the inputs'). Needs a device.
+template <class Out, class P, class... B>
+auto new_result(B const&... bindings) {
+  auto in = bind<P>(bindings...);
+  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
+  using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
+  require_device("cuda::evaluate");
+  return tensor<O>(result_shape<P>(in), "cuda::evaluate");
+}
+}  // namespace detail
+
 // evaluate(plan, stream, Q = dq, K = dk, V = dv): a new device tensor [B, H,
 // N, M] of element type Out (by default that of the inputs), written by a
 // launch on `stream` (asynchronous; to_host on the same stream waits for it).
@@ -1247,11 +1260,7 @@ template <class Out = void, class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto evaluate(Plan const& plan, void* stream, tile_request tiles, B const&... bindings) {
   check_tile_request(tiles);
-  auto in = bind<Plan>(bindings...);
-  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
-  using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
-  require_device("cuda::evaluate");
-  tensor<O> out(result_shape<Plan>(in), "cuda::evaluate");
+  auto out = detail::new_result<Out, Plan>(bindings...);
   evaluate_into(plan, out.view(), stream, tiles, bindings...);
   return out;
 }
@@ -1265,12 +1274,7 @@ template <class Out = void, class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto evaluate(Plan const& plan, state& st, void* stream, tile_request tiles, B const&... bindings) {
   check_tile_request(tiles);
-  using L = decltype(longest_branch(plan));
-  auto in = bind<L>(bindings...);
-  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
-  using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
-  require_device("cuda::evaluate");
-  tensor<O> out(result_shape<L>(in), "cuda::evaluate");
+  auto out = detail::new_result<Out, decltype(longest_branch(plan))>(bindings...);
   evaluate_into(plan, out.view(), st, stream, tiles, bindings...);
   return out;
 }
@@ -1334,11 +1338,7 @@ template <class Out = void, class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto evaluate(Plan const& plan, void* stream, tile_request tiles, sequences const& seqs, B const&... bindings) {
   check_tile_request(tiles);
-  auto in = bind<Plan>(bindings...);
-  static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
-  using O = std::conditional_t<std::is_void_v<Out>, typename decltype(in)::value_type, Out>;
-  require_device("cuda::evaluate");
-  tensor<O> out(result_shape<Plan>(in), "cuda::evaluate");
+  auto out = detail::new_result<Out, Plan>(bindings...);
   evaluate_into(plan, out.view(), stream, tiles, seqs, bindings...);
   return out;
 }
