@@ -128,6 +128,18 @@ TEST_CASE_TEMPLATE("packed sequences: chained blocks carry one state per sequenc
     auto ya = cpu::evaluate(plan, st, a, Q = qa, K = ka, V = va);
     auto yb = cpu::evaluate(plan, st, b, Q = qb, K = kb, V = vb);
     REQUIRE(st.batch() == count);
+    // Then one decoding step of every sequence from its own position: the
+    // packed prompts' state handed to a recurrent of `count` sequences.
+    auto rnn = cpu::recurrent<T>(plan, count, h);
+    rnn.set_state(st);
+    auto token = [&](std::size_t cols) { return tensor<T>::random({count, h, 1, cols}, r.next()); };
+    auto qt = token(d), kt = token(d), vt = token(m);
+    auto yt = rnn.step(Q = qt, K = kt, V = vt);
+    auto row = [](tensor<T> const& x, std::size_t s) {  // batch row s, [1, H, 1, cols]
+      tensor<T> one({1, x.shape()[1], 1, x.shape()[3]});
+      for_each_index(one.shape(), [&](std::size_t, std::size_t hh, std::size_t, std::size_t c) { one(0, hh, 0, c) = x(s, hh, 0, c); });
+      return one;
+    };
     for (std::size_t s = 0; s < count; ++s) {
       CAPTURE(s);
       cpu::state<T> alone;  // the same two blocks of sequence s, alone
@@ -142,6 +154,9 @@ TEST_CASE_TEMPLATE("packed sequences: chained blocks carry one state per sequenc
         for (std::size_t i = 0; i < sums.shape()[2]; ++i)
           for (std::size_t j = 0; j < sums.shape()[3]; ++j) diff = std::max(diff, std::abs(double(sums(0, hh, i, j)) - double(all(s, hh, i, j))));
       CHECK(diff == 0);
+      auto solo = cpu::recurrent<T>(plan, 1, h);
+      solo.set_state(std::move(alone));
+      CHECK(max_abs_diff(solo.step(Q = row(qt, s), K = row(kt, s), V = row(vt, s)), row(yt, s)) == 0);
     }
   }
 }

@@ -136,6 +136,16 @@ tensor_view<T const> view_of(tensor_view<T> const& t) {
   return t;
 }
 
+// f(b, h, n, d) for every index of a [B, H, N, D] shape, the last fastest:
+// element-wise work on views of any strides.
+template <class F>
+void for_each_index(shape4 const& s, F&& f) {
+  for (std::size_t i = 0; i < s[0]; ++i)
+    for (std::size_t j = 0; j < s[1]; ++j)
+      for (std::size_t k = 0; k < s[2]; ++k)
+        for (std::size_t l = 0; l < s[3]; ++l) f(i, j, k, l);
+}
+
 // Largest |a - b| over all elements of two tensors or views of equal shape;
 // NaN if either holds a NaN (so a NaN is never hidden by a comparison).
 template <class A, class B>
@@ -144,16 +154,13 @@ double max_abs_diff(A const& a, B const& b) {
   auto vb = view_of(b);
   if (va.shape() != vb.shape()) throw std::invalid_argument("lina::max_abs_diff: the shapes differ");
   double m = 0;
-  auto const& s = va.shape();
-  for (std::size_t i = 0; i < s[0]; ++i)
-    for (std::size_t j = 0; j < s[1]; ++j)
-      for (std::size_t k = 0; k < s[2]; ++k)
-        for (std::size_t l = 0; l < s[3]; ++l) {
-          double d = std::abs(static_cast<double>(va(i, j, k, l)) - static_cast<double>(vb(i, j, k, l)));
-          if (std::isnan(d)) return std::numeric_limits<double>::quiet_NaN();
-          m = std::max(m, d);
-        }
-  return m;
+  bool nan = false;
+  for_each_index(va.shape(), [&](auto... i) {
+    double const d = std::abs(static_cast<double>(va(i...)) - static_cast<double>(vb(i...)));
+    nan = nan || std::isnan(d);
+    m = std::max(m, d);
+  });
+  return nan ? std::numeric_limits<double>::quiet_NaN() : m;
 }
 
 // `Q = q`: a tensor bound to the input symbol Q for one evaluation. View is

@@ -169,15 +169,11 @@ void packed_backward(P const& plan, gradients<tensor_view<T>, In...>& into, D co
   for (std::size_t i = 0; i < count; ++i) {
     if (cut[i]) continue;
     auto const& out = into.all()[i];
-    auto const& sh = out.shape();
-    for (std::size_t b = 0; b < sh[0]; ++b)
-      for (std::size_t h = 0; h < sh[1]; ++h)
-        for (std::size_t r = 0; r < sh[2]; ++r)
-          for (std::size_t c = 0; c < sh[3]; ++c) {
-            T sum = 0;
-            for (auto const& one : shares) sum += one[i](b, h, r, c);
-            out(b, h, r, c) = sum;
-          }
+    for_each_index(out.shape(), [&](auto... x) {
+      T sum = 0;
+      for (auto const& one : shares) sum += one[i](x...);
+      out(x...) = sum;
+    });
   }
 }
 }  // namespace detail
