@@ -247,6 +247,21 @@ tensor<float> sequence_rows(X const& x, sequences const& seqs, std::size_t s) {
       for (std::size_t c = 0; c < v.shape()[3]; ++c) t(0, h, n, c) = v(0, h, seqs.begin(s) + n, c);
   return t;
 }
+// Counts the kernels the emulation runs (each still run by the interpreter).
+struct kernel_count {
+  static inline int runs = 0;
+  static void run(cuda::program const& p, cuda::forward_args const& a, std::int64_t) {
+    ++runs;
+    auto const self = cuda::set_kernel_runner(nullptr);
+    cuda::emulate(p, a);
+    cuda::set_kernel_runner(self);
+  }
+  kernel_count() { runs = 0, previous = cuda::set_kernel_runner(&run); }
+  ~kernel_count() { cuda::set_kernel_runner(previous); }
+  kernel_count(kernel_count const&) = delete;
+  kernel_count& operator=(kernel_count const&) = delete;
+  cuda::kernel_runner previous;
+};
 // (cross: K and V have `keys` rows of their own, bound whole.)
 template <class Expr>
 void check_packed_emulation(Expr const& expr, std::uint64_t seed, bool cross = false) {
@@ -259,7 +274,14 @@ void check_packed_emulation(Expr const& expr, std::uint64_t seed, bool cross = f
     auto one = [&](std::size_t rows, std::size_t cols) { return rounded(tensor<float>::random({1, h, rows, cols}, r.next()), dt); };
     auto q = one(seqs.total(), d), k = one(keys, d), v = one(keys, m);
     cuda::options const opt{dt, dt, true};
+    kernel_count launches;
     auto got = cuda::emulate(plan, opt, seqs, Q = q, K = k, V = v);
+    // one launch for the pack where the program is packable (a block per
+    // sequence, head and M tile); else one per sequence that has rows
+    auto spec = cuda::spec_of(plan, opt);
+    spec.d = d, spec.m = m;
+    bool const packable = cuda::packable(cuda::program_of(spec)) && !cross;
+    CHECK(launches.runs == (packable ? 1 : 4));
     CHECK(relative_rms(got, cpu::evaluate(expr, seqs, Q = widened(q), K = widened(k), V = widened(v))) <= tolerance(dt));
     for (std::size_t s = 0; s < seqs.count(); ++s) {
       CAPTURE(s);
@@ -324,9 +346,93 @@ TEST_CASE("packed sequences: each emulates as it would alone, and as the CPU bac
                            "Q", "N", seqs.total(), 3);
 }
 
-// On a device: one launch per sequence, each with the schedule its length
-// gets (the 4100-row one split along N where the device has idle SMs), against
-// the packed emulation (unsplit: the same sums in another order, so to the
+// Packed sequences through a state: one state row per sequence, two packed
+// blocks chained (chunked prefill of sequences of different lengths, some of
+// them empty in a block), then a decoding step at every sequence's own
+// position. Each sequence's rows and state row must be those of the sequence
+// chained alone, bit for bit, and the CPU backend's packed chaining to the
+// dtype's tolerance.
+namespace {
+// Batch row s of a dense tensor, [1, H, ·, ·] (a state's sums: sums_of).
+tensor<float> batch_row(tensor<float> const& all, std::size_t s) {
+  tensor<float> r({1, all.shape()[1], all.shape()[2], all.shape()[3]});
+  std::copy(all.data() + s * r.size(), all.data() + (s + 1) * r.size(), r.data());
+  return r;
+}
+}  // namespace
+
+TEST_CASE("packed sequences through a state: each chained alone, the CPU's packed chaining, then a step each") {
+  auto const plan = compile(causal_expr);
+  auto const first = sequences::from_lengths({70, 0, 1, 129, 5}), second = sequences::from_lengths({3, 40, 0, 65, 1});
+  std::size_t const count = first.count(), h = 2, d = 24, m = 17;
+  test::rng r{91};
+  // Two schedules: one launch for the pack, and (groups of rows requested)
+  // one launch per sequence, each on its state row, a long one split.
+  for (auto [dt, groups] : {std::pair{cuda::dtype::f32, 0}, std::pair{cuda::dtype::bf16, 0}, std::pair{cuda::dtype::f32, 2}}) {
+    CAPTURE(cuda::name_of(dt)); CAPTURE(groups);
+    cuda::options opt{dt, dt, true};
+    opt.tiles.groups = groups;
+    auto one = [&](std::size_t batch, std::size_t rows, std::size_t cols) {
+      return rounded(tensor<float>::random({batch, h, rows, cols}, r.next()), dt);
+    };
+    auto q1 = one(1, first.total(), d), k1 = one(1, first.total(), d), v1 = one(1, first.total(), m);
+    auto q2 = one(1, second.total(), d), k2 = one(1, second.total(), d), v2 = one(1, second.total(), m);
+    cuda::state st(cuda::memory::host);
+    kernel_count launches;
+    auto y1 = cuda::emulate(plan, opt, st, first, Q = q1, K = k1, V = v1);
+    if (groups == 0)
+      CHECK(launches.runs == 1);
+    else  // one or two (split: partials, then the scan) per sequence, the empty one too (its state row copied)
+      CHECK(launches.runs > static_cast<int>(count));
+    auto y2 = cuda::emulate(plan, opt, st, second, Q = q2, K = k2, V = v2);
+    REQUIRE(st.shape()[0] == count);
+    cpu::state<float> cst;
+    CHECK(relative_rms(y1, cpu::evaluate(plan, cst, first, Q = q1, K = k1, V = v1)) <= tolerance(dt));
+    CHECK(relative_rms(y2, cpu::evaluate(plan, cst, second, Q = q2, K = k2, V = v2)) <= tolerance(dt));
+    CHECK(relative_rms(sums_of(st), sums_of(cst)) <= 1e-5);
+    // Prompts through a recurrent (the same kernels, so the same bits), then a
+    // step of every sequence from its own position.
+    auto rnn = cuda::recurrent(plan, count, h, opt, cuda::memory::host);
+    tensor<float> prompt(y1.shape());
+    rnn.prefill_into(prompt.view(), first, Q = q1, K = k1, V = v1);
+    CHECK(max_abs_diff(prompt, y1) == 0);
+    auto qs = one(count, 1, d), ks = one(count, 1, d), vs = one(count, 1, m);
+    auto step = rnn.step(Q = qs, K = ks, V = vs);
+    for (std::size_t s = 0; s < count; ++s) {
+      CAPTURE(s);
+      auto rows = [&](tensor<float> const& x, sequences const& seqs) { return sequence_rows(x, seqs, s); };
+      cuda::state alone(cuda::memory::host);
+      auto a1 = cuda::emulate(plan, opt, alone, Q = rows(q1, first), K = rows(k1, first), V = rows(v1, first));
+      CHECK(max_abs_diff(rows(y1, first), a1) == 0);
+      auto token = [&](tensor<float> const& x) { return batch_row(x, s); };
+      auto solo = cuda::recurrent(plan, 1, h, opt, cuda::memory::host);
+      solo.set_state(cuda::to_host(alone));
+      CHECK(max_abs_diff(solo.step(Q = token(qs), K = token(ks), V = token(vs)), token(step)) == 0);
+      auto a2 = cuda::emulate(plan, opt, alone, Q = rows(q2, second), K = rows(k2, second), V = rows(v2, second));
+      CHECK(max_abs_diff(rows(y2, second), a2) == 0);
+      CHECK(max_abs_diff(batch_row(sums_of(st), s), sums_of(alone)) == 0);
+    }
+  }
+  // Errors, before anything runs: a state of other rows, a state in device memory.
+  auto const seqs = sequences::from_lengths({4, 6});
+  auto q = tensor<float>::random({1, 2, 10, 8}, 1), k = tensor<float>::random({1, 2, 10, 8}, 2),
+       v = tensor<float>::random({1, 2, 10, 3}, 3);
+  cuda::state three(plan, 3, 2, cuda::memory::host);
+  test::expect_shape_error([&] { (void)cuda::emulate(plan, {}, three, seqs, Q = q, K = k, V = v); }, "Q",
+                           "sequences (of packed sequences)", 2, 3);
+  auto rnn = cuda::recurrent(plan, 3, 2, {}, cuda::memory::host);
+  tensor<float> out({1, 2, 10, 3});
+  test::expect_shape_error([&] { rnn.prefill_into(out.view(), seqs, Q = q, K = k, V = v); }, "Q",
+                           "sequences (of packed sequences)", 2, 3);
+  cuda::state on_device(plan, 2, 2);
+  CHECK_THROWS_WITH_AS(cuda::emulate_into(plan, {}, out.view(), on_device, seqs, Q = q, K = k, V = v),
+                       doctest::Contains("cuda::to_host"), std::invalid_argument);
+}
+
+// On a device: a few sequences, one long, are launched one by one, each with
+// the schedule its length gets (the 4100-row one split along N where the
+// device has idle SMs); many short ones in one launch. Against the packed
+// emulation (one launch, unsplit: the same sums in another order, so to the
 // forward and gradient tolerances rather than bit for bit).
 TEST_CASE("device: packed sequences = their emulation, forward and backward") {
   auto dev = cuda::probe_device();
@@ -342,6 +448,8 @@ TEST_CASE("device: packed sequences = their emulation, forward and backward") {
     auto want = cuda::emulate(plan, {dt, dt}, seqs, Q = q, K = k, V = v);
     auto dout = one(48, 4);
     auto want_g = cuda::emulate_gradient(plan, {dt, dt}, dout, seqs, Q = q, K = k, V = v);
+    cuda::state host(cuda::memory::host);
+    auto want_chained = cuda::emulate(plan, {dt, dt}, host, seqs, Q = q, K = k, V = v);
     auto go = [&]<class E>() {
       auto dq = cuda::to_device<E>(q), dk = cuda::to_device<E>(k), dv = cuda::to_device<E>(v);
       auto got = cuda::evaluate(plan, nullptr, seqs, Q = dq, K = dk, V = dv);
@@ -349,8 +457,36 @@ TEST_CASE("device: packed sequences = their emulation, forward and backward") {
       auto g = cuda::gradient(plan, cuda::to_device<E>(dout), nullptr, seqs, Q = dq, K = dk, V = dv);
       for (std::size_t i = 0; i < g.all().size(); ++i)
         CHECK(relative_rms(cuda::to_host(g.all()[i]), want_g.all()[i]) <= gradient_tolerance(dt));
+      // Chained: a device state of one row per sequence, as the host state's;
+      // the same prompts packed into a recurrent: the same launches, the same bits.
+      cuda::state st;
+      auto yc = cuda::evaluate(plan, st, nullptr, seqs, Q = dq, K = dk, V = dv);
+      CHECK(relative_rms(cuda::to_host(yc), want_chained) <= forward_tolerance(dt));
+      CHECK(relative_rms(sums_of(cuda::to_host(st)), sums_of(host)) <= 1e-5);
+      auto rnn = cuda::recurrent(plan, seqs.count(), 2, {dt, dt});
+      cuda::tensor<E> prompt(yc.shape(), "test");
+      rnn.prefill_into(prompt.view(), nullptr, seqs, Q = dq, K = dk, V = dv);
+      CHECK(max_abs_diff(cuda::to_host(prompt), cuda::to_host(yc)) == 0);
+      CHECK(max_abs_diff(sums_of(cuda::to_host(rnn.state())), sums_of(cuda::to_host(st))) == 0);
     };
     if (dt == cuda::dtype::f32) go.template operator()<float>();
     if (dt == cuda::dtype::bf16) go.template operator()<cuda::bf16>();
   }
+  // Many short sequences: enough blocks for the device, so one launch reads
+  // the offsets (a few long ones, above, are launched one by one).
+  std::vector<std::size_t> lengths(300);
+  test::rng r{5};
+  for (auto& n : lengths) n = r.in(0, 100);
+  auto const many = sequences::from_lengths(lengths);
+  auto q = tensor<float>::random({1, 2, many.total(), 64}, 6), k = tensor<float>::random({1, 2, many.total(), 64}, 7),
+       v = tensor<float>::random({1, 2, many.total(), 48}, 8);
+  cuda::state host(cuda::memory::host);
+  auto want = cuda::emulate(plan, {}, host, many, Q = q, K = k, V = v);
+  auto dq = cuda::to_device<float>(q), dk = cuda::to_device<float>(k), dv = cuda::to_device<float>(v);
+  CHECK(relative_rms(cuda::to_host(cuda::evaluate(plan, nullptr, many, Q = dq, K = dk, V = dv)),
+                     cuda::emulate(plan, {}, many, Q = q, K = k, V = v)) <= forward_tolerance(cuda::dtype::f32));
+  cuda::state st;
+  CHECK(relative_rms(cuda::to_host(cuda::evaluate(plan, st, nullptr, many, Q = dq, K = dk, V = dv)), want) <=
+        forward_tolerance(cuda::dtype::f32));
+  CHECK(relative_rms(sums_of(cuda::to_host(st)), sums_of(host)) <= 1e-5);
 }

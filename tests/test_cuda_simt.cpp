@@ -125,6 +125,46 @@ TEST_CASE("simt: layouts, poly2 past a block's state, stacked layers and cross-a
   }
 }
 
+// Packed sequences in one launch: the kernel finds each sequence's rows from
+// row_offsets (Q, K, V and the output from its first row, W whole, the state's
+// row b), as written = the interpreter; and the interpreter's one launch =
+// each sequence evaluated alone, bit for bit (favor: a W every sequence reads).
+TEST_CASE("simt: packed sequences in one launch as written = the interpreter") {
+  constexpr auto causal_plan = compile<order::linear>(causal_expr);
+  constexpr auto favor_plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+  auto const seqs = sequences::from_lengths({70, 0, 1, 129, 5});
+  std::size_t const h = 2, d = 16, m = 12, f = 24;
+  auto x = [&](std::size_t cols, std::uint64_t seed) { return tensor<float>::random({1, h, seqs.total(), cols}, seed); };
+  auto q = x(d, 1), k = x(d, 2), v = x(m, 3);
+  auto const projection = gaussian_projection<float>(d, f, 4);
+  auto const w = broadcast(projection, 1, h);
+  auto rows = [&](tensor<float> const& t, std::size_t s) {  // sequence s alone, [1, H, N_s, ·]
+    tensor<float> r({1, h, seqs.length(s), t.shape()[3]});
+    for_each_index(r.shape(), [&](std::size_t, std::size_t hh, std::size_t n, std::size_t c) { r(0, hh, n, c) = t(0, hh, seqs.begin(s) + n, c); });
+    return r;
+  };
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt));
+    cuda::options const opt{dt, dt};
+    auto [got, want] = both_ways([&] { return cuda::emulate(causal_plan, opt, seqs, Q = q, K = k, V = v); });
+    CHECK(relative_rms(got, want) <= forward_tolerance(dt));
+    auto [fg, fw] = both_ways([&] { return cuda::emulate(favor_plan, opt, seqs, Q = q, K = k, V = v, W = w); });
+    CHECK(relative_rms(fg, fw) <= forward_tolerance(dt));
+    for (std::size_t s = 0; s < seqs.count(); ++s) {
+      CAPTURE(s);
+      CHECK(max_abs_diff(rows(fw, s), cuda::emulate(favor_plan, opt, Q = rows(q, s), K = rows(k, s), V = rows(v, s), W = w)) == 0);
+    }
+    // chained: each sequence's state row (the interpreter's run first, into `interpreted`)
+    cuda::state interpreted(cuda::memory::host), as_written(cuda::memory::host);
+    int runs = 0;
+    auto [cg, cw] = both_ways([&] {
+      return cuda::emulate(causal_plan, opt, runs++ == 0 ? interpreted : as_written, seqs, Q = q, K = k, V = v);
+    });
+    CHECK(relative_rms(cg, cw) <= forward_tolerance(dt));
+    CHECK(relative_rms(sums_of(as_written), sums_of(interpreted)) <= 1e-6);
+  }
+}
+
 TEST_CASE("simt: gradient kernels as written = the interpreter") {
   constexpr auto causal_plan = compile<order::linear>(causal_expr);
   constexpr auto full_plan = compile<order::linear>(full_expr);

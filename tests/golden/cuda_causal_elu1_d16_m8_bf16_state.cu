@@ -31,15 +31,18 @@ extern "C" __global__ void __launch_bounds__(256) lina_causal_elu1_elu1_d16_m8_t
   const long long slice = blockIdx.x / m_tiles;  // (batch, head)
   const long long m0 = static_cast<long long>(blockIdx.x % m_tiles) * tile_m;  // this block's first column of M
   const long long b = slice / args.heads, h = slice % args.heads;
-  const long long in0_base = b * args.in[0].stride[0] + h * args.in[0].stride[1];  // Q
-  const long long in1_base = b * args.in[1].stride[0] + h * args.in[1].stride[1];  // K
-  const long long in2_base = b * args.in[2].stride[0] + h * args.in[2].stride[1];  // V
-  const long long out_base = b * args.out.stride[0] + h * args.out.stride[1];
+  const long long row0 = args.row_offsets ? args.row_offsets[b] : 0;  // its first row
+  const long long n = args.row_offsets ? args.row_offsets[b + 1] - row0 : args.n;  // its rows
+  const long long rows_b = args.row_offsets ? 0 : b;  // its operands' batch row
+  const long long in0_base = rows_b * args.in[0].stride[0] + row0 * args.in[0].stride[2] + h * args.in[0].stride[1];  // Q
+  const long long in1_base = rows_b * args.in[1].stride[0] + row0 * args.in[1].stride[2] + h * args.in[1].stride[1];  // K
+  const long long in2_base = rows_b * args.in[2].stride[0] + row0 * args.in[2].stride[2] + h * args.in[2].stride[1];  // V
+  const long long out_base = rows_b * args.out.stride[0] + row0 * args.out.stride[2] + h * args.out.stride[1];
   const long long state_in_base = b * args.state_in.stride[0] + h * args.state_in.stride[1];
   const long long state_out_base = b * args.state_out.stride[0] + h * args.state_out.stride[1];
   tl::load_state<state_rows, state_cols, state_pitch, true>(state, args.state_in, state_in_base, m0, tile_m);
-  for (long long r0 = 0; r0 < args.n; r0 += chunk) {
-    const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
+  for (long long r0 = 0; r0 < n; r0 += chunk) {
+    const int rows = static_cast<int>(n - r0 < chunk ? n - r0 : chunk);
     tl::load_map<in_type, tl::elu_plus_one, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);  // load, map
     __syncthreads();
     tl::load_map<in_type, tl::elu_plus_one, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);  // load, map

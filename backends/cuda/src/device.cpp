@@ -13,7 +13,7 @@
 
 namespace lina::cuda {
 
-static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 19 * 48 + 40,
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 19 * 48 + 48,
               "forward_args must keep the layout of lina::tile::forward_args (tiles.cuh)");
 
 cuda_error::cuda_error(std::string call, std::string kernel, std::string status)
@@ -117,6 +117,11 @@ bool check_launch(program const& p, forward_args const& args, std::int64_t& bloc
   }
   if ((p.spec.causal || p.spec.mask_scores) && keys_of(args) != args.n)
     throw std::invalid_argument(fmt::format("lina::cuda: kernel {} is causal: K and V need as many rows as Q", name));
+  if (args.row_offsets) {  // packed sequences: offsets the caller checked (cuda.hpp), in device memory
+    if (!packable(p) || args.n_keys >= 0)
+      throw std::invalid_argument(fmt::format("lina::cuda: kernel {} cannot run packed sequences in one launch", name));
+    check_device_pointer(args.row_offsets, "the row offsets", name);
+  }
   if (p.spec.chained) {
     check_device_pointer(args.state_in.data, "the state in", name);
     check_device_pointer(args.state_out.data, "the state out", name);

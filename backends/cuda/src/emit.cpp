@@ -527,7 +527,12 @@ struct emitter {
     for (auto const* i : all)  // (a non-causal sum over every group of K's rows: add_partials below)
       walks_keys = walks_keys || (i->op == opcode::add_partials && !i->causal && !i->later &&
                                   p.extras.at(static_cast<std::size_t>(i->slot)).keys);
-    if (walks_keys) line(2, "const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V");
+    // A packable program (packable: one block per sequence, head and M tile)
+    // reads its sequence's rows from row_offsets when packed (n below), so its
+    // rows of K and V follow b, h.
+    bool const packs = packable(p);
+    std::string_view const n_rows = packs ? "n" : "args.n";
+    if (walks_keys && !packs) line(2, "const long long keys_n = args.n_keys < 0 ? args.n : args.n_keys;  // rows of K and V");
     if (p.split) {  // blocks per group of rows too: x = (slice · m_tiles + m_tile) · groups + group
       std::string_view const n = p.key_major ? "keys_n" : "args.n";  // (key-major: groups of K's rows)
       line(2, "const long long groups = ({} + args.group_rows - 1) / args.group_rows;", n);
@@ -560,6 +565,17 @@ struct emitter {
     if (by_m)
       line(2, "const long long m0 = static_cast<long long>({} % m_tiles) * tile_m;  // this block's first column of M", tile);
     line(2, "const long long b = slice / args.heads, h = slice % args.heads;");
+    if (packs) {  // packed sequences: b is a sequence of the operands' one batch row (the state's row b)
+      line(2, "const long long row0 = args.row_offsets ? args.row_offsets[b] : 0;  // its first row");
+      line(2, "const long long n = args.row_offsets ? args.row_offsets[b + 1] - row0 : args.n;  // its rows");
+      line(2, "const long long rows_b = args.row_offsets ? 0 : b;  // its operands' batch row");
+      if (walks_keys) line(2, "const long long keys_n = args.n_keys < 0 ? n : args.n_keys;  // rows of K and V");
+    }
+    // An operand's (b, h) slice: of rows indexed by N, from the sequence's first row when packed.
+    auto slice_base = [&](std::string const& o, bool sequence_rows) {
+      if (!packs) return fmt::format("b * {}.stride[0] + h * {}.stride[1]", o, o);
+      return fmt::format("rows_b * {0}.stride[0] + {1}h * {0}.stride[1]", o, sequence_rows ? fmt::format("row0 * {}.stride[2] + ", o) : "");
+    };
     std::vector<bool> loaded(p.inputs.size()), extra(p.extras.size());  // likewise memory no instruction touches
     for (auto const* i : all) {
       bool const reads =
@@ -574,13 +590,12 @@ struct emitter {
       if (i->op == opcode::store_partial || i->op == opcode::add_partials) extra.at(static_cast<std::size_t>(i->slot)) = true;
     for (std::size_t s = 0; s < p.inputs.size(); ++s)
       if (loaded[s])
-        line(2, "const long long in{}_base = b * args.in[{}].stride[0] + h * args.in[{}].stride[1];  // {}", s, s, s,
+        line(2, "const long long in{}_base = {};  // {}", s, slice_base(fmt::format("args.in[{}]", s), p.inputs[s].role != "w"),
              p.inputs[s].name);
     bool stores_out = false;
     for (auto const* i : all) stores_out = stores_out || (i->op == opcode::store && i->slot < 0);
     if (stores_out)
-      line(2, "const long long out_base = b * args.out.stride[0] + h * args.out.stride[1];{}",
-           p.out_name == "out" ? "" : "  // " + p.out_name);
+      line(2, "const long long out_base = {};{}", slice_base("args.out", true), p.out_name == "out" ? "" : "  // " + p.out_name);
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (extra[e])
         line(2, "const long long extra{}_base = b * args.extra[{}].stride[0] + h * args.extra[{}].stride[1];  // {}", e, e,
@@ -625,7 +640,7 @@ struct emitter {
       if (pass.reverse && p.split)  // the group's chunks, last first (a group has rows)
         line(2, "for (long long r0 = row_begin + (row_end - row_begin - 1) / chunk * chunk; r0 >= row_begin; r0 -= chunk) {{  // last first");
       else if (pass.reverse)  // the same chunks, last first
-        line(2, "for (long long r0 = args.n > 0 ? (args.n - 1) / chunk * chunk : -1; r0 >= 0; r0 -= chunk) {{  // last first");
+        line(2, "for (long long r0 = {0} > 0 ? ({0} - 1) / chunk * chunk : -1; r0 >= 0; r0 -= chunk) {{  // last first", n_rows);
       else if (p.split)
         line(2, "for (long long r0 = row_begin; r0 < row_end; r0 += chunk) {{");
       else if (p.key_major)
@@ -635,7 +650,7 @@ struct emitter {
       else if (pass.keys)
         line(2, "for (long long r0 = 0; r0 < keys_n; r0 += chunk) {{  // chunks of K and V");
       else
-        line(2, "for (long long r0 = 0; r0 < args.n; r0 += chunk) {{");
+        line(2, "for (long long r0 = 0; r0 < {}; r0 += chunk) {{", n_rows);
       if (p.split)
         line(4, "const int rows = static_cast<int>(row_end - r0 < chunk ? row_end - r0 : chunk);");
       else if (p.key_major)
@@ -645,14 +660,14 @@ struct emitter {
       else if (pass.keys)
         line(4, "const int rows = static_cast<int>(keys_n - r0 < chunk ? keys_n - r0 : chunk);");
       else
-        line(4, "const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);");
+        line(4, "const int rows = static_cast<int>({0} - r0 < chunk ? {0} - r0 : chunk);", n_rows);
       if (std::any_of(pass.begin(), pass.end(), [](cuda::instruction const& i) { return i.op == opcode::prefetch; })) {
         // The chunk the loop visits next, and its rows (0: none).
         if (pass.reverse) {
           line(4, "const long long r_next = r0 - chunk;");
           line(4, "const int rows_next = r_next >= {} ? chunk : 0;  // (only the last chunk is short)", p.split ? "row_begin" : "0");
         } else {
-          std::string_view const end = p.split ? "row_end" : p.key_major ? "args.n" : p.quadratic ? "keys_end" : pass.keys ? "keys_n" : "args.n";
+          std::string_view const end = p.split ? "row_end" : p.key_major ? "args.n" : p.quadratic ? "keys_end" : pass.keys ? "keys_n" : n_rows;
           line(4, "const long long r_next = r0 + chunk;");
           line(4, "const int rows_next = static_cast<int>({} - r_next < chunk ? {} - r_next : chunk);", end, end);
         }

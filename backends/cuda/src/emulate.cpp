@@ -545,6 +545,23 @@ struct block {
 
 std::atomic<kernel_runner> installed_runner{nullptr};  // (set_kernel_runner)
 
+// Packed sequences: the arguments as the blocks of sequence b see them — Q, K,
+// V and the output from its first row of their one batch row, W whole, n its
+// rows — what the generated kernel computes from row_offsets (emit.cpp); the
+// state keeps batch row b.
+forward_args sequence_args(program const& p, forward_args a, std::int64_t b) {
+  std::int64_t const row0 = a.row_offsets[b];
+  auto from_row0 = [&](operand& o, dtype t, bool sequence_rows) {
+    if (o.data && sequence_rows) o.data = static_cast<char const*>(o.data) + row0 * o.stride[2] * static_cast<std::int64_t>(size_of(t));
+    o.stride[0] = 0;  // every sequence is in batch row 0
+  };
+  for (std::size_t s = 0; s < p.inputs.size(); ++s) from_row0(a.in[s], p.spec.in, p.inputs[s].role != "w");
+  from_row0(a.out, p.spec.out, true);
+  a.n = a.row_offsets[b + 1] - row0;
+  a.row_offsets = nullptr;
+  return a;
+}
+
 }  // namespace
 
 kernel_runner set_kernel_runner(kernel_runner runner) noexcept { return installed_runner.exchange(runner); }
@@ -567,6 +584,14 @@ void emulate(program const& p, forward_args const& args) {
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (args.extra[e].data == nullptr && (keys_of(args) > 0 || !p.extras[e].keys))
         throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " needs its buffer " + p.extras[e].name);
+  if (args.row_offsets) {
+    if (!packable(p) || args.n_keys >= 0)
+      throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name +
+                                  " cannot run packed sequences in one launch (packable: one block per sequence)");
+    for (std::int64_t b = 0; b < args.batch; ++b)
+      if (args.row_offsets[b] < 0 || args.row_offsets[b] > args.row_offsets[b + 1] || args.row_offsets[b + 1] > args.n)
+        throw std::invalid_argument("lina::cuda::emulate: the row offsets of packed sequences must rise from 0 to at most n");
+  }
   if (p.split && args.group_rows % p.tiles.chunk != 0)
     throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " needs rows per group that are a "
                                 "positive multiple of its chunk");
@@ -576,16 +601,19 @@ void emulate(program const& p, forward_args const& args) {
     if (blocks > 0 && (args.n > 0 || p.spec.chained)) run(p, args, blocks);  // (as device.cpp's check_launch)
     return;
   }
+  forward_args sequence;  // (packed: the block's sequence's arguments)
   for (std::int64_t x = 0; x < blocks; ++x) {
-    block blk{p, args};
+    std::int64_t const tile = x / groups, slice = tile / p.m_tiles;
+    if (args.row_offsets) sequence = sequence_args(p, args, slice / args.heads);
+    forward_args const& a = args.row_offsets ? sequence : args;
+    block blk{p, a};
     blk.groups = groups;
     blk.group = x % groups;
-    std::int64_t const tile = x / groups, slice = tile / p.m_tiles;
     blk.m_tile = tile % p.m_tiles;
     blk.b = slice / args.heads;
     blk.h = slice % args.heads;
-    std::int64_t const rows_per = p.quadratic ? p.tiles.chunk : args.group_rows;  // per group
-    std::int64_t const n = p.key_major ? keys_of(args) : args.n;                  // the rows blocks divide
+    std::int64_t const rows_per = p.quadratic ? p.tiles.chunk : a.group_rows;  // per group
+    std::int64_t const n = p.key_major ? keys_of(a) : a.n;                     // the rows blocks divide
     blk.row_begin = p.split || p.quadratic ? blk.group * rows_per : 0;
     blk.row_end = p.split || p.quadratic ? std::min(n, blk.row_begin + rows_per) : n;
     blk.run_all();

@@ -13,8 +13,9 @@
 //   cuda::state                                      a causal plan's running sums between
 //     emulate_into(plan, opts, out, st, Q = q, …)    evaluations (chaining blocks of a
 //     evaluate_into(plan, out, st, stream, …)        sequence), in host or device memory
-//   any of emulate, evaluate, gradient with a `sequences` before the bindings:
-//     packed sequences of different lengths (lina/sequences.hpp), one launch each
+//   any of emulate, evaluate (with a state or not), gradient, recurrent::prefill
+//     with a `sequences` before the bindings: packed sequences of different
+//     lengths (lina/sequences.hpp); linear plans in one launch that reads the offsets
 //
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
 // live in translation units of their own that never see it.
@@ -633,19 +634,16 @@ tensor<T> to_device(tensor_view<float const> host, void* stream = nullptr) {
   shape4 const s = host.shape();
   using E = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;
   std::vector<E> staging(s[0] * s[1] * s[2] * s[3]);
-  std::size_t x = 0;
-  for (std::size_t b = 0; b < s[0]; ++b)
-    for (std::size_t h = 0; h < s[1]; ++h)
-      for (std::size_t n = 0; n < s[2]; ++n)
-        for (std::size_t c = 0; c < s[3]; ++c, ++x) {
-          float const v = host(b, h, n, c);
-          if constexpr (std::is_same_v<T, bf16>)
-            staging[x] = bf16_bits(v);
-          else if constexpr (std::is_same_v<T, f16>)
-            staging[x] = f16_bits(v);
-          else
-            staging[x] = v;
-        }
+  std::size_t x = 0;  // (dense: the last index fastest, as for_each_index goes)
+  for_each_index(s, [&](auto... i) {
+    float const v = host(i...);
+    if constexpr (std::is_same_v<T, bf16>)
+      staging[x++] = bf16_bits(v);
+    else if constexpr (std::is_same_v<T, f16>)
+      staging[x++] = f16_bits(v);
+    else
+      staging[x++] = v;
+  });
   tensor<T> d(s, call);
   copy_to_device(d.data(), staging.data(), d.bytes(), stream, call);
   synchronize_stream(stream, call);
@@ -775,13 +773,20 @@ class state : public state_info {
   // state on `stream`. Nothing changes when a check or an allocation throws.
   template <class L, class Bound>
   void prepare(L const& linear, Bound const& in, void* stream, std::string const& call) {
+    prepare(linear, in, stream, call, in.batch, "B (batch)");
+  }
+  // The same for `count` rows named `count_label` in errors (packed
+  // sequences: one row per sequence, lina/sequences.hpp).
+  template <class L, class Bound>
+  void prepare(L const& linear, Bound const& in, void* stream, std::string const& call, std::size_t count,
+               char const* count_label) {
     if (sized()) {  // checks only (and no copy: a decode step allocates nothing)
-      state_info::prepare(linear, in);
+      state_info::prepare(linear, in, count, count_label);
       return;
     }
     state_info info = *this;
-    if (info.prepare(linear, in)) {
-      std::size_t const n = in.batch * in.heads * info.scan(0).a * info.scan(0).b;
+    if (info.prepare(linear, in, count, count_label)) {
+      std::size_t const n = count * in.heads * info.scan(0).a * info.scan(0).b;
       if (where_ == memory::host) {
         std::vector<float> a(n, 0.0f), b(n, 0.0f);
         host_[0] = std::move(a);
@@ -796,17 +801,20 @@ class state : public state_info {
     }
     static_cast<state_info&>(*this) = std::move(info);
   }
-  // The sums a kernel reads (state_in) and the buffer it writes (state_out);
-  // after the run, flip() makes the written one current.
-  operand kernel_in() const { return operand_of_buffer(current_); }
-  operand kernel_out() const { return operand_of_buffer(current_ ^ 1); }
+  // The sums a kernel reads (state_in) and the buffer it writes (state_out),
+  // from batch row `first` on (a packed sequence's launch, a batch of one,
+  // reads and writes its own row); once every row is written, flip() makes
+  // the written buffer current.
+  operand kernel_in(std::size_t first = 0) const { return operand_of_buffer(current_, first); }
+  operand kernel_out(std::size_t first = 0) const { return operand_of_buffer(current_ ^ 1, first); }
   void flip() noexcept { current_ ^= 1; }
 
  private:
-  operand operand_of_buffer(int k) const {
+  operand operand_of_buffer(int k, std::size_t first) const {
     operand o;
-    o.data = where_ == memory::host ? static_cast<void const*>(host_[k].data()) : device_[k].get();
+    float const* base = where_ == memory::host ? host_[k].data() : static_cast<float const*>(device_[k].get());
     strides4 const st = tensor_view<float>::contiguous_strides(shape());
+    o.data = base + first * static_cast<std::size_t>(st[0]);
     for (int i = 0; i < 4; ++i) o.stride[i] = st[static_cast<std::size_t>(i)];
     o.cols = static_cast<std::int64_t>(shape()[3]);
     return o;
@@ -825,6 +833,20 @@ inline state to_host(state const& s, void* stream = nullptr) { return s.copy_to(
 inline state to_device(state const& s, void* stream = nullptr) {
   return s.copy_to(memory::device, stream, "cuda::to_device");
 }
+
+namespace detail {
+// A state where `call` needs it: host memory for the emulation, device memory for a launch.
+inline void require_state_in(state const& st, memory where, char const* call) {
+  if (st.where() == where) return;
+  if (where == memory::host)
+    throw std::invalid_argument(std::string("lina::") + call +
+                                ": the state is in device memory, and the emulation runs on the host: make it with "
+                                "cuda::memory::host, or copy it with cuda::to_host");
+  throw std::invalid_argument(std::string("lina::") + call +
+                              ": the state is in host memory, and a kernel reads device memory: make it with "
+                              "cuda::memory::device (the default), or copy it with cuda::to_device");
+}
+}  // namespace detail
 
 namespace diagnose {
 template <bool Device>
@@ -850,11 +872,8 @@ inline operand operand_of(tensor_view<float const> const& v, dtype t, std::vecto
   }
   auto const& s = v.shape();
   store.resize(s[0] * s[1] * s[2] * s[3]);
-  std::size_t x = 0;
-  for (std::size_t b = 0; b < s[0]; ++b)
-    for (std::size_t h = 0; h < s[1]; ++h)
-      for (std::size_t n = 0; n < s[2]; ++n)
-        for (std::size_t c = 0; c < s[3]; ++c) store[x++] = t == dtype::bf16 ? bf16_bits(v(b, h, n, c)) : f16_bits(v(b, h, n, c));
+  std::size_t x = 0;  // (dense, as for_each_index goes)
+  for_each_index(s, [&](auto... i) { store[x++] = t == dtype::bf16 ? bf16_bits(v(i...)) : f16_bits(v(i...)); });
   auto dense = tensor_view<float const>::contiguous_strides(s);
   o.data = store.data();
   for (int i = 0; i < 4; ++i) o.stride[i] = dense[static_cast<std::size_t>(i)];
@@ -884,19 +903,42 @@ attention_spec bound_spec(Plan const& plan, options opt, Bound const& in) {
   return s;
 }
 
+// What a launch runs with beyond its plan and operands: the state it chains
+// (its batch rows from `row` on; the caller flips it once every row is
+// written), whether it is a decoding step (cuda::recurrent: the step-sized
+// kernel, T = 16), and packed sequences it runs all at once (the operands
+// bound as one batch row; a packable program: one block per sequence, head
+// and M tile, and the state's row s is sequence s's).
+struct run_with {
+  state const* st = nullptr;
+  std::size_t row = 0;
+  bool step = false;
+  sequences const* packed = nullptr;
+};
+// The packed sequences' part of a launch's arguments (row_offsets: the caller's).
+inline void pack(forward_args& a, sequences const& seqs, std::int64_t const* row_offsets) {
+  a.batch = static_cast<std::int64_t>(seqs.count());
+  a.n_keys = -1;  // (K and V are cut as Q is)
+  a.row_offsets = row_offsets;
+}
+// The offsets of packed sequences as a kernel reads them (size_t and int64_t: one size).
+inline std::int64_t const* offsets_of(sequences const& seqs) {
+  static_assert(sizeof(std::size_t) == sizeof(std::int64_t));
+  return reinterpret_cast<std::int64_t const*>(seqs.offsets().data());
+}
+
 // The emulated kernel of `plan` (checked: lowerable) on bound host inputs,
-// into `out` (its shape already checked); chained through `st` when given.
-// A step (cuda::recurrent) runs the step-sized kernel, T = 16.
+// into `out` (its shape already checked), run as `w` says.
 template <class Plan, class Bound>
-void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound const& in, state* st, bool step = false) {
+void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound const& in, run_with w = {}) {
   static_assert(std::is_same_v<typename Bound::value_type, float>,
                 "lina::cuda::emulate: bind float tensors (the kernels read fp32, fp16 or bf16; see options)");
   using F = forward_plan<Plan>;
   if constexpr (F::ok) {
     shape4 const want = out.shape();
     attention_spec s = bound_spec(plan, opt, in);
-    s.chained = st != nullptr;
-    s.step = step;
+    s.chained = w.st != nullptr;
+    s.step = w.step;
     program p = program_of(s);
     std::vector<std::uint16_t> stores[max_inputs];
     forward_args a;
@@ -922,16 +964,17 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
       for (int i = 0; i < 4; ++i) a.out.stride[i] = dense[static_cast<std::size_t>(i)];
     }
     a.out.cols = static_cast<std::int64_t>(s.m);
-    if (st) {
-      a.state_in = st->kernel_in();
-      a.state_out = st->kernel_out();
+    if (w.st) {
+      a.state_in = w.st->kernel_in(w.row);
+      a.state_out = w.st->kernel_out(w.row);
     }
+    if (w.packed) pack(a, *w.packed, offsets_of(*w.packed));
     // The chunk-parallel form: partials, then the scan (N = 0 has no group to
     // store a state; without keys there are no sums to split). Groups of
     // options::split_rows rows, else as the schedule asks (tile_request::groups).
     std::int64_t const rows =
         opt.split_rows > 0 ? opt.split_rows : split_rows(opt.tiles, blocks_of(p, a), a.n, p.tiles.chunk, 0);
-    if (rows > 0 && a.n > 0 && keys_of(a) > 0 && !p.quadratic && !step) {
+    if (rows > 0 && a.n > 0 && keys_of(a) > 0 && !p.quadratic && !w.step && !w.packed) {
       split_programs const sp = split_programs_of(s);
       a.group_rows = rows;
       std::int64_t const groups = groups_of(sp.partials, a);
@@ -944,14 +987,12 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
     } else {
       emulate(p, a);
     }
-    if (st) st->flip();
     if (opt.out != dtype::f32) {
-      std::size_t x = 0;
-      for (std::size_t b = 0; b < want[0]; ++b)
-        for (std::size_t h = 0; h < want[1]; ++h)
-          for (std::size_t n = 0; n < want[2]; ++n)
-            for (std::size_t c = 0; c < want[3]; ++c, ++x)
-              out(b, h, n, c) = opt.out == dtype::bf16 ? from_bf16_bits(result[x]) : from_f16_bits(result[x]);
+      std::size_t x = 0;  // (the dense buffer: the last index fastest, as for_each_index goes)
+      for_each_index(want, [&](auto... i) {
+        out(i...) = opt.out == dtype::bf16 ? from_bf16_bits(result[x]) : from_f16_bits(result[x]);
+        ++x;
+      });
     }
   }
 }
@@ -1054,7 +1095,7 @@ void emulate_into(Plan const& plan, options opt, tensor_view<float> out, B const
         plan, [&](auto const& layer, auto const&... b) { return emulate(layer, opt, b...); },
         [&](auto const& rest, auto const&... b) { emulate_into(rest, opt, out, b...); }, bindings...);
   else
-    detail::emulate_bound(plan, opt, out, in, nullptr);
+    detail::emulate_bound(plan, opt, out, in);
 }
 
 // The same, chained: the kernel's scan starts from the sums in `st` (a host
@@ -1070,13 +1111,11 @@ void emulate_into(Plan const& plan, options opt, tensor_view<float> out, state& 
   constexpr bool ok = detail::chainable<L>();
   auto in = bind<L>(bindings...);
   check_result_shape<L>(out.shape(), in);
-  if (st.where() != memory::host)
-    throw std::invalid_argument(
-        "lina::cuda::emulate_into: the state is in device memory, and the emulation runs on the host: make it "
-        "with cuda::memory::host, or copy it with cuda::to_host");
+  detail::require_state_in(st, memory::host, "cuda::emulate_into");
   if constexpr (ok) {
     st.prepare(linear, in, nullptr, "cuda::emulate_into");
-    detail::emulate_bound(linear, opt, out, in, &st);
+    detail::emulate_bound(linear, opt, out, in, {.st = &st});
+    st.flip();
   }
 }
 
@@ -1153,29 +1192,38 @@ forward_args device_args(device_view<O> out, Bound const& in, int w_slot = 3) {
   return a;
 }
 
+// The kernel of `plan` launched on bound device inputs into `out`, run as `w`
+// says (a step is cuda::recurrent's own launch).
 template <class Plan, class O, class Bound>
-void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, state* st, void* stream, tile_request tiles,
-                  char const* call) {
+void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, void* stream, tile_request tiles,
+                  char const* call, run_with w = {}) {
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using F = forward_plan<Plan>;
   using T = typename Bound::value_type;
   if constexpr (F::ok && is_device_view<typename Bound::view_type>) {
     attention_spec s = bound_spec(plan, options{dtype_of<T>, dtype_of<O>}, in);
-    s.chained = st != nullptr;
+    s.chained = w.st != nullptr;
     s.tiles = tiles;
     forward_args a = device_args<F>(out, in);
     program const p = program_of(s);
     device_status const dev = require_device(call);
-    if (st) {
-      a.state_in = st->kernel_in();
-      a.state_out = st->kernel_out();
+    if (w.st) {
+      a.state_in = w.st->kernel_in(w.row);
+      a.state_out = w.st->kernel_out(w.row);
+    }
+    if (w.packed) {  // the offsets in device memory, freed in stream order after the launch
+      std::size_t const bytes = w.packed->offsets().size() * sizeof(std::int64_t);
+      device_buffer offsets(bytes, stream, call);
+      copy_to_device(offsets.get(), offsets_of(*w.packed), bytes, stream, call);
+      pack(a, *w.packed, static_cast<std::int64_t const*>(offsets.get()));
+      launch(p, a, stream);
+      return;
     }
     std::int64_t const rows = !p.quadratic && keys_of(a) > 0 ? split_rows(tiles, blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
     if (rows > 0)  // too few (batch, head, M tile) blocks for the device: split N too
       launch_split(split_programs_of(s), a, rows, stream);
     else
       launch(p, a, stream);
-    if (st) st->flip();
   }
 }
 }  // namespace detail
@@ -1201,7 +1249,7 @@ void evaluate_into(Plan const& plan, device_view<O> out, void* stream, tile_requ
         [&](auto const& rest, auto const&... b) { evaluate_into(rest, out, stream, tiles, b...); }, bindings...);
     synchronize_stream(stream, "cuda::evaluate_into");
   } else {
-    detail::launch_bound(plan, out, in, nullptr, stream, tiles, "cuda::evaluate_into");
+    detail::launch_bound(plan, out, in, stream, tiles, "cuda::evaluate_into");
   }
 }
 template <class Plan, class O, class... B>
@@ -1224,13 +1272,11 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
   constexpr bool ok = detail::chainable<L>();
   auto in = bind<L>(bindings...);
   check_result_shape<L>(out.shape(), in);
-  if (st.where() != memory::device)
-    throw std::invalid_argument(
-        "lina::cuda::evaluate_into: the state is in host memory, and a kernel reads device memory: make it with "
-        "cuda::memory::device (the default), or copy it with cuda::to_device");
+  detail::require_state_in(st, memory::device, "cuda::evaluate_into");
   if constexpr (ok) {
     st.prepare(linear, in, stream, "cuda::evaluate_into");
-    detail::launch_bound(linear, out, in, &st, stream, tiles, "cuda::evaluate_into");
+    detail::launch_bound(linear, out, in, stream, tiles, "cuda::evaluate_into", {.st = &st});
+    st.flip();
   }
 }
 template <class Plan, class O, class... B>
@@ -1288,29 +1334,86 @@ auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
 // emulate_into(plan, opts, out, seqs, Q = q, …), emulate(plan, opts, seqs, …), and on
 // the device evaluate_into(plan, out, stream, [tiles,] seqs, …), evaluate(plan,
 // stream, [tiles,] seqs, …): sequences of different lengths laid end to end in
-// one batch row ([1, H, ΣN, D]), each evaluated as a batch of one — one launch
-// per sequence (per layer of a stack), each with the schedule its own length
-// gets (a long one split along N). Kernels that read the offsets themselves,
-// one launch for the pack, are not written yet.
+// one batch row ([1, H, ΣN, D]), each evaluated as it would be alone in a batch
+// of one. Where the plan's program is packable (one block per sequence, head and
+// M tile: linear plans whose K and V are cut as Q is) and the pack has the
+// blocks to fill the device, one launch runs them all: its kernel reads the
+// offsets (forward_args::row_offsets), as flash-linear-attention's cu_seqlens
+// kernels do. Otherwise (quadratic plans, cross-attention, stacks, a few long
+// sequences that would leave SMs idle) each sequence is launched alone, a long
+// one split along N.
+// Chained through a state (emulate_into(plan, opts, out, st, seqs, …),
+// evaluate_into(plan, out, st, stream, [tiles,] seqs, …)): the state holds one
+// row per sequence ([S, H, C, W]: chunked prefill of S sequences of different
+// lengths, as cpu::evaluate_into with a state and sequences); each sequence
+// reads and writes its row, and the state flips once after all.
 namespace detail {
-// Check a packed evaluation, then each(s, out rows of s, bindings of s...) in order.
-template <class Plan, class Out, class Each, class... B>
-void each_sequence(Out const& out, sequences const& seqs, Each const& each, B const&... bindings) {
-  using N = packed_dim<Plan>;
+// The checks of a packed evaluation into `out`; the bound inputs.
+template <class Plan, class Out, class... B>
+auto check_sequences(Out const& out, sequences const& seqs, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
-  check_packed<N>(in, seqs);
+  check_packed<packed_dim<Plan>>(in, seqs);
   check_result_shape<Plan>(out.shape(), in);
+  return in;
+}
+// each(s, out rows of s, bindings of s...) for every sequence s, in order.
+template <class Plan, class Out, class Each, class... B>
+void for_sequences(Out const& out, sequences const& seqs, Each const& each, B const&... bindings) {
   for (std::size_t s = 0; s < seqs.count(); ++s)
-    each(lina::detail::rows_of_view(out, seqs.begin(s), seqs.length(s)),
-         sequence_binding<N, inputs_of<Plan>>(bindings, seqs, s)...);
+    each(s, lina::detail::rows_of_view(out, seqs.begin(s), seqs.length(s)),
+         sequence_binding<packed_dim<Plan>, inputs_of<Plan>>(bindings, seqs, s)...);
+}
+// Does one launch serve the pack? Its program must be packable, and the pack
+// must not be a few long sequences that, launched alone, would split along N
+// for an idle device's sake (sms; 0: the emulation, which splits only as the
+// options ask). Chained: a state's launch.
+template <class Plan, class Bound>
+bool one_launch(Plan const& plan, options opt, Bound const& in, sequences const& seqs, bool chained, int sms) {
+  using F = forward_plan<Plan>;
+  if constexpr (!F::ok || F::stacked) {
+    return false;
+  } else if constexpr (!std::is_same_v<typename F::k::input::rows, typename F::q::input::rows>) {
+    return false;  // (cross-attention: every sequence reads all of K and V)
+  } else {
+    attention_spec s = bound_spec(plan, opt, in);
+    s.chained = chained;
+    program const p = program_of(s);
+    std::size_t longest = 0;
+    for (std::size_t k = 0; k < seqs.count(); ++k) longest = std::max(longest, seqs.length(k));
+    std::int64_t const blocks = static_cast<std::int64_t>(seqs.count() * in.heads) * p.m_tiles;
+    return packable(p) && opt.split_rows == 0 &&
+           split_rows(opt.tiles, blocks, static_cast<std::int64_t>(longest), p.tiles.chunk, sms) == 0;
+  }
+}
+// A chained packed evaluation (L: the linear form, chainable): the state
+// checked and sized for one row per sequence, then run(out rows, bound inputs,
+// run_with) once for the pack (one_launch) or once per sequence on its row.
+template <class L, class Out, class Packs, class Run, class... B>
+void chained_sequences(L const& linear, Out const& out, state& st, sequences const& seqs, void* stream, char const* call,
+                       Packs const& packs, Run const& run, B const&... bindings) {
+  auto in = check_sequences<L>(out, seqs, bindings...);
+  st.prepare(linear, in, stream, call, seqs.count(), "sequences (of packed sequences)");
+  if (packs(in))
+    run(out, in, run_with{.st = &st, .packed = &seqs});
+  else
+    for_sequences<L>(
+        out, seqs, [&](std::size_t s, auto const& rows, auto const&... b) { run(rows, bind<L>(b...), run_with{.st = &st, .row = s}); },
+        bindings...);
+  st.flip();
 }
 }  // namespace detail
 
 template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 void emulate_into(Plan const& plan, options opt, tensor_view<float> out, sequences const& seqs, B const&... bindings) {
-  detail::each_sequence<Plan>(
-      out, seqs, [&](tensor_view<float> rows, auto const&... b) { emulate_into(plan, opt, rows, b...); }, bindings...);
+  auto in = detail::check_sequences<Plan>(out, seqs, bindings...);
+  if (detail::one_launch(plan, opt, in, seqs, false, 0)) {
+    detail::emulate_bound(plan, opt, out, in, {.packed = &seqs});
+    return;
+  }
+  detail::for_sequences<Plan>(
+      out, seqs, [&](std::size_t, tensor_view<float> rows, auto const&... b) { emulate_into(plan, opt, rows, b...); },
+      bindings...);
 }
 template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
@@ -1325,8 +1428,15 @@ void evaluate_into(Plan const& plan, device_view<O> out, void* stream, tile_requ
                    B const&... bindings) {
   static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
   check_tile_request(tiles);
-  detail::each_sequence<Plan>(
-      out, seqs, [&](device_view<O> rows, auto const&... b) { evaluate_into(plan, rows, stream, tiles, b...); },
+  auto in = detail::check_sequences<Plan>(out, seqs, bindings...);
+  using T = std::remove_const_t<typename decltype(in)::value_type>;
+  int const sms = require_device("cuda::evaluate_into").sms;
+  if (detail::one_launch(plan, options{.in = dtype_of<T>, .out = dtype_of<O>, .tiles = tiles}, in, seqs, false, sms)) {
+    detail::launch_bound(plan, out, in, stream, tiles, "cuda::evaluate_into", {.packed = &seqs});
+    return;
+  }
+  detail::for_sequences<Plan>(
+      out, seqs, [&](std::size_t, device_view<O> rows, auto const&... b) { evaluate_into(plan, rows, stream, tiles, b...); },
       bindings...);
 }
 template <class Plan, class O, class... B>
@@ -1346,6 +1456,75 @@ template <class Out = void, class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto evaluate(Plan const& plan, void* stream, sequences const& seqs, B const&... bindings) {
   return evaluate<Out>(plan, stream, tile_request{}, seqs, bindings...);
+}
+
+// Chained: a host state through the emulation ...
+template <class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void emulate_into(Plan const& plan, options opt, tensor_view<float> out, state& st, sequences const& seqs,
+                  B const&... bindings) {
+  auto linear = longest_branch(plan);
+  using L = decltype(linear);
+  constexpr bool ok = detail::chainable<L>();
+  detail::require_state_in(st, memory::host, "cuda::emulate_into");
+  if constexpr (ok)
+    detail::chained_sequences(
+        linear, out, st, seqs, nullptr, "cuda::emulate_into",
+        [&](auto const& in) { return detail::one_launch(linear, opt, in, seqs, true, 0); },
+        [&](tensor_view<float> rows, auto const& in, detail::run_with w) { detail::emulate_bound(linear, opt, rows, in, w); },
+        bindings...);
+}
+template <class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+lina::tensor<float> emulate(Plan const& plan, options opt, state& st, sequences const& seqs, B const&... bindings) {
+  using L = decltype(longest_branch(plan));
+  lina::tensor<float> out(result_shape<L>(bind<L>(bindings...)));
+  emulate_into(plan, opt, out.view(), st, seqs, bindings...);
+  return out;
+}
+// ... and a device state on the GPU.
+template <class Plan, class O, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream, tile_request tiles,
+                   sequences const& seqs, B const&... bindings) {
+  static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
+  check_tile_request(tiles);
+  auto linear = longest_branch(plan);
+  using L = decltype(linear);
+  constexpr bool ok = detail::chainable<L>();
+  detail::require_state_in(st, memory::device, "cuda::evaluate_into");
+  if constexpr (ok) {
+    int const sms = require_device("cuda::evaluate_into").sms;
+    detail::chained_sequences(
+        linear, out, st, seqs, stream, "cuda::evaluate_into",
+        [&](auto const& in) {
+          using T = std::remove_const_t<typename std::remove_cvref_t<decltype(in)>::value_type>;
+          return detail::one_launch(linear, options{.in = dtype_of<T>, .out = dtype_of<O>, .tiles = tiles}, in, seqs, true, sms);
+        },
+        [&](device_view<O> rows, auto const& in, detail::run_with w) {
+          detail::launch_bound(linear, rows, in, stream, tiles, "cuda::evaluate_into", w);
+        },
+        bindings...);
+  }
+}
+template <class Plan, class O, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream, sequences const& seqs,
+                   B const&... bindings) {
+  evaluate_into(plan, out, st, stream, tile_request{}, seqs, bindings...);
+}
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, state& st, void* stream, tile_request tiles, sequences const& seqs, B const&... bindings) {
+  check_tile_request(tiles);
+  auto out = detail::new_result<Out, decltype(longest_branch(plan))>(bindings...);
+  evaluate_into(plan, out.view(), st, stream, tiles, seqs, bindings...);
+  return out;
+}
+template <class Out = void, class Plan, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto evaluate(Plan const& plan, state& st, void* stream, sequences const& seqs, B const&... bindings) {
+  return evaluate<Out>(plan, st, stream, tile_request{}, seqs, bindings...);
 }
 
 // ---- gradients: the backward kernels ------------------------------------------------------
@@ -1740,11 +1919,7 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, sequences
   detail::packed_gradients<Plan>(
       g, dout, seqs, [&](auto const& d, auto const&... b) { return emulate_gradient(plan, opt, d, b...); },
       [](tensor_view<float> to, tensor_view<float const> from) {
-        auto const& sh = to.shape();
-        for (std::size_t b = 0; b < sh[0]; ++b)
-          for (std::size_t h = 0; h < sh[1]; ++h)
-            for (std::size_t r = 0; r < sh[2]; ++r)
-              for (std::size_t c = 0; c < sh[3]; ++c) to(b, h, r, c) += from(b, h, r, c);
+        for_each_index(to.shape(), [&](auto... x) { to(x...) += from(x...); });
       },
       bindings...);
   return g;
@@ -1834,13 +2009,13 @@ class rnn {
   template <class O, class... B>
     requires(is_binding<B> && ...)
   void step_into(device_view<O> out, void* stream, B const&... bindings) {
-    run_on_device(out, stream, true, "cuda::recurrent::step_into", bindings...);
+    run_on_device(out, stream, true, nullptr, "cuda::recurrent::step_into", bindings...);
   }
   // ... or through the host emulation (float tensors; a host state).
   template <class... B>
     requires(is_binding<B> && ...)
   void step_into(tensor_view<float> out, B const&... bindings) {
-    run_on_host(out, true, "cuda::recurrent::step_into", bindings...);
+    run_on_host(out, true, nullptr, "cuda::recurrent::step_into", bindings...);
   }
   // The same into a new tensor: on the device a cuda::tensor of the inputs'
   // element type (so the options' output type must be it, else the check of
@@ -1866,12 +2041,26 @@ class rnn {
   template <class O, class... B>
     requires(is_binding<B> && ...)
   void prefill_into(device_view<O> out, void* stream, B const&... bindings) {
-    run_on_device(out, stream, false, "cuda::recurrent::prefill_into", bindings...);
+    run_on_device(out, stream, false, nullptr, "cuda::recurrent::prefill_into", bindings...);
   }
   template <class... B>
     requires(is_binding<B> && ...)
   void prefill_into(tensor_view<float> out, B const&... bindings) {
-    run_on_host(out, false, "cuda::recurrent::prefill_into", bindings...);
+    run_on_host(out, false, nullptr, "cuda::recurrent::prefill_into", bindings...);
+  }
+  // Prompts of different lengths packed end to end (lina/sequences.hpp): one
+  // per sequence of the batch, each into its own row of the state (inputs
+  // [1, H, ΣN, ·], out [1, H, ΣN, M]); then steps continue every sequence
+  // from its own position.
+  template <class O, class... B>
+    requires(is_binding<B> && ...)
+  void prefill_into(device_view<O> out, void* stream, sequences const& seqs, B const&... bindings) {
+    run_on_device(out, stream, false, &seqs, "cuda::recurrent::prefill_into", bindings...);
+  }
+  template <class... B>
+    requires(is_binding<B> && ...)
+  void prefill_into(tensor_view<float> out, sequences const& seqs, B const&... bindings) {
+    run_on_host(out, false, &seqs, "cuda::recurrent::prefill_into", bindings...);
   }
 
   // Zero the running sums (on `stream` for a device state), as if no token had been seen.
@@ -1902,8 +2091,9 @@ class rnn {
       throw shape_error(in.table.bound_by[k], seq::label(), in.table.value[k], 1, "(a step takes one token)");
   }
 
+  // A step or a prompt (seqs: packed prompts, one per state row).
   template <class... B>
-  void run_on_host(tensor_view<float> out, bool step, char const* call, B const&... bindings) {
+  void run_on_host(tensor_view<float> out, bool step, sequences const* seqs, char const* call, B const&... bindings) {
     auto in = bind<L>(bindings...);
     check_result_shape<L>(out.shape(), in);
     if (step) check_one_token(in);
@@ -1911,12 +2101,22 @@ class rnn {
       throw std::invalid_argument(std::string("lina::") + call +
                                   ": the state is in device memory; bind device views and give a stream, or make the "
                                   "recurrent with cuda::memory::host");
+    if (seqs) {
+      detail::chained_sequences(
+          plan_, out, state_, *seqs, nullptr, call,
+          [&](auto const& one) { return detail::one_launch(plan_, opt_, one, *seqs, true, 0); },
+          [&](tensor_view<float> rows, auto const& one, detail::run_with w) { detail::emulate_bound(plan_, opt_, rows, one, w); },
+          bindings...);
+      return;
+    }
     state_.prepare(plan_, in, nullptr, call);
-    detail::emulate_bound(plan_, opt_, out, in, &state_, step);
+    detail::emulate_bound(plan_, opt_, out, in, {.st = &state_, .step = step});
+    state_.flip();
   }
 
   template <class O, class... B>
-  void run_on_device(device_view<O> out, void* stream, bool step, char const* call, B const&... bindings) {
+  void run_on_device(device_view<O> out, void* stream, bool step, sequences const* seqs, char const* call,
+                     B const&... bindings) {
     static_assert(!std::is_const_v<O>, "lina::cuda::recurrent: the output view must be writable");
     auto in = bind<L>(bindings...);
     using Bound = decltype(in);
@@ -1935,7 +2135,17 @@ class rnn {
                                     std::string(name_of(dtype_of<O>)) + "; this recurrent was made for " +
                                     std::string(name_of(opt_.in)) + " inputs and a " + std::string(name_of(opt_.out)) +
                                     " output");
-      require_device(call);
+      int const sms = require_device(call).sms;
+      if (seqs) {
+        detail::chained_sequences(
+            plan_, out, state_, *seqs, stream, call,
+            [&](auto const& one) { return detail::one_launch(plan_, opt_, one, *seqs, true, sms); },
+            [&](device_view<O> rows, auto const& one, detail::run_with w) {
+              detail::launch_bound(plan_, rows, one, stream, opt_.tiles, call, w);
+            },
+            bindings...);
+        return;
+      }
       state_.prepare(plan_, in, stream, call);
       forward_args a = detail::device_args<F>(out, in);
       a.state_in = state_.kernel_in();

@@ -639,9 +639,19 @@ struct forward_args {
   operand extra[max_extras];  // program::extras: further outputs and scratch (backward kernels)
   std::int64_t group_rows = 0;  // split programs: rows per group (a multiple of the chunk)
   std::int64_t n_keys = -1;     // rows of K and V when they are not Q's (cross-attention); −1: n
+  // Packed sequences (one launch for all, packable programs): batch b is
+  // sequence b, rows [row_offsets[b], row_offsets[b + 1]) of the operands'
+  // one batch row (n: their total); the state keeps one batch row per sequence.
+  // Memory the kernel reads (device memory on a GPU); null: not packed.
+  std::int64_t const* row_offsets = nullptr;
 };
 // The rows of K and V.
 inline std::int64_t keys_of(forward_args const& a) { return a.n_keys < 0 ? a.n : a.n_keys; }
+// Can one launch of p run packed sequences (forward_args::row_offsets)? A
+// program of one block per (sequence, head, M tile) walking its rows: not
+// one that splits rows among blocks (split, quadratic), nor a backward (its
+// further outputs and scratch are per batch row).
+inline bool packable(program const& p) { return !p.split && !p.quadratic && p.extras.empty(); }
 
 // Do the elements of two fp32 [batch, heads, rows, cols] operands overlap?
 // (From their strides, which must be non-negative.)

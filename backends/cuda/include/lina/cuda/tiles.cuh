@@ -41,8 +41,9 @@ struct forward_args {
   operand extra[10];  // backward kernels: ∂K, ∂V, scratch rows, ∂W…; split ones: the groups' sums (program::extras)
   long long group_rows;  // split kernels: rows per group
   long long n_keys;      // rows of K and V when they are not Q's (cross-attention); -1: n
+  const long long* row_offsets;  // packed sequences: batch b's rows of batch row 0 (null: not packed)
 };
-static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 19 * 48 + 40,
+static_assert(sizeof(operand) == 48 && sizeof(forward_args) == 19 * 48 + 48,
               "forward_args must keep the layout of lina::cuda::forward_args (program.hpp)");
 
 // ---- where a lane's tensor-core operands live ----------------------------------------
