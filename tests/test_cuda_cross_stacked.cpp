@@ -292,9 +292,17 @@ void check_packed_emulation(Expr const& expr, std::uint64_t seed, bool cross = f
     }
     // The backward: each sequence's gradients in its rows; K and V of a
     // cross-attention (read whole by every sequence) get the sum of the
-    // sequences' shares, added in sequence order as here.
+    // sequences' shares, added in sequence order as here. Its programs run
+    // once for the pack where each is packable (their buffers by rows: ∂K,
+    // ∂V, scratch), else once per sequence that has rows.
     auto dout = one(seqs.total(), m);
+    kernel_count::runs = 0;
     auto g = cuda::emulate_gradient(plan, opt, dout, seqs, Q = q, K = k, V = v);
+    auto const backward = cuda::backward_programs_of(spec);
+    bool const packs_backward =
+        !cross && std::all_of(backward.begin(), backward.end(), [](cuda::program const& p) { return cuda::packable(p); });
+    CHECK(packs_backward == packable);  // (linear plans, no W: both)
+    CHECK(kernel_count::runs == static_cast<int>(backward.size()) * (packs_backward ? 1 : 4));
     auto want = cpu::gradient(expr, widened(dout), seqs, Q = widened(q), K = widened(k), V = widened(v));
     auto sums = g;
     for (auto& x : sums.all()) x = tensor<float>(x.shape());
@@ -431,7 +439,7 @@ TEST_CASE("packed sequences through a state: each chained alone, the CPU's packe
 
 // On a device: a few sequences, one long, are launched one by one, each with
 // the schedule its length gets (the 4100-row one split along N where the
-// device has idle SMs); many short ones in one launch. Against the packed
+// device has idle SMs); many short ones in one launch, forward and backward. Against the packed
 // emulation (one launch, unsplit: the same sums in another order, so to the
 // forward and gradient tolerances rather than bit for bit).
 TEST_CASE("device: packed sequences = their emulation, forward and backward") {
@@ -489,4 +497,9 @@ TEST_CASE("device: packed sequences = their emulation, forward and backward") {
   CHECK(relative_rms(cuda::to_host(cuda::evaluate(plan, st, nullptr, many, Q = dq, K = dk, V = dv)), want) <=
         forward_tolerance(cuda::dtype::f32));
   CHECK(relative_rms(sums_of(cuda::to_host(st)), sums_of(host)) <= 1e-5);
+  auto dout = tensor<float>::random({1, 2, many.total(), 48}, 9);
+  auto want_g = cuda::emulate_gradient(plan, {}, dout, many, Q = q, K = k, V = v);
+  auto g = cuda::gradient(plan, cuda::to_device<float>(dout), nullptr, many, Q = dq, K = dk, V = dv);
+  for (std::size_t i = 0; i < g.all().size(); ++i)
+    CHECK(relative_rms(cuda::to_host(g.all()[i]), want_g.all()[i]) <= gradient_tolerance(cuda::dtype::f32));
 }

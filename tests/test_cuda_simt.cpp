@@ -162,6 +162,11 @@ TEST_CASE("simt: packed sequences in one launch as written = the interpreter") {
     });
     CHECK(relative_rms(cg, cw) <= forward_tolerance(dt));
     CHECK(relative_rms(sums_of(as_written), sums_of(interpreted)) <= 1e-6);
+    // the backward in one launch: ∂K, ∂V and the scratch rows from each sequence's first row
+    auto const dout = x(m, 5);
+    auto [gg, gw] = both_ways([&] { return cuda::emulate_gradient(causal_plan, opt, dout, seqs, Q = q, K = k, V = v); });
+    for (auto const& [a, b] : {std::pair{gg[Q], gw[Q]}, {gg[K], gw[K]}, {gg[V], gw[V]}})
+      CHECK(relative_rms(a, b) <= gradient_tolerance(dt));
   }
 }
 

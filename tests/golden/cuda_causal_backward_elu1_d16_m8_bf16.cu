@@ -33,17 +33,20 @@ extern "C" __global__ void __launch_bounds__(256) lina_causal_backward_elu1_elu1
   float* const state = reinterpret_cast<float*>(shared + 30144);
   const long long slice = blockIdx.x / m_tiles;  // (batch, head)
   const long long b = slice / args.heads, h = slice % args.heads;
-  const long long in0_base = b * args.in[0].stride[0] + h * args.in[0].stride[1];  // Q
-  const long long in1_base = b * args.in[1].stride[0] + h * args.in[1].stride[1];  // K
-  const long long in2_base = b * args.in[2].stride[0] + h * args.in[2].stride[1];  // V
-  const long long in3_base = b * args.in[3].stride[0] + h * args.in[3].stride[1];  // ∂out
-  const long long out_base = b * args.out.stride[0] + h * args.out.stride[1];  // ∂Q
-  const long long extra0_base = b * args.extra[0].stride[0] + h * args.extra[0].stride[1];  // ∂K
-  const long long extra1_base = b * args.extra[1].stride[0] + h * args.extra[1].stride[1];  // ∂V
-  const long long extra2_base = b * args.extra[2].stride[0] + h * args.extra[2].stride[1];  // scratch
+  const long long row0 = args.row_offsets ? args.row_offsets[b] : 0;  // its first row
+  const long long n = args.row_offsets ? args.row_offsets[b + 1] - row0 : args.n;  // its rows
+  const long long rows_b = args.row_offsets ? 0 : b;  // its operands' batch row
+  const long long in0_base = rows_b * args.in[0].stride[0] + row0 * args.in[0].stride[2] + h * args.in[0].stride[1];  // Q
+  const long long in1_base = rows_b * args.in[1].stride[0] + row0 * args.in[1].stride[2] + h * args.in[1].stride[1];  // K
+  const long long in2_base = rows_b * args.in[2].stride[0] + row0 * args.in[2].stride[2] + h * args.in[2].stride[1];  // V
+  const long long in3_base = rows_b * args.in[3].stride[0] + row0 * args.in[3].stride[2] + h * args.in[3].stride[1];  // ∂out
+  const long long out_base = rows_b * args.out.stride[0] + row0 * args.out.stride[2] + h * args.out.stride[1];  // ∂Q
+  const long long extra0_base = rows_b * args.extra[0].stride[0] + row0 * args.extra[0].stride[2] + h * args.extra[0].stride[1];  // ∂K
+  const long long extra1_base = rows_b * args.extra[1].stride[0] + row0 * args.extra[1].stride[2] + h * args.extra[1].stride[1];  // ∂V
+  const long long extra2_base = rows_b * args.extra[2].stride[0] + row0 * args.extra[2].stride[2] + h * args.extra[2].stride[1];  // scratch
   tl::zero<state_rows, state_cols, state_pitch>(state);
-  for (long long r0 = 0; r0 < args.n; r0 += chunk) {
-    const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
+  for (long long r0 = 0; r0 < n; r0 += chunk) {
+    const int rows = static_cast<int>(n - r0 < chunk ? n - r0 : chunk);
     tl::load_map<in_type, tl::elu_plus_one, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);  // load, map
     tl::load_map<in_type, tl::elu_plus_one, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);  // load, map
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, 0, rows, 8);
@@ -68,8 +71,8 @@ extern "C" __global__ void __launch_bounds__(256) lina_causal_backward_elu1_elu1
   }
   __syncthreads();
   tl::zero<state_rows, state_cols, state_pitch>(state);
-  for (long long r0 = args.n > 0 ? (args.n - 1) / chunk * chunk : -1; r0 >= 0; r0 -= chunk) {  // last first
-    const int rows = static_cast<int>(args.n - r0 < chunk ? args.n - r0 : chunk);
+  for (long long r0 = n > 0 ? (n - 1) / chunk * chunk : -1; r0 >= 0; r0 -= chunk) {  // last first
+    const int rows = static_cast<int>(n - r0 < chunk ? n - r0 : chunk);
     tl::load_map<in_type, tl::elu_plus_one, q_rows, q_cols, q_pitch>(q, args.in[0], in0_base, r0, 0, rows, 16);  // load, map
     tl::load_map<in_type, tl::elu_plus_one, k_rows, k_cols, k_pitch>(k, args.in[1], in1_base, r0, 0, rows, 16);  // load, map
     tl::load<in_type, v_rows, v_cols, v_pitch>(v, args.in[2], in2_base, r0, 0, rows, 8);

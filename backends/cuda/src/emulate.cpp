@@ -546,9 +546,9 @@ struct block {
 std::atomic<kernel_runner> installed_runner{nullptr};  // (set_kernel_runner)
 
 // Packed sequences: the arguments as the blocks of sequence b see them — Q, K,
-// V and the output from its first row of their one batch row, W whole, n its
-// rows — what the generated kernel computes from row_offsets (emit.cpp); the
-// state keeps batch row b.
+// V, the output and a backward's buffers by rows (∂K, ∂V, scratch) from its
+// first row of their one batch row, W whole, n its rows — what the generated
+// kernel computes from row_offsets (emit.cpp); the state keeps batch row b.
 forward_args sequence_args(program const& p, forward_args a, std::int64_t b) {
   std::int64_t const row0 = a.row_offsets[b];
   auto from_row0 = [&](operand& o, dtype t, bool sequence_rows) {
@@ -557,6 +557,7 @@ forward_args sequence_args(program const& p, forward_args a, std::int64_t b) {
   };
   for (std::size_t s = 0; s < p.inputs.size(); ++s) from_row0(a.in[s], p.spec.in, p.inputs[s].role != "w");
   from_row0(a.out, p.spec.out, true);
+  for (std::size_t e = 0; e < p.extras.size(); ++e) from_row0(a.extra[e], p.extras[e].type, true);  // (by rows: packable)
   a.n = a.row_offsets[b + 1] - row0;
   a.row_offsets = nullptr;
   return a;

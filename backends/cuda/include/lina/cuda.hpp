@@ -927,6 +927,15 @@ inline std::int64_t const* offsets_of(sequences const& seqs) {
   return reinterpret_cast<std::int64_t const*>(seqs.offsets().data());
 }
 
+// Packed sequences' offsets in device memory, for launches on `stream` (and
+// freed in stream order after them).
+inline device_buffer device_offsets(sequences const& seqs, void* stream, char const* call) {
+  std::size_t const bytes = seqs.offsets().size() * sizeof(std::int64_t);
+  device_buffer offsets(bytes, stream, call);
+  copy_to_device(offsets.get(), offsets_of(seqs), bytes, stream, call);
+  return offsets;
+}
+
 // The emulated kernel of `plan` (checked: lowerable) on bound host inputs,
 // into `out` (its shape already checked), run as `w` says.
 template <class Plan, class Bound>
@@ -1211,10 +1220,8 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, void* s
       a.state_in = w.st->kernel_in(w.row);
       a.state_out = w.st->kernel_out(w.row);
     }
-    if (w.packed) {  // the offsets in device memory, freed in stream order after the launch
-      std::size_t const bytes = w.packed->offsets().size() * sizeof(std::int64_t);
-      device_buffer offsets(bytes, stream, call);
-      copy_to_device(offsets.get(), offsets_of(*w.packed), bytes, stream, call);
+    if (w.packed) {
+      device_buffer const offsets = device_offsets(*w.packed, stream, call);
       pack(a, *w.packed, static_cast<std::int64_t const*>(offsets.get()));
       launch(p, a, stream);
       return;
@@ -1363,12 +1370,13 @@ void for_sequences(Out const& out, sequences const& seqs, Each const& each, B co
     each(s, lina::detail::rows_of_view(out, seqs.begin(s), seqs.length(s)),
          sequence_binding<packed_dim<Plan>, inputs_of<Plan>>(bindings, seqs, s)...);
 }
-// Does one launch serve the pack? Its program must be packable, and the pack
+// Does one launch serve the pack? Its programs must be packable, and the pack
 // must not be a few long sequences that, launched alone, would split along N
 // for an idle device's sake (sms; 0: the emulation, which splits only as the
-// options ask). Chained: a state's launch.
+// options ask). Chained: a state's launch; backward: the gradient's programs.
 template <class Plan, class Bound>
-bool one_launch(Plan const& plan, options opt, Bound const& in, sequences const& seqs, bool chained, int sms) {
+bool one_launch(Plan const& plan, options opt, Bound const& in, sequences const& seqs, bool chained, int sms,
+                bool backward = false) {
   using F = forward_plan<Plan>;
   if constexpr (!F::ok || F::stacked) {
     return false;
@@ -1377,11 +1385,12 @@ bool one_launch(Plan const& plan, options opt, Bound const& in, sequences const&
   } else {
     attention_spec s = bound_spec(plan, opt, in);
     s.chained = chained;
-    program const p = program_of(s);
+    std::vector<program> const ps = backward ? backward_programs_of(s) : std::vector<program>{program_of(s)};
     std::size_t longest = 0;
     for (std::size_t k = 0; k < seqs.count(); ++k) longest = std::max(longest, seqs.length(k));
+    program const& p = ps.front();
     std::int64_t const blocks = static_cast<std::int64_t>(seqs.count() * in.heads) * p.m_tiles;
-    return packable(p) && opt.split_rows == 0 &&
+    return std::all_of(ps.begin(), ps.end(), [](program const& x) { return packable(x); }) && opt.split_rows == 0 &&
            split_rows(opt.tiles, blocks, static_cast<std::int64_t>(longest), p.tiles.chunk, sms) == 0;
   }
 }
@@ -1630,9 +1639,11 @@ void layers_backward(Plan const& plan, G& g, Dout const& dout, Run&& run, Grad&&
   gather_gradients(g, g_rest, g_sub, add);
 }
 
-// (Chain: chain_states for the chained form, else void.)
+// (Chain: chain_states for the chained form, else void. packed: sequences of
+// the operands' one batch row, all in one launch: one_launch said so.)
 template <class Plan, class Dout, class Chain, class... B>
-auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chain const* chain, B const&... bindings) {
+auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chain const* chain, sequences const* packed,
+                           B const&... bindings) {
   constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
@@ -1641,7 +1652,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     layers_backward(
         plan, g, dout, [&](auto const& layer, auto const&... b) { return emulate(layer, opt, b...); },
         [&](auto const& p, auto const& d, auto const&... b) {
-          return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), b...);
+          return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), nullptr, b...);
         },
         [&](lina::tensor<float>& to, lina::tensor<float> const& from) {  // as add_program's kernel: rounded to opt.out
           for (std::size_t i = 0; i < to.size(); ++i) {
@@ -1666,7 +1677,8 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     std::vector<program> ps = backward_programs_of(s);  // one launch, or softmax's two or three
     // The chunk-parallel form where asked for (options::split_rows, else the
     // schedule's groups) and the plan has one (linear; no rows or keys: no group).
-    std::int64_t const rows = opt.split_rows > 0 ? opt.split_rows
+    std::int64_t const rows = packed             ? 0
+                              : opt.split_rows > 0 ? opt.split_rows
                               : ps.size() == 1   ? split_rows(opt.tiles, 0, n_rows, ps.front().tiles.chunk, 0)
                                                  : 0;
     if (rows > 0 && n_rows > 0 && n_keys > 0)
@@ -1689,6 +1701,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     if (p.split) a.group_rows = rows;
     std::size_t const bh = in.batch * in.heads, n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
     shape4 const sq{in.batch, in.heads, n, s.d}, sk{in.batch, in.heads, nk, s.d}, sv{in.batch, in.heads, nk, s.m};
+    if (packed) pack(a, *packed, offsets_of(*packed));
     lina::tensor<float>& gq = detail::gradient_slot<typename F::q::input>(g);
     lina::tensor<float>& gk = detail::gradient_slot<typename F::k::input>(g);
     lina::tensor<float>& gv = detail::gradient_slot<typename F::v::input>(g);
@@ -1747,7 +1760,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, B const&... bindings) {
-  return detail::emulate_gradient_impl(plan, opt, dout, static_cast<void const*>(nullptr), bindings...);
+  return detail::emulate_gradient_impl(plan, opt, dout, static_cast<void const*>(nullptr), nullptr, bindings...);
 }
 
 // The chained form, for one block of a sequence evaluated through a state:
@@ -1765,14 +1778,14 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, state con
   static_assert(detail::chainable<decltype(linear)>() || true);
   state d_initial(memory::host);
   detail::chain_states const chain{&initial, &d_final, &d_initial};
-  auto g = detail::emulate_gradient_impl(linear, opt, dout, &chain, bindings...);
+  auto g = detail::emulate_gradient_impl(linear, opt, dout, &chain, nullptr, bindings...);
   return std::pair{std::move(g), std::move(d_initial)};
 }
 
 namespace detail {
 template <class Plan, class Dout, class Chain, class... B>
 auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_request tiles, Chain const* chain,
-                   B const&... bindings) {
+                   sequences const* packed, B const&... bindings) {
   check_tile_request(tiles);
   constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
@@ -1786,7 +1799,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
     layers_backward(
         plan, g, dout, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, tiles, b...); },
         [&](auto const& p, auto const& d, auto const&... b) {
-          return gradient_impl(p, d, stream, tiles, static_cast<void const*>(nullptr), b...);
+          return gradient_impl(p, d, stream, tiles, static_cast<void const*>(nullptr), nullptr, b...);
         },
         [&](tensor<T>& to, tensor<T> const& from) { add_into(to, from, stream); },
         bindings...);
@@ -1806,12 +1819,14 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
     forward_args a = detail::device_args<F>(device_view<T>{}, in, 4);  // W after ∂out
     a.in[3] = detail::device_operand(dv);
     // Too few (batch, head) blocks for the device: the chunk-parallel form, where the plan has one.
-    if (std::int64_t const rows = ps.size() == 1 && a.n > 0 && keys_of(a) > 0
+    if (std::int64_t const rows = ps.size() == 1 && !packed && a.n > 0 && keys_of(a) > 0
                                       ? split_rows(tiles, blocks_of(ps.front(), a), a.n, ps.front().tiles.chunk, dev.sms)
                                       : 0)
       if (std::vector<program> sp = split_backward_programs_of(s); !sp.empty()) ps = std::move(sp), a.group_rows = rows;
     program const& p = ps.front();
     std::size_t const n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
+    device_buffer offsets;
+    if (packed) offsets = device_offsets(*packed, stream, call), pack(a, *packed, static_cast<std::int64_t const*>(offsets.get()));
     tensor<T>& gq = detail::gradient_slot<typename F::q::input>(g);
     tensor<T>& gk = detail::gradient_slot<typename F::k::input>(g);
     tensor<T>& gv = detail::gradient_slot<typename F::v::input>(g);
@@ -1870,7 +1885,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto gradient(Plan const& plan, Dout const& dout, void* stream, tile_request tiles, B const&... bindings) {
-  return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), bindings...);
+  return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), nullptr, bindings...);
 }
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
@@ -1880,10 +1895,14 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bind
 
 // ---- packed sequences' gradients ----
 // emulate_gradient(plan, opts, dout, seqs, Q = q, …) and gradient(plan, dout,
-// stream, [tiles,] seqs, Q = dq, …): each sequence's gradients (the backward
-// launches of a batch of one), put in place: an input cut into sequences gets
-// its rows, one every sequence reads whole (W, or K and V of a
-// cross-attention) the sum of the sequences' shares, in sequence order.
+// stream, [tiles,] seqs, Q = dq, …): each sequence's gradients in place. Where
+// one launch serves the pack (one_launch: backward programs whose buffers are
+// all by rows — a linear plan without W — and no sequence long enough to want
+// splitting), its backward launches run once for all sequences, each block
+// on its sequence's rows; otherwise each sequence's own (a batch of one), an
+// input cut into sequences getting its rows, one every sequence reads whole
+// (W, or K and V of a cross-attention) the sum of the sequences' shares, in
+// sequence order.
 namespace detail {
 template <class Plan, class Tensor, class... In, class Dout, class Grad, class Add, class... B>
 void packed_gradients(gradients<Tensor, In...>& g, Dout const& dout, sequences const& seqs, Grad const& grad,
@@ -1914,6 +1933,8 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, sequences
   auto in = bind<Plan>(bindings...);
   check_packed<packed_dim<Plan>>(in, seqs);
   detail::check_dout<Plan>(view_of(dout).shape(), in);
+  if (detail::one_launch(plan, opt, in, seqs, false, 0, true))
+    return detail::emulate_gradient_impl(plan, opt, dout, static_cast<void const*>(nullptr), &seqs, bindings...);
   gradients_for<lina::tensor<float>, Plan> g;
   detail::packed_zeros<Plan>(g, in, [](shape4 sh) { return lina::tensor<float>(sh); });
   detail::packed_gradients<Plan>(
@@ -1936,7 +1957,9 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, tile_request til
   check_packed<packed_dim<Plan>>(in, seqs);
   detail::check_dout<Plan>(view_of(dout).shape(), in);
   char const* call = "cuda::gradient";
-  require_device(call);
+  int const sms = require_device(call).sms;
+  if (detail::one_launch(plan, options{.in = dtype_of<T>, .out = dtype_of<T>, .tiles = tiles}, in, seqs, false, sms, true))
+    return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), &seqs, bindings...);
   gradients_for<tensor<T>, Plan> g;
   detail::packed_zeros<Plan>(g, in, [&](shape4 sh) {
     tensor<T> t(sh, call);
@@ -1962,7 +1985,7 @@ auto gradient(Plan const& plan, Dout const& dout, state const& initial, state co
   static_assert(detail::chainable<decltype(linear)>() || true);
   state d_initial(memory::device);
   detail::chain_states const chain{&initial, &d_final, &d_initial};
-  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, bindings...);
+  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, nullptr, bindings...);
   return std::pair{std::move(g), std::move(d_initial)};
 }
 template <class Plan, class Dout, class... B>

@@ -647,11 +647,18 @@ struct forward_args {
 };
 // The rows of K and V.
 inline std::int64_t keys_of(forward_args const& a) { return a.n_keys < 0 ? a.n : a.n_keys; }
+// Is a buffer laid out by the rows of N (of N_keys: keys), as ∂K, ∂V and a
+// backward's scratch rows are? Not ∂W (per batch and head), a state's
+// gradient (per batch row) or a split's sums (per group).
+inline bool by_rows(extra_buffer const& e) { return !e.per_group && e.rows == 0 && (e.keys || e.cols > 0); }
 // Can one launch of p run packed sequences (forward_args::row_offsets)? A
-// program of one block per (sequence, head, M tile) walking its rows: not
-// one that splits rows among blocks (split, quadratic), nor a backward (its
-// further outputs and scratch are per batch row).
-inline bool packable(program const& p) { return !p.split && !p.quadratic && p.extras.empty(); }
+// program of one block per (sequence, head, M tile) walking its rows — not
+// one that splits rows among blocks (split, quadratic) — whose further
+// buffers are all by rows (a backward's ∂K, ∂V, scratch; not ∂W, which sums
+// over a batch row's sequences, nor a chained backward's state gradients).
+inline bool packable(program const& p) {
+  return !p.split && !p.quadratic && std::all_of(p.extras.begin(), p.extras.end(), by_rows);
+}
 
 // Do the elements of two fp32 [batch, heads, rows, cols] operands overlap?
 // (From their strides, which must be non-negative.)
