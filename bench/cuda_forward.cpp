@@ -8,7 +8,8 @@
 // result is checked against the host emulation on the first rows of one
 // (batch, head), so a fast wrong kernel does not pass for a benchmark.
 //
-//   cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget seconds] [--tsv file] [--check-rows n]
+//   cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--packed SxLxHxD,…|none] [--no-backward] [--budget seconds]
+//                [--tsv file] [--check-rows n]
 //                [--copy-mib m] [--ablate] [--tiles TxTM[p][sG][/N],…] [--compile-only sm_XY [--sms n]]
 //
 // Per shape also the backward (--no-backward skips it): the generated backward
@@ -25,6 +26,18 @@
 // step and GB/s counting the fp32 state read and written once (the floor of a
 // step), against the copy. The first step is checked against the emulation.
 // Its tsv row has T = 1.
+//
+// --packed SxLxHxD,… (default 512x64x16x64,32x1024x16x128,4x8192x16x128; "none"
+// skips it) times packed sequences, the workload of fla's cu_seqlens: S
+// sequences of mean length L (sequence i has L/2 + (40503·i mod (L+1)) rows;
+// bench/fla_forward.py draws the same) end to end in one batch row, bf16
+// [1, H, ΣN, D = M]: the forward through evaluate_into(plan, out, stream, seqs,
+// …) — one launch where the pack fills the device, else a launch per sequence —
+// beside the same sequences evaluated one by one (evaluate_into on each one's
+// rows: what one launch saves), and unless --no-backward the gradients through
+// cuda::gradient(plan, dout, stream, seqs, …), the allocating call, as fla's
+// autograd allocates. Checked: the last sequence's first rows (output and ∂Q) of
+// the last head against the emulation. Its tsv rows have B = pS and T = L.
 //
 // --tiles TxTM[p][sG][/N],… (default 64x64p,32x64,64x128,32x128,32x128p,16x128,
 // 64x128/512,64x64s4,64x64s16,32x128s8; "none": no sweep) times the forward again
@@ -509,6 +522,98 @@ bool decode_steps(std::string const& text, double budget, double copy_bw, cudaSt
   return ok;
 }
 
+// --packed's SxLxHxD: S sequences of mean length L, H heads, D = M.
+struct pack {
+  std::size_t s, l, h, d;
+};
+std::vector<pack> parse_packs(std::string_view text) {
+  std::vector<pack> r;
+  if (text == "none") return r;
+  for (shape const& x : parse_shapes(text)) r.push_back({x.b, x.t, x.h, x.d});  // (the same four numbers)
+  return r;
+}
+// The pack's lengths: L/2 + (40503·i mod (L+1)), mean about L (fla_forward.py draws the same).
+sequences lengths_of(pack const& p) {
+  std::vector<std::size_t> n(p.s);
+  for (std::size_t i = 0; i < p.s; ++i) n[i] = p.l / 2 + (40503 * i) % (p.l + 1);
+  return sequences::from_lengths(n);
+}
+
+// One pack timed (--packed): a table row; its ms in the tsv (B = pS, T = L).
+// True when the last sequence's first rows of the last head (output, ∂Q)
+// match the emulation.
+bool time_packed(pack const& pk, bool backward, double budget, double copy_bw, std::size_t check_rows, int sms,
+                 cudaStream_t stream, std::FILE* tsv) {
+  sequences const seqs = lengths_of(pk);
+  std::size_t const total = seqs.total(), h = pk.h, d = pk.d, last = pk.s - 1;
+  shape4 const sh{1, h, total, d};
+  auto upload = [&](std::uint64_t seed) {
+    auto bits = random_bf16(h * total * d, seed);
+    cuda::tensor<cuda::bf16> t(sh);
+    check(cudaMemcpy(t.data(), bits.data(), t.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
+    return std::pair{std::move(t), std::move(bits)};
+  };
+  auto [q, hq] = upload(21);
+  auto [k, hk] = upload(22);
+  auto [v, hv] = upload(23);
+  cuda::tensor<cuda::bf16> o(sh), alone_o(sh);
+  auto const in = cuda::detail::check_sequences<std::remove_cvref_t<decltype(plan)>>(o.view(), seqs, Q = q, K = k, V = v);
+  bool const one = cuda::detail::one_launch(plan, bf16, in, seqs, false, sms);
+  bool const one_backward = cuda::detail::one_launch(plan, bf16, in, seqs, false, sms, true);
+
+  int reps = 0, alone_reps = 0;
+  double const ms = time_within([&] { cuda::evaluate_into(plan, o.view(), stream, seqs, Q = q, K = k, V = v); }, budget,
+                                50, stream, &reps);
+  auto rows = [&](cuda::tensor<cuda::bf16>& t, std::size_t x) {
+    return lina::detail::rows_of_view(t.view(), seqs.begin(x), seqs.length(x));
+  };
+  double const alone_ms = time_within(
+      [&] {
+        for (std::size_t x = 0; x < seqs.count(); ++x)
+          cuda::evaluate_into(plan, rows(alone_o, x), stream, Q = rows(q, x), K = rows(k, x), V = rows(v, x));
+      },
+      budget / 2, 20, stream, &alone_reps);
+
+  // The last sequence's first rows of the last head, [1, 1, rows, d].
+  std::size_t const n = std::min(check_rows, seqs.length(last)), first = (h - 1) * total + seqs.begin(last);
+  auto pick = [&](std::vector<std::uint16_t> const& bits) {
+    lina::tensor<float> t({1, 1, n, d});
+    for (std::size_t i = 0; i < n * d; ++i) t.data()[i] = cuda::from_bf16_bits(bits[first * d + i]);
+    return t;
+  };
+  auto const want = cuda::emulate(plan, bf16, Q = pick(hq), K = pick(hk), V = pick(hv));
+  double const err = device_error(o.data() + first * d, n * d, want.data());
+  bool ok = err <= std::ldexp(1.0, -8);
+
+  double bwd_ms = 0, bwd_err = 0;
+  if (backward) {
+    auto [dout, hd] = upload(24);
+    int bwd_reps = 0;
+    bwd_ms = time_within([&] { cuda::gradient(plan, dout, stream, seqs, Q = q, K = k, V = v); }, budget, 50, stream,
+                         &bwd_reps);
+    auto const g = cuda::gradient(plan, dout, stream, seqs, Q = q, K = k, V = v);
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    auto const want_g = cuda::emulate_gradient(plan, bf16, pick(hd), Q = pick(hq), K = pick(hk), V = pick(hv));
+    bwd_err = device_error(g[Q].data() + first * d, n * d, want_g[Q].data());
+    ok = ok && bwd_err <= std::ldexp(1.0, -8);
+  }
+  double const flops = 4.0 * double(h) * double(total) * double(d) * double(d);
+  double const gbs = 2.0 * 4.0 * double(h * total * d) / (ms * 1e-3) / 1e9;  // q, k, v read, o written, bf16
+  fmt::print("| {} | {} | {} | {} | {} | {} | {} | {:.3f} | {:.2f} | {:.0f} | {:.1f} % | {:.3f} ({:.2f}×) | {} | {:.1e}{} {} |\n",
+             pk.s, pk.l, total, h, d, one ? "one" : "per sequence", reps, ms, flops / (ms * 1e-3) / 1e12, gbs,
+             100.0 * gbs / copy_bw, alone_ms, alone_ms / ms,
+             backward ? fmt::format("{:.3f} ({})", bwd_ms, one_backward ? "one launch" : "per sequence") : std::string(),
+             err, backward ? fmt::format(", ∂Q {:.1e}", bwd_err) : std::string(), ok ? "ok" : "**MISMATCH**");
+  std::fflush(stdout);
+  if (tsv) {
+    if (backward)
+      std::fprintf(tsv, "p%zu\t%zu\t%zu\t%zu\t%.6f\t%.6f\n", pk.s, pk.l, h, d, ms, bwd_ms);
+    else
+      std::fprintf(tsv, "p%zu\t%zu\t%zu\t%zu\t%.6f\n", pk.s, pk.l, h, d, ms);
+  }
+  return ok;
+}
+
 }  // namespace
 
 // The relative RMS error of `o`'s first rows of the last (batch, head)
@@ -609,7 +714,7 @@ std::vector<cuda::tile_request> backward_chunks(shape const& s, std::vector<cuda
 // device of architecture `arch` with `sms` SMs, compiled through NVRTC's
 // on-disk cache. No device needed.
 int compile_only(std::string const& arch, int sms, std::vector<shape> const& shapes, std::vector<cuda::tile_request> const& tiles,
-                 bool backward, std::string const& decode, bool ablation) {
+                 bool backward, std::string const& decode, bool ablation, std::vector<pack> const& packs) {
   std::vector<cuda::program> ps;
   auto forward = [&](forward_launch const& f) {
     ps.push_back(f.one);  // (timed beside a split)
@@ -635,6 +740,17 @@ int compile_only(std::string const& arch, int sms, std::vector<shape> const& sha
           backward_at(s, t);
         } catch (std::invalid_argument const&) {
         }
+  }
+  for (pack const& pk : packs) {  // one launch's program, and each sequence's own where it runs alone (a long one split)
+    std::set<std::size_t> lengths;
+    sequences const seqs = lengths_of(pk);
+    for (std::size_t x = 0; x < seqs.count(); ++x) lengths.insert(seqs.length(x));
+    for (std::size_t n : lengths) {
+      if (n == 0) continue;
+      shape const s{1, n, pk.h, pk.d};
+      forward(forward_launch_of(spec_at(s), s, sms));
+      if (backward) backward_at(s, {});
+    }
   }
   if (decode != "none") {  // cuda::recurrent: its prefill (a chained evaluation of the prompt), then its step kernel
     auto const [b, h, d] = parse_decode(decode);
@@ -678,7 +794,7 @@ int compile_only(std::string const& arch, int sms, std::vector<shape> const& sha
 }
 
 constexpr char const* usage =
-    "cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--no-backward] [--budget seconds per shape] [--tsv file] "
+    "cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--packed SxLxHxD,…|none] [--no-backward] [--budget seconds per shape] [--tsv file] "
     "[--check-rows n] [--copy-mib m] [--ablate] [--tiles TxTM[p][sG][/N],…] [--compile-only sm_XY [--sms n]]";
 
 int main(int argc, char** argv) {
@@ -688,6 +804,7 @@ int main(int argc, char** argv) {
   std::size_t check_rows = 2048, copy_mib = 2048;
   bool ablation = false;
   std::string decode = "64x32x128";
+  std::string packed = "512x64x16x64,32x1024x16x128,4x8192x16x128";
   bool backward = true;
   std::vector<cuda::tile_request> tiles =
       parse_tiles("64x64p,32x64,64x128,32x128,32x128p,16x128,64x128/512,64x64s4,64x64s16,32x128s8");  // (lina's own at D = 64, 128: 64x64/256)
@@ -708,6 +825,8 @@ int main(int argc, char** argv) {
         shapes = parse_shapes(value());
       else if (a == "--decode")
         decode = value();
+      else if (a == "--packed")
+        packed = value();
       else if (a == "--no-backward")
         backward = false;
       else if (a == "--budget")
@@ -733,8 +852,16 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "{}\n", e.what());
     return 1;
   }
+  std::vector<pack> packs;
+  try {
+    packs = parse_packs(packed);
+  } catch (std::exception const& e) {
+    fmt::print(stderr, "cuda_forward: --packed is SxLxHxD (S sequences of mean length L), e.g. 512x64x16x64, or none: {}\n",
+               e.what());
+    return 1;
+  }
   if (!compile_arch.empty()) try {
-      return compile_only(compile_arch, sms_given, shapes, tiles, backward, decode, ablation);
+      return compile_only(compile_arch, sms_given, shapes, tiles, backward, decode, ablation, packs);
     } catch (std::exception const& e) {
       fmt::print(stderr, "cuda_forward --compile-only: {}\n", e.what());
       return 1;
@@ -837,6 +964,15 @@ int main(int argc, char** argv) {
       }
     }
     if (decode != "none") failures += decode_steps(decode, budget, copy_bw, stream, out) ? 0 : 1;
+    if (!packs.empty()) {
+      fmt::print("\n## Packed sequences (fla's cu_seqlens): S sequences of mean length L end to end, bf16 [1, H, ΣN, D], "
+                 "causal elu+1\n\n");
+      fmt::print("| S | L (mean) | ΣN | H | D = M | launches | reps | median ms | TFLOP/s | GB/s (q,k,v read, o written) | "
+                 "of copy | one by one ms (its time / packed) | cuda::gradient ms | check (rel. RMS vs emulation) |\n");
+      fmt::print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      for (pack const& pk : packs)
+        failures += time_packed(pk, backward, budget / 2, copy_bw, std::min<std::size_t>(check_rows, 512), sms, stream, out) ? 0 : 1;
+    }
     // --tiles, after what the issues ask for: the same forward (and backward) at
     // other schedules, a sixth of the budget each, against lina's choice above.
     if (!tiles.empty()) {

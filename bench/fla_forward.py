@@ -2,7 +2,8 @@
 """flash-linear-attention's chunked linear attention at the shapes of
 bench/cuda_forward.cpp, for scripts/gpu-check to print lina's time next to it.
 
-    fla_forward.py [--shapes BxTxHxD,...] [--decode BxHxD|none] [--no-backward] [--budget seconds] [--tsv file]
+    fla_forward.py [--shapes BxTxHxD,...] [--decode BxHxD|none] [--packed SxLxHxD,...|none] [--no-backward]
+                   [--budget seconds] [--tsv file]
 
 Per shape also forward + backward (unless --no-backward): autograd through
 chunk_linear_attn with the mapped q, k and v as leaves and a random ∂o, timed
@@ -20,6 +21,12 @@ heads: fla.ops.linear_attn.fused_recurrent_linear_attn on one token per
 sequence ([B, 1, H, D]) from an fp32 state (kv [B, H, D, D], z [B, 1, H, D]),
 normalize=True, output_final_state=True: what lina's cuda::recurrent step
 does. Its tsv row has T = 1, as bench/cuda_forward's.
+
+--packed (default 512x64x16x64,32x1024x16x128,4x8192x16x128) also times packed
+sequences: S sequences of mean length L (sequence i has L//2 + (40503*i mod
+(L+1)) rows, as bench/cuda_forward.cpp draws them) end to end in one batch row,
+[1, sum, H, D], through chunk_linear_attn(..., cu_seqlens=offsets) (int64), forward
+and forward + backward; its tsv rows have B = pS and T = L.
 
 --warmup calls each op once per shape (forward, forward + backward, the
 decode step) and times nothing: Triton compiles fla's kernels into its cache
@@ -39,6 +46,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x8192x96x128,2x16384x16x128,8x2048x32x64,8x1024x8x64")
     ap.add_argument("--decode", default="64x32x128")
+    ap.add_argument("--packed", default="512x64x16x64,32x1024x16x128,4x8192x16x128")
     ap.add_argument("--no-backward", dest="backward", action="store_false",
                     help="skip forward + backward (autograd through chunk_linear_attn)")
     ap.add_argument("--budget", type=float, default=6.0, help="seconds of timed calls per shape, at most")
@@ -121,6 +129,11 @@ def main():
             decode(args, tsv, torch)
         except Exception as e:  # noqa: BLE001 - the forward rows stand; say why the step has none
             print(f"\nfla decode step: failed: {e}")
+    if args.packed != "none":
+        try:
+            packed(args, tsv, kwargs, chunk_linear_attn, torch, F)
+        except Exception as e:  # noqa: BLE001 - the rows above stand; say why the packs have none
+            print(f"\nfla packed sequences: failed: {e}")
     if tsv:
         tsv.close()
     return 0
@@ -143,6 +156,19 @@ def warm(args, kwargs, chunk_linear_attn, torch, F):
         del q, k, v
         torch.cuda.empty_cache()
         print(f"warmed {text}: {time.monotonic() - t0:.0f} s", flush=True)
+    if args.packed != "none":
+        for text in args.packed.split(","):
+            t0 = time.monotonic()
+            q, k, v, cu = pack_inputs(text, torch, F)
+            chunk_linear_attn(q, k, v, cu_seqlens=cu, **kwargs)
+            if args.backward:
+                ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+                torch.autograd.backward(chunk_linear_attn(ql, kl, vl, cu_seqlens=cu, **kwargs)[0], torch.rand_like(v))
+                del ql, kl, vl
+            torch.cuda.synchronize()
+            del q, k, v
+            torch.cuda.empty_cache()
+            print(f"warmed the pack {text}: {time.monotonic() - t0:.0f} s", flush=True)
     if args.decode != "none":
         t0 = time.monotonic()
         budget, args.budget = args.budget, 0.0
@@ -172,6 +198,56 @@ def median_ms(f, budget, torch):
         e.record()
     torch.cuda.synchronize()
     return reps, statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def pack_lengths(s, mean):
+    """The pack's lengths, as bench/cuda_forward.cpp's lengths_of."""
+    return [mean // 2 + (40503 * i) % (mean + 1) for i in range(s)]
+
+
+def pack_inputs(text, torch, F, seed=3):
+    """q, k (mapped: elu+1), v in [1, sum, H, D] bf16 and the int64 offsets (cu_seqlens) of an SxLxHxD pack."""
+    s, mean, h, d = (int(x) for x in text.split("x"))
+    lengths = pack_lengths(s, mean)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    def rand(*shape):
+        return torch.rand(*shape, device="cuda", generator=g, dtype=torch.float32).mul_(2).sub_(1).to(torch.bfloat16)
+    total = offsets[-1]
+    q = F.elu(rand(1, total, h, d)) + 1
+    k = F.elu(rand(1, total, h, d)) + 1
+    v = rand(1, total, h, d)
+    return q, k, v, torch.tensor(offsets, device="cuda", dtype=torch.int64)
+
+
+def packed(args, tsv, kwargs, chunk_linear_attn, torch, F):
+    """--packed: chunk_linear_attn over cu_seqlens, forward and forward + backward."""
+    print()
+    print("fla packed sequences: chunk_linear_attn(..., cu_seqlens=offsets), [1, sum, H, D] bf16")
+    print()
+    print("| S | L (mean) | sum | H | D = M | reps | median ms (fla) |" + (" fwd+bwd ms (fla) |" if args.backward else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if args.backward else ""))
+    for text in args.packed.split(","):
+        s, mean, h, d = (int(x) for x in text.split("x"))
+        q, k, v, cu = pack_inputs(text, torch, F)
+        reps, ms = median_ms(lambda: chunk_linear_attn(q, k, v, cu_seqlens=cu, **kwargs), args.budget, torch)
+        both = ""
+        if args.backward:
+            ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+            do = torch.rand_like(v)
+            def train():
+                torch.autograd.backward(chunk_linear_attn(ql, kl, vl, cu_seqlens=cu, **kwargs)[0], do)
+            _, both_ms = median_ms(train, args.budget, torch)
+            both = f" {both_ms:.3f} |"
+            del ql, kl, vl, do
+        print(f"| {s} | {mean} | {q.shape[1]} | {h} | {d} | {reps} | {ms:.3f} |{both}", flush=True)
+        if tsv:
+            tsv.write(f"p{s}\t{mean}\t{h}\t{d}\t{ms:.6f}" + (f"\t{both_ms:.6f}" if args.backward else "") + "\n")
+            tsv.flush()
+        del q, k, v
+        torch.cuda.empty_cache()
 
 
 def decode(args, tsv, torch):
