@@ -156,7 +156,15 @@ def warm(args, kwargs, chunk_linear_attn, torch, F):
         del q, k, v
         torch.cuda.empty_cache()
         print(f"warmed {text}: {time.monotonic() - t0:.0f} s", flush=True)
-    if args.packed != "none":
+    if args.decode != "none":
+        t0 = time.monotonic()
+        budget, args.budget = args.budget, 0.0
+        try:
+            decode(args, None, torch)
+        finally:
+            args.budget = budget
+        print(f"warmed the decode step {args.decode}: {time.monotonic() - t0:.0f} s", flush=True)
+    if args.packed != "none":  # (last: the shapes and the step come first in gpu-check)
         for text in args.packed.split(","):
             t0 = time.monotonic()
             q, k, v, cu = pack_inputs(text, torch, F)
@@ -169,14 +177,6 @@ def warm(args, kwargs, chunk_linear_attn, torch, F):
             del q, k, v
             torch.cuda.empty_cache()
             print(f"warmed the pack {text}: {time.monotonic() - t0:.0f} s", flush=True)
-    if args.decode != "none":
-        t0 = time.monotonic()
-        budget, args.budget = args.budget, 0.0
-        try:
-            decode(args, None, torch)
-        finally:
-            args.budget = budget
-        print(f"warmed the decode step {args.decode}: {time.monotonic() - t0:.0f} s", flush=True)
     return 0
 
 
