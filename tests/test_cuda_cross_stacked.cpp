@@ -369,6 +369,33 @@ tensor<float> batch_row(tensor<float> const& all, std::size_t s) {
 }
 }  // namespace
 
+// A backward too large for one block runs over slices of M's columns (D = M =
+// 256: several programs sharing fp32 sums by rows): each slice's program runs
+// once for the pack, and each sequence's gradients are its own alone, bit for bit.
+TEST_CASE("packed sequences: a backward over slices of M's columns runs each slice once for the pack") {
+  auto const plan = plan_of(causal_expr);
+  auto const seqs = sequences::from_lengths({70, 0, 1, 40});
+  std::size_t const d = 256, m = 256;
+  auto spec = cuda::spec_of(plan);
+  spec.d = d, spec.m = m;
+  auto const ps = cuda::backward_programs_of(spec);
+  REQUIRE(ps.size() >= 2);
+  for (auto const& p : ps) CHECK(cuda::packable(p));
+  auto x = [&](std::size_t cols, std::uint64_t seed) { return tensor<float>::random({1, 1, seqs.total(), cols}, seed); };
+  auto q = x(d, 1), k = x(d, 2), v = x(m, 3), dout = x(m, 4);
+  kernel_count launches;
+  auto g = cuda::emulate_gradient(plan, {}, dout, seqs, Q = q, K = k, V = v);
+  CHECK(kernel_count::runs == static_cast<int>(ps.size()));
+  for (std::size_t s = 0; s < seqs.count(); ++s) {
+    CAPTURE(s);
+    auto rows = [&](tensor<float> const& t) { return sequence_rows(t, seqs, s); };
+    auto alone = cuda::emulate_gradient(plan, {}, rows(dout), Q = rows(q), K = rows(k), V = rows(v));
+    CHECK(max_abs_diff(rows(g[Q]), alone[Q]) == 0);
+    CHECK(max_abs_diff(rows(g[K]), alone[K]) == 0);
+    CHECK(max_abs_diff(rows(g[V]), alone[V]) == 0);
+  }
+}
+
 TEST_CASE("packed sequences through a state: each chained alone, the CPU's packed chaining, then a step each") {
   auto const plan = compile(causal_expr);
   auto const first = sequences::from_lengths({70, 0, 1, 129, 5}), second = sequences::from_lengths({3, 40, 0, 65, 1});

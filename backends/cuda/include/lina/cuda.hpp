@@ -889,6 +889,12 @@ inline operand dense_operand(void const* data, shape4 const& s) {
   o.cols = static_cast<std::int64_t>(s[3]);
   return o;
 }
+// The options of a launch on device memory: the operands' element types (T
+// in, O out) and the caller's schedule.
+template <class T, class O>
+options device_options(tile_request tiles) {
+  return {.in = dtype_of<std::remove_const_t<T>>, .out = dtype_of<std::remove_const_t<O>>, .tiles = tiles};
+}
 // The spec of plan at the bound extents and element types.
 template <class Plan, class Bound>
 attention_spec bound_spec(Plan const& plan, options opt, Bound const& in) {
@@ -1210,9 +1216,8 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, void* s
   using F = forward_plan<Plan>;
   using T = typename Bound::value_type;
   if constexpr (F::ok && is_device_view<typename Bound::view_type>) {
-    attention_spec s = bound_spec(plan, options{dtype_of<T>, dtype_of<O>}, in);
+    attention_spec s = bound_spec(plan, device_options<T, O>(tiles), in);
     s.chained = w.st != nullptr;
-    s.tiles = tiles;
     forward_args a = device_args<F>(out, in);
     program const p = program_of(s);
     device_status const dev = require_device(call);
@@ -1440,7 +1445,7 @@ void evaluate_into(Plan const& plan, device_view<O> out, void* stream, tile_requ
   auto in = detail::check_sequences<Plan>(out, seqs, bindings...);
   using T = std::remove_const_t<typename decltype(in)::value_type>;
   int const sms = require_device("cuda::evaluate_into").sms;
-  if (detail::one_launch(plan, options{.in = dtype_of<T>, .out = dtype_of<O>, .tiles = tiles}, in, seqs, false, sms)) {
+  if (detail::one_launch(plan, detail::device_options<T, O>(tiles), in, seqs, false, sms)) {
     detail::launch_bound(plan, out, in, stream, tiles, "cuda::evaluate_into", {.packed = &seqs});
     return;
   }
@@ -1508,7 +1513,7 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
         linear, out, st, seqs, stream, "cuda::evaluate_into",
         [&](auto const& in) {
           using T = std::remove_const_t<typename std::remove_cvref_t<decltype(in)>::value_type>;
-          return detail::one_launch(linear, options{.in = dtype_of<T>, .out = dtype_of<O>, .tiles = tiles}, in, seqs, true, sms);
+          return detail::one_launch(linear, detail::device_options<T, O>(tiles), in, seqs, true, sms);
         },
         [&](device_view<O> rows, auto const& in, detail::run_with w) {
           detail::launch_bound(linear, rows, in, stream, tiles, "cuda::evaluate_into", w);
@@ -1811,9 +1816,8 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
     static_assert(std::is_same_v<std::remove_const_t<typename decltype(dv)::element_type_>, T>,
                   "lina::cuda::gradient: dout must have the inputs' element type");
     detail::check_dout<Plan>(dv.shape(), in);
-    attention_spec s = detail::bound_spec(plan, options{dtype_of<T>, dtype_of<T>}, in);
+    attention_spec s = detail::bound_spec(plan, device_options<T, T>(tiles), in);
     s.chained = chained;
-    s.tiles = tiles;
     std::vector<program> ps = backward_programs_of(s);  // one launch, or softmax's two or three
     device_status const dev = require_device(call);
     forward_args a = detail::device_args<F>(device_view<T>{}, in, 4);  // W after ∂out
@@ -1958,7 +1962,7 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, tile_request til
   detail::check_dout<Plan>(view_of(dout).shape(), in);
   char const* call = "cuda::gradient";
   int const sms = require_device(call).sms;
-  if (detail::one_launch(plan, options{.in = dtype_of<T>, .out = dtype_of<T>, .tiles = tiles}, in, seqs, false, sms, true))
+  if (detail::one_launch(plan, detail::device_options<T, T>(tiles), in, seqs, false, sms, true))
     return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), &seqs, bindings...);
   gradients_for<tensor<T>, Plan> g;
   detail::packed_zeros<Plan>(g, in, [&](shape4 sh) {
