@@ -227,6 +227,30 @@ void check_golden(Plan const& plan, cuda::options opt, std::string const& file) 
 // gradient or what another instruction reads; none in fp32 or f16 programs.
 // Half the bytes lets the backward at D = M = 128 take chunks of 32 rows
 // where fp32 tiles need 16.
+// program_of and the backward's keep the programs of the last specs asked for
+// (a launch asks at every call): asked again, before or after the entry was
+// pushed out by newer ones, a spec gets the program it got the first time.
+TEST_CASE("plans → tile programs: a spec asked for again gets the same program, kept or built again") {
+  auto s = cuda::spec_of(compile<order::linear>(causal_expr));
+  std::vector<cuda::program> forward, backward;
+  for (std::size_t d = 1; d <= 40; ++d) {  // more specs than are kept
+    s.d = s.m = d;
+    forward.push_back(cuda::program_of(s));
+    backward.push_back(cuda::backward_programs_of(s).front());
+  }
+  CHECK(forward[0] != forward[1]);
+  CHECK(forward[0].kernel_name != forward[1].kernel_name);
+  for (std::size_t d = 40; d >= 1; --d) {
+    CAPTURE(d);
+    s.d = s.m = d;
+    CHECK(cuda::program_of(s) == forward[d - 1]);
+    CHECK(cuda::backward_programs_of(s).front() == backward[d - 1]);
+  }
+  s.d = s.m = 5;  // (just asked for: kept)
+  s.causal = false;  // another field than the extents
+  CHECK(cuda::program_of(s).kernel_name.starts_with("lina_full"));
+}
+
 TEST_CASE("registers stored as bf16: the operands that only bf16 products read") {
   auto bf16_registers = [](cuda::program const& p) {
     std::set<std::string> r;

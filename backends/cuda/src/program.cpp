@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <algorithm>
+#include <mutex>
 #include <optional>
 #include <cstring>
 #include <stdexcept>
@@ -1269,7 +1270,7 @@ void drop_unused_registers(program& p) {
 }
 }  // namespace
 
-std::vector<program> split_backward_programs_of(attention_spec const& s) {
+static std::vector<program> build_split_backward_programs(attention_spec const& s) {
   bool const param = parametric(s.map_q) || parametric(s.map_k);
   if (s.softmax || s.step || s.d == 0 || s.m == 0) return {};
   check_maps(s);
@@ -1302,7 +1303,7 @@ std::vector<program> split_backward_programs_of(attention_spec const& s) {
   return ps;
 }
 
-std::vector<program> backward_programs_of(attention_spec const& s) {
+static std::vector<program> build_backward_programs(attention_spec const& s) {
   // poly2 whose state does not fit even one column of M per launch: through its kernel, as softmax.
   auto sliceable = [&] {
     attention_spec one = s;
@@ -1346,7 +1347,7 @@ program backward_program_of(attention_spec const& s) {
   throw std::invalid_argument(too_large(s, " (backward_programs_of splits M's columns over launches)"));
 }
 
-split_programs split_programs_of(attention_spec const& s) {
+static split_programs build_split_programs(attention_spec const& s) {
   if (quadratic_form(s)) throw std::invalid_argument("lina::cuda: the chunk-parallel form is for linear forwards");
   if (s.chained && !s.causal)
     throw std::invalid_argument("lina::cuda: only a causal attention carries a state, so only its split form takes one");
@@ -1534,7 +1535,7 @@ tile_config choose_tiles(attention_spec const& s) {
       s.d, lay_out(s, {16, static_cast<int>(std::min<std::size_t>(8, s.m)), 256}).shared_bytes(), shared_memory_budget));
 }
 
-program program_of(attention_spec const& s) {
+static program build_program(attention_spec const& s) {
   if (s.chained && s.softmax)
     throw std::invalid_argument(
         "lina::cuda: softmax attention carries no state from one evaluation to the next: exp has no finite feature "
@@ -1690,6 +1691,51 @@ bool overlap(operand const& x, operand const& y, std::int64_t batch, std::int64_
   auto [x0, x1] = span(x);
   auto [y0, y1] = span(y);
   return x0 < y1 && y0 < x1;
+}
+
+// The programs of the last specs asked for: a launch asks for its spec's
+// program at every call (evaluate_into, each step of a training loop), and
+// building one took 8–16 µs (2-core development machine, 2026-12-04), about
+// what a small kernel runs. Building is a function of the spec alone.
+namespace {
+template <class R>
+class memo {
+ public:
+  R get(attention_spec const& s, R (*build)(attention_spec const&)) {
+    {
+      std::lock_guard lock(mutex_);
+      for (auto e = entries_.rbegin(); e != entries_.rend(); ++e)  // (the latest first)
+        if (e->first == s) return e->second;
+    }
+    R r = build(s);  // (not under the lock: building asks for other programs)
+    std::lock_guard lock(mutex_);
+    if (entries_.size() == capacity) entries_.erase(entries_.begin());
+    entries_.emplace_back(s, r);
+    return r;
+  }
+
+ private:
+  static constexpr std::size_t capacity = 32;
+  std::mutex mutex_;
+  std::vector<std::pair<attention_spec, R>> entries_;
+};
+}  // namespace
+
+program program_of(attention_spec const& s) {
+  static memo<program> m;
+  return m.get(s, build_program);
+}
+split_programs split_programs_of(attention_spec const& s) {
+  static memo<split_programs> m;
+  return m.get(s, build_split_programs);
+}
+std::vector<program> backward_programs_of(attention_spec const& s) {
+  static memo<std::vector<program>> m;
+  return m.get(s, build_backward_programs);
+}
+std::vector<program> split_backward_programs_of(attention_spec const& s) {
+  static memo<std::vector<program>> m;
+  return m.get(s, build_split_backward_programs);
 }
 
 }  // namespace lina::cuda

@@ -222,6 +222,7 @@ struct user_map {
   std::string name, cuda_apply, cuda_derivative;
   float (*apply)(float) = nullptr;
   float (*derivative)(float) = nullptr;
+  bool operator==(user_map const&) const = default;
 };
 // Features of a row of D columns (F: columns of W, for the parametric maps): C.
 std::size_t features(feature_map m, std::size_t d, std::size_t f = 0);
@@ -282,6 +283,7 @@ struct attention_spec {
   user_map user[2];         // feature_map::user0 and user1
   tile_request tiles{};     // the caller's choice of chunk and M tile, if any
   std::string description;  // the plan as the user's program printed it (messages)
+  bool operator==(attention_spec const&) const = default;
 };
 
 // The user_map of feature_map::user0 or user1.
@@ -293,6 +295,7 @@ struct tile_config {
   int chunk = 64;    // T: rows per chunk
   int tile_m = 64;   // columns of V (and of the output) per block
   int threads = 256; // per block
+  bool operator==(tile_config const&) const = default;
 };
 
 // The most dynamic shared memory a block may use: sm_80 allows 163 KiB per
@@ -340,6 +343,7 @@ struct tile_register {
   dtype storage = dtype::f32;
   int bytes() const { return storage == dtype::f32 ? 4 : 2; }
   int pitch() const { return pitch_of(cols, bytes()); }
+  bool operator==(tile_register const&) const = default;
 };
 
 // Which triangle of a T × T tile a masked product keeps (instruction::tri_t, tri_a):
@@ -385,6 +389,7 @@ struct instruction {
 struct input_slot {
   std::string name;  // the plan's input symbol, e.g. "Q"
   std::string role;  // "q", "k" or "v"
+  bool operator==(input_slot const&) const = default;
 };
 
 // A pass: its instructions (the body, run per chunk), what runs once before
@@ -397,6 +402,7 @@ struct pass : std::vector<instruction> {
   bool reverse = false;              // last chunk first
   bool keys = false;                 // walks the rows of K and V (n_keys), not Q's
   std::vector<instruction> before;   // zero: run once before the chunks
+  bool operator==(pass const&) const = default;
 };
 
 // A buffer beyond the inputs and the output (forward_args::extra): a backward
@@ -447,6 +453,7 @@ struct program {
   static constexpr std::size_t read_slack = 64;          // bytes: 15 fp32 elements, and alignment
   std::size_t offset_of(int r) const;  // in bytes
   std::size_t shared_bytes() const;    // all registers, with their alignment
+  bool operator==(program const&) const = default;
 };
 
 // f(i) for every instruction of p, in the order a block runs them: the
