@@ -396,6 +396,39 @@ TEST_CASE("packed sequences: a backward over slices of M's columns runs each sli
   }
 }
 
+// FAVOR+ packed: one backward launch writes ∂W per (sequence, head), summed
+// over the pack in sequence order — each sequence's share as it would be
+// alone, so the pack's gradients equal the sequences' own, bit for bit.
+TEST_CASE("packed sequences: favor's backward in one launch, ∂W summed over the sequences") {
+  auto const plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+  auto const seqs = sequences::from_lengths({70, 0, 1, 129, 5});
+  std::size_t const h = 2, d = 16, m = 12, f = 24;
+  auto const projection = gaussian_projection<float>(d, f, 4);
+  auto const w = broadcast(projection, 1, h);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt));
+    cuda::options const opt{dt, dt};
+    auto x = [&](std::size_t cols, std::uint64_t seed) {
+      return rounded(tensor<float>::random({1, h, seqs.total(), cols}, seed), dt);
+    };
+    auto q = x(d, 1), k = x(d, 2), v = x(m, 3), dout = x(m, 4);
+    kernel_count launches;
+    auto g = cuda::emulate_gradient(plan, opt, dout, seqs, Q = q, K = k, V = v, W = w);
+    CHECK(kernel_count::runs == 1);
+    tensor<float> sum_w(g[W].shape());
+    for (std::size_t s = 0; s < seqs.count(); ++s) {
+      CAPTURE(s);
+      auto rows = [&](tensor<float> const& t) { return sequence_rows(t, seqs, s); };
+      auto alone = cuda::emulate_gradient(plan, opt, rows(dout), Q = rows(q), K = rows(k), V = rows(v), W = w);
+      CHECK(max_abs_diff(rows(g[Q]), alone[Q]) == 0);
+      CHECK(max_abs_diff(rows(g[K]), alone[K]) == 0);
+      CHECK(max_abs_diff(rows(g[V]), alone[V]) == 0);
+      for (std::size_t i = 0; i < sum_w.size(); ++i) sum_w.data()[i] += alone[W].data()[i];
+    }
+    CHECK(max_abs_diff(g[W], sum_w) == 0);
+  }
+}
+
 TEST_CASE("packed sequences through a state: each chained alone, the CPU's packed chaining, then a step each") {
   auto const plan = compile(causal_expr);
   auto const first = sequences::from_lengths({70, 0, 1, 129, 5}), second = sequences::from_lengths({3, 40, 0, 65, 1});
@@ -464,6 +497,59 @@ TEST_CASE("packed sequences through a state: each chained alone, the CPU's packe
                        doctest::Contains("cuda::to_host"), std::invalid_argument);
 }
 
+// Packed blocks chained through a state, differentiated last first: each
+// block's backward is one launch for the pack, reading the state row of each
+// sequence and writing its row of ∂(the state it started from) — equal to each
+// sequence's two blocks differentiated alone, bit for bit (gradients and ∂S).
+TEST_CASE("packed sequences through a state: the backward, block by block, = each sequence's own") {
+  auto const plan = compile(causal_expr);
+  auto const first = sequences::from_lengths({70, 0, 1, 129, 5}), second = sequences::from_lengths({3, 40, 0, 65, 1});
+  std::size_t const count = first.count(), h = 2, d = 24, m = 17;
+  test::rng r{93};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt));
+    cuda::options const opt{dt, dt};
+    auto one = [&](std::size_t rows, std::size_t cols) { return rounded(tensor<float>::random({1, h, rows, cols}, r.next()), dt); };
+    auto q1 = one(first.total(), d), k1 = one(first.total(), d), v1 = one(first.total(), m), d1 = one(first.total(), m);
+    auto q2 = one(second.total(), d), k2 = one(second.total(), d), v2 = one(second.total(), m), d2 = one(second.total(), m);
+    cuda::state st(cuda::memory::host);
+    (void)cuda::emulate(plan, opt, st, first, Q = q1, K = k1, V = v1);
+    cuda::state const after_first = st.copy_to(cuda::memory::host, nullptr, "test");
+    kernel_count launches;
+    auto [g2, ds2] = cuda::emulate_gradient(plan, opt, d2, after_first, cuda::state(cuda::memory::host), second,
+                                            Q = q2, K = k2, V = v2);
+    auto [g1, ds1] = cuda::emulate_gradient(plan, opt, d1, cuda::state(cuda::memory::host), ds2, first,
+                                            Q = q1, K = k1, V = v1);
+    CHECK(kernel_count::runs == 2);
+    REQUIRE(ds1.shape()[0] == count);
+    for (std::size_t s = 0; s < count; ++s) {
+      CAPTURE(s);
+      auto rows = [&](tensor<float> const& x, sequences const& seqs) { return sequence_rows(x, seqs, s); };
+      cuda::state alone(cuda::memory::host);
+      (void)cuda::emulate(plan, opt, alone, Q = rows(q1, first), K = rows(k1, first), V = rows(v1, first));
+      auto [a2, as2] = cuda::emulate_gradient(plan, opt, rows(d2, second), alone, cuda::state(cuda::memory::host),
+                                              Q = rows(q2, second), K = rows(k2, second), V = rows(v2, second));
+      auto [a1, as1] = cuda::emulate_gradient(plan, opt, rows(d1, first), cuda::state(cuda::memory::host), as2,
+                                              Q = rows(q1, first), K = rows(k1, first), V = rows(v1, first));
+      for (auto [got, want, seqs] : {std::tuple{&g1, &a1, &first}, std::tuple{&g2, &a2, &second}}) {
+        CHECK(max_abs_diff(rows((*got)[Q], *seqs), (*want)[Q]) == 0);
+        CHECK(max_abs_diff(rows((*got)[K], *seqs), (*want)[K]) == 0);
+        CHECK(max_abs_diff(rows((*got)[V], *seqs), (*want)[V]) == 0);
+      }
+      CHECK(max_abs_diff(batch_row(sums_of(ds2), s), sums_of(as2)) == 0);
+      CHECK(max_abs_diff(batch_row(sums_of(ds1), s), sums_of(as1)) == 0);
+    }
+  }
+  // A state of other rows than sequences: a shape_error before anything runs.
+  auto const seqs = sequences::from_lengths({4, 6});
+  auto q = tensor<float>::random({1, 2, 10, 8}, 1), k = tensor<float>::random({1, 2, 10, 8}, 2),
+       v = tensor<float>::random({1, 2, 10, 3}, 3), dout = tensor<float>::random({1, 2, 10, 3}, 4);
+  cuda::state three(plan, 3, 2, cuda::memory::host);
+  test::expect_shape_error(
+      [&] { (void)cuda::emulate_gradient(plan, {}, dout, three, cuda::state(cuda::memory::host), seqs, Q = q, K = k, V = v); },
+      "Q", "sequences (of packed sequences)", 2, 3);
+}
+
 // On a device: a few sequences, one long, are launched one by one, each with
 // the schedule its length gets (the 4100-row one split along N where the
 // device has idle SMs); many short ones in one launch, forward and backward. Against the packed
@@ -498,6 +584,13 @@ TEST_CASE("device: packed sequences = their emulation, forward and backward") {
       auto yc = cuda::evaluate(plan, st, nullptr, seqs, Q = dq, K = dk, V = dv);
       CHECK(relative_rms(cuda::to_host(yc), want_chained) <= forward_tolerance(dt));
       CHECK(relative_rms(sums_of(cuda::to_host(st)), sums_of(host)) <= 1e-5);
+      // The chained backward from those state rows: one launch for the pack.
+      auto want_c = cuda::emulate_gradient(plan, {dt, dt}, dout, host, cuda::state(cuda::memory::host), seqs,
+                                           Q = q, K = k, V = v);
+      auto got_c = cuda::gradient(plan, cuda::to_device<E>(dout), st, cuda::state(), nullptr, seqs, Q = dq, K = dk, V = dv);
+      for (std::size_t i = 0; i < got_c.first.all().size(); ++i)
+        CHECK(relative_rms(cuda::to_host(got_c.first.all()[i]), want_c.first.all()[i]) <= gradient_tolerance(dt));
+      CHECK(relative_rms(sums_of(cuda::to_host(got_c.second)), sums_of(want_c.second)) <= 1e-5);
       auto rnn = cuda::recurrent(plan, seqs.count(), 2, {dt, dt});
       cuda::tensor<E> prompt(yc.shape(), "test");
       rnn.prefill_into(prompt.view(), nullptr, seqs, Q = dq, K = dk, V = dv);

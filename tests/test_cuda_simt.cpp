@@ -167,6 +167,17 @@ TEST_CASE("simt: packed sequences in one launch as written = the interpreter") {
     auto [gg, gw] = both_ways([&] { return cuda::emulate_gradient(causal_plan, opt, dout, seqs, Q = q, K = k, V = v); });
     for (auto const& [a, b] : {std::pair{gg[Q], gw[Q]}, {gg[K], gw[K]}, {gg[V], gw[V]}})
       CHECK(relative_rms(a, b) <= gradient_tolerance(dt));
+    // chained (a state row per sequence in, the gradient of each row out)
+    auto [cgg, cgw] = both_ways([&] {
+      return cuda::emulate_gradient(causal_plan, opt, dout, interpreted, as_written, seqs, Q = q, K = k, V = v);
+    });
+    for (auto const& [a, b] : {std::pair{cgg.first[Q], cgw.first[Q]}, {cgg.first[K], cgw.first[K]}, {cgg.first[V], cgw.first[V]}})
+      CHECK(relative_rms(a, b) <= gradient_tolerance(dt));
+    CHECK(relative_rms(sums_of(cgg.second), sums_of(cgw.second)) <= 1e-5);
+    // favor's: ∂W per (sequence, head), then summed
+    auto [fgg, fgw] = both_ways([&] { return cuda::emulate_gradient(favor_plan, opt, dout, seqs, Q = q, K = k, V = v, W = w); });
+    for (auto const& [a, b] : {std::pair{fgg[Q], fgw[Q]}, {fgg[K], fgw[K]}, {fgg[V], fgw[V]}, {fgg[W], fgw[W]}})
+      CHECK(relative_rms(a, b) <= gradient_tolerance(dt));
   }
 }
 

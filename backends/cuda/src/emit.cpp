@@ -598,8 +598,10 @@ struct emitter {
       line(2, "const long long out_base = {};{}", slice_base("args.out", true), p.out_name == "out" ? "" : "  // " + p.out_name);
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (extra[e])
-        line(2, "const long long extra{}_base = {};  // {}", e, slice_base(fmt::format("args.extra[{}]", e), true),
-             p.extras[e].name);  // (packable: every buffer by rows)
+        line(2, "const long long extra{}_base = {};  // {}", e,
+             by_rows(p.extras[e]) ? slice_base(fmt::format("args.extra[{}]", e), true)
+                                  : fmt::format("b * args.extra[{0}].stride[0] + h * args.extra[{0}].stride[1]", e),
+             p.extras[e].name);  // (packed: ∂W and a state's gradient per sequence, as the state)
     bool state_in = false, state_out = false;  // (a chained split backward's sums launch touches neither)
     for (auto const* i : all) {
       state_in = state_in || (i->op == opcode::load_state && i->slot < 0);

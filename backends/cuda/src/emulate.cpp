@@ -548,7 +548,8 @@ std::atomic<kernel_runner> installed_runner{nullptr};  // (set_kernel_runner)
 // Packed sequences: the arguments as the blocks of sequence b see them — Q, K,
 // V, the output and a backward's buffers by rows (∂K, ∂V, scratch) from its
 // first row of their one batch row, W whole, n its rows — what the generated
-// kernel computes from row_offsets (emit.cpp); the state keeps batch row b.
+// kernel computes from row_offsets (emit.cpp); the state, ∂W and a state's
+// gradient keep batch row b.
 forward_args sequence_args(program const& p, forward_args a, std::int64_t b) {
   std::int64_t const row0 = a.row_offsets[b];
   auto from_row0 = [&](operand& o, dtype t, bool sequence_rows) {
@@ -557,7 +558,8 @@ forward_args sequence_args(program const& p, forward_args a, std::int64_t b) {
   };
   for (std::size_t s = 0; s < p.inputs.size(); ++s) from_row0(a.in[s], p.spec.in, p.inputs[s].role != "w");
   from_row0(a.out, p.spec.out, true);
-  for (std::size_t e = 0; e < p.extras.size(); ++e) from_row0(a.extra[e], p.extras[e].type, true);  // (by rows: packable)
+  for (std::size_t e = 0; e < p.extras.size(); ++e)  // (the others, ∂W and a state's gradient: batch row b)
+    if (by_rows(p.extras[e])) from_row0(a.extra[e], p.extras[e].type, true);
   a.n = a.row_offsets[b + 1] - row0;
   a.row_offsets = nullptr;
   return a;

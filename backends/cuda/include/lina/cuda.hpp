@@ -1591,14 +1591,24 @@ struct chain_states {
   state const* d_final = nullptr;
   state* d_initial = nullptr;
 };
-// A copy of a chain state, checked against the plan and sized (zeros) if unsized.
+// st prepared with a row per batch row, or per sequence when packed.
 template <class L, class Bound>
-state chain_operand(state const& x, L const& linear, Bound const& in, memory where, void* stream, char const* call) {
+void prepare_rows(state& st, L const& linear, Bound const& in, void* stream, char const* call, sequences const* packed) {
+  if (packed)
+    st.prepare(linear, in, stream, call, packed->count(), "sequences (of packed sequences)");
+  else
+    st.prepare(linear, in, stream, call);
+}
+// A copy of a chain state, checked against the plan and sized (zeros) if
+// unsized: a row per batch row, or per sequence when packed.
+template <class L, class Bound>
+state chain_operand(state const& x, L const& linear, Bound const& in, memory where, void* stream, char const* call,
+                    sequences const* packed) {
   if (x.where() != where)
     throw std::invalid_argument(std::string("lina::cuda: ") + call + ": the states of a chained gradient must be in " +
                                 (where == memory::host ? "host memory (cuda::memory::host)" : "device memory"));
   state c = x.copy_to(where, stream, call);
-  c.prepare(linear, in, stream, call);
+  prepare_rows(c, linear, in, stream, call, packed);
   return c;
 }
 
@@ -1704,7 +1714,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     a.n = n_rows;
     a.n_keys = n_keys;
     if (p.split) a.group_rows = rows;
-    std::size_t const bh = in.batch * in.heads, n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
+    std::size_t const n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
     shape4 const sq{in.batch, in.heads, n, s.d}, sk{in.batch, in.heads, nk, s.d}, sv{in.batch, in.heads, nk, s.m};
     if (packed) pack(a, *packed, offsets_of(*packed));
     lina::tensor<float>& gq = detail::gradient_slot<typename F::q::input>(g);
@@ -1723,31 +1733,33 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     a.out = sink(gq);
     a.extra[0] = sink(gk);
     a.extra[1] = sink(gv);
+    // Buffers not by rows (∂W, its sums) have a batch row per sequence when packed.
+    std::size_t const each = packed ? packed->count() : in.batch;
     std::vector<std::vector<float>> scratch;  // the programs' own fp32 rows (extra_buffer::cols)
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (std::size_t const cols = p.extras[e].cols) {
         std::size_t const rows = static_cast<std::size_t>(scratch_rows(p.extras[e], a));
-        a.extra[e] = detail::dense_operand(scratch.emplace_back(bh * rows * cols).data(), {in.batch, in.heads, rows, cols});
+        std::size_t const b = by_rows(p.extras[e]) ? in.batch : each;
+        a.extra[e] = detail::dense_operand(scratch.emplace_back(b * in.heads * rows * cols).data(), {b, in.heads, rows, cols});
       }
-    if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
-      shape4 const sw{in.batch, in.heads, s.d, s.f};
-      lina::tensor<float>& gw = detail::gradient_slot<typename F::q::param>(g);
-      gw = lina::tensor<float>(sw);
-      a.extra[extra_named(p, "∂" + s.w_name)] = sink(gw);
-      if constexpr (F::own_k_w) {
-        lina::tensor<float>& gw2 = detail::gradient_slot<typename F::k::param>(g);
-        gw2 = lina::tensor<float>(sw);
-        a.extra[extra_named(p, "∂" + s.w_k_name)] = sink(gw2);
-      }
-    }
+    // ∂W (and ∂W2) per (batch, head), where the program put them; packed, per
+    // (sequence, head), summed below in sequence order, as each sequence's own.
+    lina::tensor<float> per_sequence[2];
+    auto w_gradient = [&](lina::tensor<float>& gw, std::string const& name, lina::tensor<float>& shares) {
+      gw = lina::tensor<float>({in.batch, in.heads, s.d, s.f});
+      if (packed) shares = lina::tensor<float>({each, in.heads, s.d, s.f});
+      a.extra[extra_named(p, "∂" + name)] = sink(packed ? shares : gw);
+    };
+    if constexpr (F::parametric) w_gradient(detail::gradient_slot<typename F::q::param>(g), s.w_name, per_sequence[0]);
+    if constexpr (F::own_k_w) w_gradient(detail::gradient_slot<typename F::k::param>(g), s.w_k_name, per_sequence[1]);
     state s0, d_final;
     if constexpr (chained) {  // S0 in, ∂(state out) in its extra buffer, ∂S0 out
       char const* call = "cuda::emulate_gradient";
-      s0 = chain_operand(*chain->initial, plan, in, memory::host, nullptr, call);
-      d_final = chain_operand(*chain->d_final, plan, in, memory::host, nullptr, call);
+      s0 = chain_operand(*chain->initial, plan, in, memory::host, nullptr, call, packed);
+      d_final = chain_operand(*chain->d_final, plan, in, memory::host, nullptr, call, packed);
       state& r = *chain->d_initial;
-      r = state(plan, in.batch, in.heads, memory::host);
-      r.prepare(plan, in, nullptr, call);
+      r = state(plan, each, in.heads, memory::host);
+      prepare_rows(r, plan, in, nullptr, call, packed);
       a.state_in = s0.kernel_in();
       a.state_out = r.kernel_out();
       a.extra[extra_named(p, "∂state out")] = d_final.kernel_in();
@@ -1757,6 +1769,15 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     for (auto const& [t, b] : bits)
       for (std::size_t i = 0; i < t->size(); ++i)
         t->data()[i] = opt.out == dtype::bf16 ? from_bf16_bits(b[i]) : from_f16_bits(b[i]);
+    auto sum_shares = [&](lina::tensor<float>& gw, lina::tensor<float> const& shares) {
+      std::size_t const one = gw.size();  // (in.batch is 1 when packed)
+      for (std::size_t q = 0; q < each; ++q)
+        for (std::size_t i = 0; i < one; ++i) gw.data()[i] += shares.data()[q * one + i];
+    };
+    if constexpr (F::parametric)
+      if (packed) sum_shares(detail::gradient_slot<typename F::q::param>(g), per_sequence[0]);
+    if constexpr (F::own_k_w)
+      if (packed) sum_shares(detail::gradient_slot<typename F::k::param>(g), per_sequence[1]);
   }
   return g;
 }
@@ -1785,6 +1806,29 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, state con
   detail::chain_states const chain{&initial, &d_final, &d_initial};
   auto g = detail::emulate_gradient_impl(linear, opt, dout, &chain, nullptr, bindings...);
   return std::pair{std::move(g), std::move(d_initial)};
+}
+// Packed sequences chained: states of a row per sequence ([S, H, C, W], as a
+// packed chained evaluation leaves them), the pack in one launch per backward
+// program (a chainable plan's backward is packable: ∂ of the state, like the
+// state, takes the sequence's batch row), whatever the options' split.
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, state const& initial, state const& d_final,
+                      sequences const& seqs, B const&... bindings) {
+  auto linear = longest_branch(plan);
+  static_assert(detail::chainable<decltype(linear)>() || true);
+  using L = decltype(linear);
+  state d_initial(memory::host);
+  if constexpr (detail::chainable<L>()) {
+    auto in = bind<L>(bindings...);
+    check_packed<packed_dim<L>>(in, seqs);
+    detail::check_dout<L>(view_of(dout).shape(), in);
+    detail::chain_states const chain{&initial, &d_final, &d_initial};
+    auto g = detail::emulate_gradient_impl(linear, opt, dout, &chain, &seqs, bindings...);
+    return std::pair{std::move(g), std::move(d_initial)};
+  } else {
+    return std::pair{gradients_for<lina::tensor<float>, L>{}, std::move(d_initial)};
+  }
 }
 
 namespace detail {
@@ -1842,30 +1886,33 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
     a.extra[1] = detail::device_operand(gv.view());
     // The programs' own fp32 rows (extra_buffer::cols: the adjoint rows, softmax's
     // shifts and ∂φ rows): stream-ordered, freed on the stream after the launches.
+    // Buffers not by rows (∂W, its sums) have a batch row per sequence when packed.
+    std::size_t const each = packed ? packed->count() : in.batch;
     std::vector<device_buffer> scratch;
     for (std::size_t e = 0; e < p.extras.size(); ++e)
       if (std::size_t const cols = p.extras[e].cols) {
-        shape4 const sh{in.batch, in.heads, static_cast<std::size_t>(scratch_rows(p.extras[e], a)), cols};
+        shape4 const sh{by_rows(p.extras[e]) ? in.batch : each, in.heads,
+                        static_cast<std::size_t>(scratch_rows(p.extras[e], a)), cols};
         scratch.emplace_back(sh[0] * sh[1] * sh[2] * sh[3] * sizeof(float), stream, call);
         a.extra[e] = detail::dense_operand(scratch.back().get(), sh);
       }
-    if constexpr (F::parametric) {  // ∂W (and ∂W2) per (batch, head), where the program put them
-      tensor<T>& gw = detail::gradient_slot<typename F::q::param>(g);
+    // ∂W (and ∂W2) per (batch, head), where the program put them; packed, per
+    // (sequence, head), added below in sequence order as each sequence's own are.
+    tensor<T> per_sequence[2];
+    auto w_gradient = [&](tensor<T>& gw, std::string const& name, tensor<T>& shares) {
       gw = tensor<T>({in.batch, in.heads, s.d, s.f}, call);
-      a.extra[extra_named(p, "∂" + s.w_name)] = detail::device_operand(gw.view());
-      if constexpr (F::own_k_w) {
-        tensor<T>& gw2 = detail::gradient_slot<typename F::k::param>(g);
-        gw2 = tensor<T>({in.batch, in.heads, s.d, s.f}, call);
-        a.extra[extra_named(p, "∂" + s.w_k_name)] = detail::device_operand(gw2.view());
-      }
-    }
+      if (packed) shares = tensor<T>({each, in.heads, s.d, s.f}, call);
+      a.extra[extra_named(p, "∂" + name)] = detail::device_operand(packed ? shares.view() : gw.view());
+    };
+    if constexpr (F::parametric) w_gradient(detail::gradient_slot<typename F::q::param>(g), s.w_name, per_sequence[0]);
+    if constexpr (F::own_k_w) w_gradient(detail::gradient_slot<typename F::k::param>(g), s.w_k_name, per_sequence[1]);
     state s0, d_final;
     if constexpr (chained) {  // S0 in, ∂(state out) in its extra buffer, ∂S0 out
-      s0 = chain_operand(*chain->initial, plan, in, memory::device, stream, call);
-      d_final = chain_operand(*chain->d_final, plan, in, memory::device, stream, call);
+      s0 = chain_operand(*chain->initial, plan, in, memory::device, stream, call, packed);
+      d_final = chain_operand(*chain->d_final, plan, in, memory::device, stream, call, packed);
       state& r = *chain->d_initial;
-      r = state(plan, in.batch, in.heads, memory::device);
-      r.prepare(plan, in, stream, call);
+      r = state(plan, each, in.heads, memory::device);
+      prepare_rows(r, plan, in, stream, call, packed);
       a.state_in = s0.kernel_in();
       a.state_out = r.kernel_out();
       a.extra[extra_named(p, "∂state out")] = d_final.kernel_in();
@@ -1877,6 +1924,18 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
       if constexpr (F::own_k_w) zero(detail::gradient_slot<typename F::k::param>(g));
     }
     for (program const& x : ps) launch(x, arguments_for(x, a), stream);  // in order on the stream: softmax's later ones read the first's scratch
+    auto add_shares = [&](tensor<T>& gw, tensor<T> const& shares) {
+      fill_zero(gw.data(), gw.bytes(), stream, call);
+      std::size_t const one = gw.size();  // (in.batch is 1 when packed)
+      for (std::size_t q = 0; q < each; ++q)
+        add_into(gw.view(), device_view<T const>{shares.data() + q * one, gw.shape()}, stream);
+    };
+    if constexpr (F::parametric)
+      if (packed && n > 0) {  // (no rows: no launch, the zeros above)
+        add_shares(detail::gradient_slot<typename F::q::param>(g), per_sequence[0]);
+        if constexpr (F::own_k_w) add_shares(detail::gradient_slot<typename F::k::param>(g), per_sequence[1]);
+        synchronize_stream(stream, call);  // the shares die with this call
+      }
     if constexpr (chained) chain->d_initial->flip();
     if (chained) synchronize_stream(stream, call);  // the state copies die with this call
   }
@@ -1997,6 +2056,33 @@ template <class Plan, class Dout, class... B>
 auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
               B const&... bindings) {
   return gradient(plan, dout, initial, d_final, stream, tile_request{}, bindings...);
+}
+// Packed sequences chained, on the device (see emulate_gradient).
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
+              tile_request tiles, sequences const& seqs, B const&... bindings) {
+  auto linear = longest_branch(plan);
+  static_assert(detail::chainable<decltype(linear)>() || true);
+  using L = decltype(linear);
+  state d_initial(memory::device);
+  if constexpr (detail::chainable<L>()) {
+    auto in = bind<L>(bindings...);
+    check_packed<packed_dim<L>>(in, seqs);
+    detail::check_dout<L>(view_of(dout).shape(), in);
+    detail::chain_states const chain{&initial, &d_final, &d_initial};
+    auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, &seqs, bindings...);
+    return std::pair{std::move(g), std::move(d_initial)};
+  } else {
+    using T = std::remove_const_t<typename decltype(bind<L>(bindings...))::value_type>;
+    return std::pair{gradients_for<tensor<T>, L>{}, std::move(d_initial)};
+  }
+}
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
+              sequences const& seqs, B const&... bindings) {
+  return gradient(plan, dout, initial, d_final, stream, tile_request{}, seqs, bindings...);
 }
 
 // ---- recurrent mode: decoding one token at a time -----------------------------------------

@@ -655,16 +655,18 @@ struct forward_args {
 // The rows of K and V.
 inline std::int64_t keys_of(forward_args const& a) { return a.n_keys < 0 ? a.n : a.n_keys; }
 // Is a buffer laid out by the rows of N (of N_keys: keys), as ∂K, ∂V and a
-// backward's scratch rows are? Not ∂W (per batch and head), a state's
-// gradient (per batch row) or a split's sums (per group).
+// backward's scratch rows are? Else, outside a split's sums (per group), it is
+// one per batch row and head: ∂W, the gradient of a state.
 inline bool by_rows(extra_buffer const& e) { return !e.per_group && e.rows == 0 && (e.keys || e.cols > 0); }
 // Can one launch of p run packed sequences (forward_args::row_offsets)? A
 // program of one block per (sequence, head, M tile) walking its rows — not
-// one that splits rows among blocks (split, quadratic) — whose further
-// buffers are all by rows (a backward's ∂K, ∂V, scratch; not ∂W, which sums
-// over a batch row's sequences, nor a chained backward's state gradients).
+// one that splits rows among blocks (split, quadratic, or sums per group).
+// Packed, its buffers by rows start at the sequence's first row of the one
+// batch row, and the others (∂W, a state's gradient) take batch row b for
+// sequence b, as the state does: the caller sums a pack's ∂W over its sequences.
 inline bool packable(program const& p) {
-  return !p.split && !p.quadratic && std::all_of(p.extras.begin(), p.extras.end(), by_rows);
+  return !p.split && !p.quadratic &&
+         std::none_of(p.extras.begin(), p.extras.end(), [](extra_buffer const& e) { return e.per_group; });
 }
 
 // Do the elements of two fp32 [batch, heads, rows, cols] operands overlap?
