@@ -110,14 +110,10 @@ def main():
         ms = statistics.median(s.elapsed_time(e) for s, e in events)
         flops = 4.0 * b * h * t * d * d
         both = ""
-        if args.backward:  # forward + backward through autograd, the map's inputs as leaves
-            ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
-            do = rand(b, t, h, d)
-            def train():
-                torch.autograd.backward(chunk_linear_attn(ql, kl, vl, **kwargs)[0], do)
-            _, both_ms = median_ms(train, args.budget, torch)
+        if args.backward:
+            both_ms = backward_ms(lambda x, y, z: chunk_linear_attn(x, y, z, **kwargs), q, k, v, rand(b, t, h, d),
+                                  args.budget, torch)
             both = f" {both_ms:.3f} |"
-            del ql, kl, vl, do
         print(f"| {b} | {t} | {h} | {d} | {reps} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.2f} |{both}", flush=True)
         if tsv:
             tsv.write(f"{b}\t{t}\t{h}\t{d}\t{ms:.6f}" + (f"\t{both_ms:.6f}" if args.backward else "") + "\n")
@@ -180,6 +176,14 @@ def warm(args, kwargs, chunk_linear_attn, torch, F):
     return 0
 
 
+def backward_ms(op, q, k, v, do, budget, torch):
+    """Median ms of op's forward + backward through autograd, q, k and v (mapped) as leaves, do as ∂o."""
+    ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+    def train():
+        torch.autograd.backward(op(ql, kl, vl)[0], do)
+    return median_ms(train, budget, torch)[1]
+
+
 def median_ms(f, budget, torch):
     """Median ms of repeated calls of f between CUDA events, after three warm-up calls."""
     for _ in range(3):
@@ -235,18 +239,14 @@ def packed(args, tsv, kwargs, chunk_linear_attn, torch, F):
         reps, ms = median_ms(lambda: chunk_linear_attn(q, k, v, cu_seqlens=cu, **kwargs), args.budget, torch)
         both = ""
         if args.backward:
-            ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
-            do = torch.rand_like(v)
-            def train():
-                torch.autograd.backward(chunk_linear_attn(ql, kl, vl, cu_seqlens=cu, **kwargs)[0], do)
-            _, both_ms = median_ms(train, args.budget, torch)
+            both_ms = backward_ms(lambda x, y, z: chunk_linear_attn(x, y, z, cu_seqlens=cu, **kwargs), q, k, v,
+                                  torch.rand_like(v), args.budget, torch)
             both = f" {both_ms:.3f} |"
-            del ql, kl, vl, do
         print(f"| {s} | {mean} | {q.shape[1]} | {h} | {d} | {reps} | {ms:.3f} |{both}", flush=True)
         if tsv:
             tsv.write(f"p{s}\t{mean}\t{h}\t{d}\t{ms:.6f}" + (f"\t{both_ms:.6f}" if args.backward else "") + "\n")
             tsv.flush()
-        del q, k, v
+        q = k = v = cu = None  # (freed before the next pack's)
         torch.cuda.empty_cache()
 
 
