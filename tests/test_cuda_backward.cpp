@@ -714,6 +714,70 @@ TEST_CASE("backward: bad input is refused before anything runs") {
 }
 
 // The backward kernels launched on the device = their emulation.
+// gradient_into: the caller's views — here [B, N, H, C] storage seen as
+// [B, H, N, C] — get what emulate_gradient returns, bit for bit (∂W of FAVOR+
+// too); a view of another shape, or one not set, is a shape_error naming ∂ of
+// its input before any view is written; columns that are not adjacent are
+// refused. Without a device, cuda::gradient_into says so, naming itself.
+TEST_CASE("backward: gradients into the caller's views (gradient_into, emulate_gradient_into)") {
+  constexpr auto plan = compile<order::linear>(causal_expr);
+  std::size_t const b = 2, h = 3, n = 37, d = 8, m = 5;
+  auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2),
+       v = tensor<float>::random({b, h, n, m}, 3), dout = tensor<float>::random({b, h, n, m}, 4);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt));
+    cuda::options const opt{dt, dt};
+    auto want = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+    std::vector<float> sq(b * n * h * d, 7.f), sk(b * n * h * d, 7.f), sv(b * n * h * m, 7.f);
+    auto bnhc = [&](std::vector<float>& store, std::size_t rows, std::size_t cols) {
+      auto const c = static_cast<std::ptrdiff_t>(cols), hh = static_cast<std::ptrdiff_t>(h);
+      return tensor_view<float>(store.data(), {b, h, rows, cols}, {static_cast<std::ptrdiff_t>(rows) * hh * c, c, hh * c, 1});
+    };
+    auto into = cuda::emulate_gradient_views(plan);
+    into[Q] = bnhc(sq, n, d), into[K] = bnhc(sk, n, d), into[V] = bnhc(sv, n, m);
+    // errors first: nothing is written
+    auto wrong = into;
+    wrong[K] = bnhc(sk, n - 1, d);
+    test::expect_shape_error([&] { cuda::emulate_gradient_into(plan, opt, wrong, dout, Q = q, K = k, V = v); }, "∂K", "rows",
+                             n - 1, n);
+    auto unset = cuda::emulate_gradient_views(plan);
+    test::expect_shape_error([&] { cuda::emulate_gradient_into(plan, opt, unset, dout, Q = q, K = k, V = v); }, "∂Q",
+                             "B (batch)", 0, b);
+    auto spaced = into;
+    spaced[V] = tensor_view<float>(sv.data(), {b, h, n, m}, {static_cast<std::ptrdiff_t>(n * h * m), 1,
+                                                            static_cast<std::ptrdiff_t>(h * m), 2});
+    CHECK_THROWS_WITH_AS(cuda::emulate_gradient_into(plan, opt, spaced, dout, Q = q, K = k, V = v),
+                         doctest::Contains("adjacent columns"), std::invalid_argument);
+    CHECK((std::all_of(sq.begin(), sq.end(), [](float x) { return x == 7.f; }) &&
+           std::all_of(sk.begin(), sk.end(), [](float x) { return x == 7.f; })));
+    cuda::emulate_gradient_into(plan, opt, into, dout, Q = q, K = k, V = v);
+    CHECK(max_abs_diff(into[Q], want[Q]) == 0);
+    CHECK(max_abs_diff(into[K], want[K]) == 0);
+    CHECK(max_abs_diff(into[V], want[V]) == 0);
+  }
+  // FAVOR+: ∂W into the caller's view too.
+  constexpr auto favor_plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+  std::size_t const f = 12;
+  auto const projection = gaussian_projection<float>(d, f, 5);
+  auto const w = broadcast(projection, b, h);
+  auto want = cuda::emulate_gradient(favor_plan, {}, dout, Q = q, K = k, V = v, W = w);
+  tensor<float> gq({b, h, n, d}), gk({b, h, n, d}), gv({b, h, n, m}), gw({b, h, d, f});
+  auto into = cuda::emulate_gradient_views(favor_plan);
+  into[Q] = gq.view(), into[K] = gk.view(), into[V] = gv.view(), into[W] = gw.view();
+  cuda::emulate_gradient_into(favor_plan, {}, into, dout, Q = q, K = k, V = v, W = w);
+  CHECK(max_abs_diff(gw, want[W]) == 0);
+  CHECK(max_abs_diff(gq, want[Q]) == 0);
+  // Without a device: the device form names itself (the views' shapes are right).
+  if (!cuda::probe_device().available) {
+    float* const nowhere = nullptr;
+    cuda::device_view<float> const dq(nowhere, {b, h, n, d}), dv(nowhere, {b, h, n, m});
+    auto dinto = cuda::gradient_views<float>(plan);
+    dinto[Q] = dq, dinto[K] = dq, dinto[V] = dv;
+    CHECK_THROWS_WITH_AS(cuda::gradient_into(plan, dinto, dv, nullptr, Q = dq, K = dq, V = dv),
+                         doctest::Contains("cuda::gradient_into"), cuda::cuda_error);
+  }
+}
+
 TEST_CASE("device: gradients = their emulation") {
   auto dev = cuda::probe_device();
   if (skipped_without(dev)) return;
@@ -731,6 +795,14 @@ TEST_CASE("device: gradients = their emulation") {
     CHECK(relative_rms(cuda::to_host(got[Q]), want[Q]) <= tol);
     CHECK(relative_rms(cuda::to_host(got[K]), want[K]) <= tol);
     CHECK(relative_rms(cuda::to_host(got[V]), want[V]) <= tol);
+    // gradient_into the caller's tensors: the same launches, the same bits.
+    cuda::tensor<E> iq(dq.shape()), ik(dk.shape()), iv(dv.shape());
+    auto into = cuda::gradient_views<E>(plan);
+    into[Q] = iq.view(), into[K] = ik.view(), into[V] = iv.view();
+    cuda::gradient_into(plan, into, dd, nullptr, Q = dq, K = dk, V = dv);
+    CHECK(max_abs_diff(cuda::to_host(iq), cuda::to_host(got[Q])) == 0);
+    CHECK(max_abs_diff(cuda::to_host(ik), cuda::to_host(got[K])) == 0);
+    CHECK(max_abs_diff(cuda::to_host(iv), cuda::to_host(got[V])) == 0);
   };
   constexpr auto causal_plan = compile<order::linear>(causal_expr);
   constexpr auto full_plan = compile<order::linear>(full_expr);

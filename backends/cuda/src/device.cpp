@@ -292,6 +292,12 @@ void fill_zero(void* device, std::size_t bytes, void* stream, std::string const&
   if (bytes == 0) return;
   check(cudaMemsetAsync(device, 0, bytes, static_cast<cudaStream_t>(stream)), "cudaMemsetAsync in " + call, "-");
 }
+void fill_zero_rows(void* device, std::size_t pitch, std::size_t width, std::size_t rows, void* stream,
+                    std::string const& call) {
+  if (width == 0 || rows == 0) return;
+  check(cudaMemset2DAsync(device, pitch, 0, width, rows, static_cast<cudaStream_t>(stream)), "cudaMemset2DAsync in " + call,
+        "-");
+}
 void synchronize_stream(void* stream, std::string const& call) {
   check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize in " + call, "-");
 }

@@ -1832,9 +1832,41 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, state con
 }
 
 namespace detail {
-template <class Plan, class Dout, class Chain, class... B>
+// The caller's view for the gradient of In (gradient_into), checked against
+// the shape the backward writes: a shape_error naming ∂In, the dimension and
+// both extents; its columns must be adjacent (the zeros of a launch without
+// rows are written row by row).
+template <class In, class G>
+auto caller_view(G& into, shape4 const& want) {
+  auto v = gradient_slot<In>(into);
+  std::string const name = "∂" + std::string(In::name.view());
+  static constexpr char const* dims[4] = {"B (batch)", "H (heads)", "rows", "cols"};
+  for (std::size_t d = 0; d < 4; ++d)
+    if (v.shape()[d] != want[d])
+      throw shape_error(name, dims[d], v.shape()[d], want[d], "of input " + std::string(In::name.view()));
+  if (v.strides()[3] != 1 && want[3] > 1)
+    throw std::invalid_argument("lina::cuda::gradient_into: the view for " + name +
+                                " must have adjacent columns (column stride 1), not " + std::to_string(v.strides()[3]));
+  return v;
+}
+// A device view of adjacent columns set to zero on `stream`.
+template <class T>
+void zero_view(device_view<T> v, void* stream, char const* call) {
+  shape4 const sh = v.shape();
+  if (v.strides() == tensor_view<T>::contiguous_strides(sh)) {
+    fill_zero(v.data(), sh[0] * sh[1] * sh[2] * sh[3] * sizeof(T), stream, call);
+    return;
+  }
+  for (std::size_t b = 0; b < sh[0]; ++b)
+    for (std::size_t h = 0; h < sh[1]; ++h)
+      fill_zero_rows(v.data() + static_cast<std::ptrdiff_t>(b) * v.strides()[0] + static_cast<std::ptrdiff_t>(h) * v.strides()[1],
+                     static_cast<std::size_t>(v.strides()[2]) * sizeof(T), sh[3] * sizeof(T), sh[2], stream, call);
+}
+
+// (Into: the caller's views, gradients<device_view<T>, …> — gradient_into —, else void.)
+template <class Plan, class Dout, class Chain, class Into, class... B>
 auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_request tiles, Chain const* chain,
-                   sequences const* packed, B const&... bindings) {
+                   sequences const* packed, Into* into, B const&... bindings) {
   check_tile_request(tiles);
   constexpr bool chained = std::is_same_v<Chain, chain_states>;
   using F = detail::forward_plan<Plan>;
@@ -1848,14 +1880,16 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
     layers_backward(
         plan, g, dout, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, tiles, b...); },
         [&](auto const& p, auto const& d, auto const&... b) {
-          return gradient_impl(p, d, stream, tiles, static_cast<void const*>(nullptr), nullptr, b...);
+          return gradient_impl(p, d, stream, tiles, static_cast<void const*>(nullptr), nullptr, static_cast<void*>(nullptr), b...);
         },
         [&](tensor<T>& to, tensor<T> const& from) { add_into(to, from, stream); },
         bindings...);
     synchronize_stream(stream, "cuda::gradient");  // the intermediates die with this call
   } else if constexpr (F::ok && !F::stacked &&
                        is_device_view<typename Bound::view_type>) {
-    char const* call = "cuda::gradient";
+    char const* call = std::is_void_v<Into> ? "cuda::gradient" : "cuda::gradient_into";
+    static_assert(std::is_void_v<Into> || std::is_same_v<Into, gradients_for<device_view<T>, Plan>>,
+                  "lina::cuda::gradient_into: the gradient views must have the inputs' element type");
     auto const dv = view_of(dout);
     static_assert(std::is_same_v<std::remove_const_t<typename decltype(dv)::element_type_>, T>,
                   "lina::cuda::gradient: dout must have the inputs' element type");
@@ -1875,15 +1909,37 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
     std::size_t const n = static_cast<std::size_t>(a.n), nk = static_cast<std::size_t>(a.n_keys);
     device_buffer offsets;
     if (packed) offsets = device_offsets(*packed, stream, call), pack(a, *packed, static_cast<std::int64_t const*>(offsets.get()));
-    tensor<T>& gq = detail::gradient_slot<typename F::q::input>(g);
-    tensor<T>& gk = detail::gradient_slot<typename F::k::input>(g);
-    tensor<T>& gv = detail::gradient_slot<typename F::v::input>(g);
-    gq = tensor<T>({in.batch, in.heads, n, s.d}, call);
-    gk = tensor<T>({in.batch, in.heads, nk, s.d}, call);
-    gv = tensor<T>({in.batch, in.heads, nk, s.m}, call);
-    a.out = detail::device_operand(gq.view());
-    a.extra[0] = detail::device_operand(gk.view());
-    a.extra[1] = detail::device_operand(gv.view());
+    // Where the gradients go: the caller's views (gradient_into, checked), else
+    // new tensors of g (all made before any view is taken: an input the plan
+    // reads twice has one gradient, which the kernel's shares add into).
+    constexpr bool caller_views = !std::is_void_v<Into>;
+    shape4 const sq{in.batch, in.heads, n, s.d}, sk{in.batch, in.heads, nk, s.d}, sv{in.batch, in.heads, nk, s.m},
+        sw{in.batch, in.heads, s.d, s.f};
+    device_view<T> vq, vk, vv, vw[2];
+    if constexpr (caller_views) {
+      vq = caller_view<typename F::q::input>(*into, sq);
+      vk = caller_view<typename F::k::input>(*into, sk);
+      vv = caller_view<typename F::v::input>(*into, sv);
+      if constexpr (F::parametric) vw[0] = caller_view<typename F::q::param>(*into, sw);
+      if constexpr (F::own_k_w) vw[1] = caller_view<typename F::k::param>(*into, sw);
+    } else {
+      tensor<T>& gq = detail::gradient_slot<typename F::q::input>(g);
+      tensor<T>& gk = detail::gradient_slot<typename F::k::input>(g);
+      tensor<T>& gv = detail::gradient_slot<typename F::v::input>(g);
+      gq = tensor<T>(sq, call), gk = tensor<T>(sk, call), gv = tensor<T>(sv, call);
+      vq = gq.view(), vk = gk.view(), vv = gv.view();
+      if constexpr (F::parametric) {
+        tensor<T>& gw = detail::gradient_slot<typename F::q::param>(g);
+        gw = tensor<T>(sw, call), vw[0] = gw.view();
+      }
+      if constexpr (F::own_k_w) {
+        tensor<T>& gw2 = detail::gradient_slot<typename F::k::param>(g);
+        gw2 = tensor<T>(sw, call), vw[1] = gw2.view();
+      }
+    }
+    a.out = detail::device_operand(vq);
+    a.extra[0] = detail::device_operand(vk);
+    a.extra[1] = detail::device_operand(vv);
     // The programs' own fp32 rows (extra_buffer::cols: the adjoint rows, softmax's
     // shifts and ∂φ rows): stream-ordered, freed on the stream after the launches.
     // Buffers not by rows (∂W, its sums) have a batch row per sequence when packed.
@@ -1899,13 +1955,12 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
     // ∂W (and ∂W2) per (batch, head), where the program put them; packed, per
     // (sequence, head), added below in sequence order as each sequence's own are.
     tensor<T> per_sequence[2];
-    auto w_gradient = [&](tensor<T>& gw, std::string const& name, tensor<T>& shares) {
-      gw = tensor<T>({in.batch, in.heads, s.d, s.f}, call);
-      if (packed) shares = tensor<T>({each, in.heads, s.d, s.f}, call);
-      a.extra[extra_named(p, "∂" + name)] = detail::device_operand(packed ? shares.view() : gw.view());
+    auto w_gradient = [&](int i, std::string const& name) {
+      if (packed) per_sequence[i] = tensor<T>({each, in.heads, s.d, s.f}, call);
+      a.extra[extra_named(p, "∂" + name)] = detail::device_operand(packed ? per_sequence[i].view() : vw[i]);
     };
-    if constexpr (F::parametric) w_gradient(detail::gradient_slot<typename F::q::param>(g), s.w_name, per_sequence[0]);
-    if constexpr (F::own_k_w) w_gradient(detail::gradient_slot<typename F::k::param>(g), s.w_k_name, per_sequence[1]);
+    if constexpr (F::parametric) w_gradient(0, s.w_name);
+    if constexpr (F::own_k_w) w_gradient(1, s.w_k_name);
     state s0, d_final;
     if constexpr (chained) {  // S0 in, ∂(state out) in its extra buffer, ∂S0 out
       s0 = chain_operand(*chain->initial, plan, in, memory::device, stream, call, packed);
@@ -1918,22 +1973,21 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
       a.extra[extra_named(p, "∂state out")] = d_final.kernel_in();
     }
     if (n == 0 && !chained) {  // no query rows: no block runs (launch), and ∂K, ∂V, ∂W are zeros
-      auto zero = [&](tensor<T>& t) { fill_zero(t.data(), t.bytes(), stream, call); };
-      zero(gk), zero(gv);
-      if constexpr (F::parametric) zero(detail::gradient_slot<typename F::q::param>(g));
-      if constexpr (F::own_k_w) zero(detail::gradient_slot<typename F::k::param>(g));
+      auto zero = [&](device_view<T> v) { zero_view(v, stream, call); };
+      zero(vk), zero(vv);
+      if constexpr (F::parametric) zero(vw[0]);
+      if constexpr (F::own_k_w) zero(vw[1]);
     }
     for (program const& x : ps) launch(x, arguments_for(x, a), stream);  // in order on the stream: softmax's later ones read the first's scratch
-    auto add_shares = [&](tensor<T>& gw, tensor<T> const& shares) {
-      fill_zero(gw.data(), gw.bytes(), stream, call);
-      std::size_t const one = gw.size();  // (in.batch is 1 when packed)
-      for (std::size_t q = 0; q < each; ++q)
-        add_into(gw.view(), device_view<T const>{shares.data() + q * one, gw.shape()}, stream);
+    auto add_shares = [&](device_view<T> gw, tensor<T> const& shares) {
+      zero_view(gw, stream, call);
+      std::size_t const one = sw[0] * sw[1] * sw[2] * sw[3];  // (in.batch is 1 when packed)
+      for (std::size_t q = 0; q < each; ++q) add_into(gw, device_view<T const>{shares.data() + q * one, sw}, stream);
     };
     if constexpr (F::parametric)
       if (packed && n > 0) {  // (no rows: no launch, the zeros above)
-        add_shares(detail::gradient_slot<typename F::q::param>(g), per_sequence[0]);
-        if constexpr (F::own_k_w) add_shares(detail::gradient_slot<typename F::k::param>(g), per_sequence[1]);
+        add_shares(vw[0], per_sequence[0]);
+        if constexpr (F::own_k_w) add_shares(vw[1], per_sequence[1]);
         synchronize_stream(stream, call);  // the shares die with this call
       }
     if constexpr (chained) chain->d_initial->flip();
@@ -1948,12 +2002,77 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto gradient(Plan const& plan, Dout const& dout, void* stream, tile_request tiles, B const&... bindings) {
-  return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), nullptr, bindings...);
+  return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), nullptr,
+                               static_cast<void*>(nullptr), bindings...);
 }
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bindings) {
   return gradient(plan, dout, stream, tile_request{}, bindings...);
+}
+
+// Gradients into the caller's memory, as cpu::gradient_into: views of any
+// layout whose columns are adjacent, one per input, set before the call —
+//   auto into = cuda::gradient_views<cuda::bf16>(plan);
+//   into[Q] = dq.view(); into[K] = dk.view(); into[V] = dv.view();
+//   cuda::gradient_into(plan, into, ddout, stream, [tiles,] Q = q, K = k, V = v);
+// — so that a training loop reuses its buffers: cuda::gradient's new tensors
+// cost a cudaMalloc each, and freeing them a cudaFree, which waits for the
+// whole device. Nothing is allocated but the backward's fp32 scratch rows
+// (stream-ordered). A view of another shape than its input's (or one not set)
+// is a lina::shape_error naming ∂ of the input, before anything runs.
+// emulate_gradient_into (host views, emulate_gradient_views) checks the same
+// and writes the emulation's gradients. Plans as cuda::gradient takes them,
+// but neither stacked (its layers' shares are summed in new tensors: use
+// cuda::gradient) nor chained or packed.
+template <class T, class Plan>
+auto gradient_views(Plan const&) {
+  return gradients_for<device_view<T>, Plan>{};
+}
+template <class Plan>
+auto emulate_gradient_views(Plan const&) {
+  return gradients_for<tensor_view<float>, Plan>{};
+}
+namespace diagnose {
+template <bool Unstacked>
+struct gradient_into_plan {
+  static_assert(Unstacked,
+                "lina::cuda::gradient_into: a stacked plan's gradients are the sums of its layers' shares, made in new "
+                "tensors: call cuda::gradient (emulate_gradient) for it");
+  static constexpr bool ok = Unstacked;
+};
+}  // namespace diagnose
+template <class Plan, class T, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void gradient_into(Plan const& plan, gradients<device_view<T>, In...>& into, Dout const& dout, void* stream,
+                   tile_request tiles, B const&... bindings) {
+  static_assert(std::is_same_v<gradients<device_view<T>, In...>, gradients_for<device_view<T>, Plan>>,
+                "lina::cuda::gradient_into: `into` must be cuda::gradient_views<T>(plan) of this plan");
+  if constexpr (diagnose::gradient_into_plan<!detail::forward_plan<Plan>::stacked>::ok)
+    (void)detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), nullptr, &into, bindings...);
+}
+template <class Plan, class T, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void gradient_into(Plan const& plan, gradients<device_view<T>, In...>& into, Dout const& dout, void* stream,
+                   B const&... bindings) {
+  gradient_into(plan, into, dout, stream, tile_request{}, bindings...);
+}
+template <class Plan, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void emulate_gradient_into(Plan const& plan, options opt, gradients<tensor_view<float>, In...>& into, Dout const& dout,
+                           B const&... bindings) {
+  static_assert(std::is_same_v<gradients<tensor_view<float>, In...>, gradients_for<tensor_view<float>, Plan>>,
+                "lina::cuda::emulate_gradient_into: `into` must be cuda::emulate_gradient_views(plan) of this plan");
+  if constexpr (diagnose::gradient_into_plan<!detail::forward_plan<Plan>::stacked>::ok) {
+    auto g = emulate_gradient(plan, opt, dout, bindings...);
+    std::size_t i = 0;
+    ((void)detail::caller_view<In>(into, g.all()[i++].shape()), ...);  // every view checked before any is written
+    for (std::size_t j = 0; j < g.all().size(); ++j) {
+      tensor_view<float> const to = into.all()[j];
+      lina::tensor<float> const& from = g.all()[j];
+      for_each_index(to.shape(), [&](auto... x) { to(x...) = from(x...); });
+    }
+  }
 }
 
 // ---- packed sequences' gradients ----
@@ -2022,7 +2141,8 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, tile_request til
   char const* call = "cuda::gradient";
   int const sms = require_device(call).sms;
   if (detail::one_launch(plan, detail::device_options<T, T>(tiles), in, seqs, false, sms, true))
-    return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), &seqs, bindings...);
+    return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), &seqs,
+                                 static_cast<void*>(nullptr), bindings...);
   gradients_for<tensor<T>, Plan> g;
   detail::packed_zeros<Plan>(g, in, [&](shape4 sh) {
     tensor<T> t(sh, call);
@@ -2048,7 +2168,7 @@ auto gradient(Plan const& plan, Dout const& dout, state const& initial, state co
   static_assert(detail::chainable<decltype(linear)>() || true);
   state d_initial(memory::device);
   detail::chain_states const chain{&initial, &d_final, &d_initial};
-  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, nullptr, bindings...);
+  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, nullptr, static_cast<void*>(nullptr), bindings...);
   return std::pair{std::move(g), std::move(d_initial)};
 }
 template <class Plan, class Dout, class... B>
@@ -2071,7 +2191,7 @@ auto gradient(Plan const& plan, Dout const& dout, state const& initial, state co
     check_packed<packed_dim<L>>(in, seqs);
     detail::check_dout<L>(view_of(dout).shape(), in);
     detail::chain_states const chain{&initial, &d_final, &d_initial};
-    auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, &seqs, bindings...);
+    auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, &seqs, static_cast<void*>(nullptr), bindings...);
     return std::pair{std::move(g), std::move(d_initial)};
   } else {
     using T = std::remove_const_t<typename decltype(bind<L>(bindings...))::value_type>;

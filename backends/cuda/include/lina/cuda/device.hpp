@@ -119,6 +119,9 @@ void copy_to_device(void* device, void const* host, std::size_t bytes, void* str
 void copy_to_host(void* host, void const* device, std::size_t bytes, void* stream, std::string const& call);
 void copy_on_device(void* to, void const* from, std::size_t bytes, void* stream, std::string const& call);
 void fill_zero(void* device, std::size_t bytes, void* stream, std::string const& call);
+// `rows` runs of `width` bytes, `pitch` bytes apart, set to zero (cudaMemset2DAsync).
+void fill_zero_rows(void* device, std::size_t pitch, std::size_t width, std::size_t rows, void* stream,
+                    std::string const& call);
 // Wait for everything queued on `stream`.
 void synchronize_stream(void* stream, std::string const& call);
 
