@@ -13,6 +13,10 @@
 //   cuda::state                                      a causal plan's running sums between
 //     emulate_into(plan, opts, out, st, Q = q, …)    evaluations (chaining blocks of a
 //     evaluate_into(plan, out, st, stream, …)        sequence), in host or device memory
+//   cuda::emulate_gradient(plan, opts, dout, Q = q, …), cuda::gradient(plan, dout, stream, …)
+//     the generated backward's gradients (new tensors); gradient_into(plan, into, dout,
+//     stream, …) into the caller's views (into = gradient_views<T>(plan))
+//   cuda::recurrent                                  decoding: prompts and one-token steps
 //   any of emulate, evaluate (with a state or not), gradient, recurrent::prefill
 //     with a `sequences` before the bindings: packed sequences of different
 //     lengths (lina/sequences.hpp); linear plans in one launch that reads the offsets
