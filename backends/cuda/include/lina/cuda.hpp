@@ -1687,6 +1687,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     static_assert(std::is_same_v<typename decltype(in)::value_type, float>,
                   "lina::cuda::emulate_gradient: bind float tensors (read as opts.in)");
     tensor_view<float const> const dv = view_of(dout);
+    if (packed) check_packed<packed_dim<Plan>>(in, *packed);  // (sequences: one batch row, cut as they say)
     detail::check_dout<Plan>(dv.shape(), in);
     using Bound = decltype(in);
     attention_spec s = detail::bound_spec(plan, opt, in);
@@ -1821,18 +1822,10 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, state con
                       sequences const& seqs, B const&... bindings) {
   auto linear = longest_branch(plan);
   static_assert(detail::chainable<decltype(linear)>() || true);
-  using L = decltype(linear);
   state d_initial(memory::host);
-  if constexpr (detail::chainable<L>()) {
-    auto in = bind<L>(bindings...);
-    check_packed<packed_dim<L>>(in, seqs);
-    detail::check_dout<L>(view_of(dout).shape(), in);
-    detail::chain_states const chain{&initial, &d_final, &d_initial};
-    auto g = detail::emulate_gradient_impl(linear, opt, dout, &chain, &seqs, bindings...);
-    return std::pair{std::move(g), std::move(d_initial)};
-  } else {
-    return std::pair{gradients_for<lina::tensor<float>, L>{}, std::move(d_initial)};
-  }
+  detail::chain_states const chain{&initial, &d_final, &d_initial};
+  auto g = detail::emulate_gradient_impl(linear, opt, dout, &chain, &seqs, bindings...);
+  return std::pair{std::move(g), std::move(d_initial)};
 }
 
 namespace detail {
@@ -1897,6 +1890,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
     auto const dv = view_of(dout);
     static_assert(std::is_same_v<std::remove_const_t<typename decltype(dv)::element_type_>, T>,
                   "lina::cuda::gradient: dout must have the inputs' element type");
+    if (packed) check_packed<packed_dim<Plan>>(in, *packed);  // (sequences: one batch row, cut as they say)
     detail::check_dout<Plan>(dv.shape(), in);
     attention_spec s = detail::bound_spec(plan, device_options<T, T>(tiles), in);
     s.chained = chained;
@@ -2188,19 +2182,10 @@ auto gradient(Plan const& plan, Dout const& dout, state const& initial, state co
               tile_request tiles, sequences const& seqs, B const&... bindings) {
   auto linear = longest_branch(plan);
   static_assert(detail::chainable<decltype(linear)>() || true);
-  using L = decltype(linear);
   state d_initial(memory::device);
-  if constexpr (detail::chainable<L>()) {
-    auto in = bind<L>(bindings...);
-    check_packed<packed_dim<L>>(in, seqs);
-    detail::check_dout<L>(view_of(dout).shape(), in);
-    detail::chain_states const chain{&initial, &d_final, &d_initial};
-    auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, &seqs, static_cast<void*>(nullptr), bindings...);
-    return std::pair{std::move(g), std::move(d_initial)};
-  } else {
-    using T = std::remove_const_t<typename decltype(bind<L>(bindings...))::value_type>;
-    return std::pair{gradients_for<tensor<T>, L>{}, std::move(d_initial)};
-  }
+  detail::chain_states const chain{&initial, &d_final, &d_initial};
+  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, &seqs, static_cast<void*>(nullptr), bindings...);
+  return std::pair{std::move(g), std::move(d_initial)};
 }
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
