@@ -604,6 +604,20 @@ template <class E>
 cuda::dtype dtype_for() {
   return cuda::dtype_of<E>;
 }
+// Views of [B, rows, H, C] storage (filled with 7s), one per gradient of g,
+// shaped as g's: into, as emulate_gradient_into wants it.
+template <class G, class Want>
+G bnhc_views(G into, Want const& g, std::vector<std::vector<float>>& store) {
+  store.resize(g.all().size());
+  for (std::size_t i = 0; i < g.all().size(); ++i) {
+    shape4 const sh = g.all()[i].shape();
+    auto const h = static_cast<std::ptrdiff_t>(sh[1]), rows = static_cast<std::ptrdiff_t>(sh[2]),
+               c = static_cast<std::ptrdiff_t>(sh[3]);
+    store[i].assign(sh[0] * sh[1] * sh[2] * sh[3], 7.f);
+    into.all()[i] = tensor_view<float>(store[i].data(), sh, {rows * h * c, c, h * c, 1});
+  }
+  return into;
+}
 
 }  // namespace
 

@@ -619,6 +619,16 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
         cuda::emulate(plan, opt, s1, Q = first(q), K = first(k), V = first(v));  // s1: the sums after block 1
         auto [g2, d1] = cuda::emulate_gradient(plan, opt, second(dout), s1, none, Q = second(q), K = second(k), V = second(v));
         auto [g1, d0] = cuda::emulate_gradient(plan, opt, first(dout), none, d1, Q = first(q), K = first(k), V = first(v));
+        {  // gradient_into: the same bits into the caller's views, ∂S returned
+          std::vector<std::vector<float>> store;
+          auto into = bnhc_views(cuda::emulate_gradient_views(plan), g2, store);
+          cuda::state const e1 =
+              cuda::emulate_gradient_into(plan, opt, into, second(dout), s1, none, Q = second(q), K = second(k), V = second(v));
+          CHECK(max_abs_diff(into[Q], g2[Q]) == 0);
+          CHECK(max_abs_diff(into[K], g2[K]) == 0);
+          CHECK(max_abs_diff(into[V], g2[V]) == 0);
+          CHECK(max_abs_diff(sums_of(e1), sums_of(d1)) == 0);
+        }
         for (auto const& [name, w, a, b] : {std::tuple{"∂Q", &whole[Q], &g1[Q], &g2[Q]}, std::tuple{"∂K", &whole[K], &g1[K], &g2[K]},
                                             std::tuple{"∂V", &whole[V], &g1[V], &g2[V]}}) {
           char const* const which = name;  // (Clang < 16 cannot capture a binding)
@@ -775,6 +785,8 @@ TEST_CASE("backward: gradients into the caller's views (gradient_into, emulate_g
     dinto[Q] = dq, dinto[K] = dq, dinto[V] = dv;
     CHECK_THROWS_WITH_AS(cuda::gradient_into(plan, dinto, dv, nullptr, Q = dq, K = dq, V = dv),
                          doctest::Contains("cuda::gradient_into"), cuda::cuda_error);
+    CHECK_THROWS_WITH_AS((void)cuda::gradient_into(plan, dinto, dv, cuda::state(), cuda::state(), nullptr, Q = dq, K = dq, V = dv),
+                         doctest::Contains("cuda::gradient_into"), cuda::cuda_error);  // (chained)
   }
 }
 

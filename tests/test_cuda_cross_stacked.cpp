@@ -323,6 +323,19 @@ void check_packed_emulation(Expr const& expr, std::uint64_t seed, bool cross = f
       CHECK(relative_rms(g.all()[i], as_float(want.all()[i])) <= tolerance(dt));
       if (g.all()[i].shape()[2] != seqs.total()) CHECK(max_abs_diff(g.all()[i], sums.all()[i]) == 0);
     }
+    // gradient_into: the same bits into the caller's views ([1, ΣN, H, C]
+    // storage), from the one launch or sequence by sequence (the chunk-parallel
+    // form asked for: never one launch).
+    for (std::int64_t split : {0, 64}) {
+      CAPTURE(split);
+      cuda::options o = opt;
+      o.split_rows = split;
+      auto const expected = split ? cuda::emulate_gradient(plan, o, dout, seqs, Q = q, K = k, V = v) : g;
+      std::vector<std::vector<float>> store;
+      auto into = bnhc_views(cuda::emulate_gradient_views(plan), expected, store);
+      cuda::emulate_gradient_into(plan, o, into, dout, seqs, Q = q, K = k, V = v);
+      for (std::size_t i = 0; i < expected.all().size(); ++i) CHECK(max_abs_diff(into.all()[i], expected.all()[i]) == 0);
+    }
   }
 }
 }  // namespace
@@ -399,7 +412,9 @@ TEST_CASE("packed sequences: a backward over slices of M's columns runs each sli
 // FAVOR+ packed: one backward launch writes ∂W per (sequence, head), summed
 // over the pack in sequence order — each sequence's share as it would be
 // alone, so the pack's gradients equal the sequences' own, bit for bit.
-TEST_CASE("packed sequences: favor's backward in one launch, ∂W summed over the sequences") {
+// gradient_into writes the same bits into the caller's views, from the one
+// launch or sequence by sequence, and checks every view before writing any.
+TEST_CASE("packed sequences: favor's backward in one launch, ∂W summed over the sequences, also into the caller's views") {
   auto const plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
   auto const seqs = sequences::from_lengths({70, 0, 1, 129, 5});
   std::size_t const h = 2, d = 16, m = 12, f = 24;
@@ -426,6 +441,44 @@ TEST_CASE("packed sequences: favor's backward in one launch, ∂W summed over th
       for (std::size_t i = 0; i < sum_w.size(); ++i) sum_w.data()[i] += alone[W].data()[i];
     }
     CHECK(max_abs_diff(g[W], sum_w) == 0);
+    // gradient_into: the one launch's bits; sequence by sequence (the
+    // chunk-parallel form asked for), ∂W summed from one share buffer, as
+    // emulate_gradient's per-sequence path sums new tensors.
+    for (std::int64_t split : {0, 64}) {
+      CAPTURE(split);
+      cuda::options o = opt;
+      o.split_rows = split;
+      kernel_count::runs = 0;
+      auto const expected = split ? cuda::emulate_gradient(plan, o, dout, seqs, Q = q, K = k, V = v, W = w) : g;
+      int const sequence_by_sequence = kernel_count::runs;
+      CHECK(sequence_by_sequence >= (split ? 4 : 0));  // (per sequence with rows)
+      std::vector<std::vector<float>> store;
+      auto into = bnhc_views(cuda::emulate_gradient_views(plan), expected, store);
+      kernel_count::runs = 0;
+      cuda::emulate_gradient_into(plan, o, into, dout, seqs, Q = q, K = k, V = v, W = w);
+      CHECK(kernel_count::runs == (split ? sequence_by_sequence : 1));
+      for (std::size_t i = 0; i < expected.all().size(); ++i) CHECK(max_abs_diff(into.all()[i], expected.all()[i]) == 0);
+      // Errors before any view is written (∂W's would be zeroed first, per sequence).
+      std::vector<std::vector<float>> untouched;
+      auto fresh = bnhc_views(cuda::emulate_gradient_views(plan), expected, untouched);
+      auto wrong = fresh;
+      wrong[V] = lina::detail::rows_of_view(fresh[V], 0, seqs.total() - 1);
+      test::expect_shape_error([&] { cuda::emulate_gradient_into(plan, o, wrong, dout, seqs, Q = q, K = k, V = v, W = w); },
+                               "∂V", "rows", seqs.total() - 1, seqs.total());
+      auto const other = sequences::from_lengths({70, 0, 1, 129, 4});
+      CHECK_THROWS_AS(cuda::emulate_gradient_into(plan, o, fresh, dout, other, Q = q, K = k, V = v, W = w), shape_error);
+      for (auto const& one : untouched) CHECK(std::all_of(one.begin(), one.end(), [](float x) { return x == 7.f; }));
+    }
+  }
+  // Without a device the device form names itself.
+  if (!cuda::probe_device().available) {
+    float* const nowhere = nullptr;
+    cuda::device_view<float> const dq(nowhere, {1, h, seqs.total(), d}), dv(nowhere, {1, h, seqs.total(), m}),
+        dw(nowhere, {1, h, d, f});
+    auto into = cuda::gradient_views<float>(plan);
+    into[Q] = dq, into[K] = dq, into[V] = dv, into[W] = dw;
+    CHECK_THROWS_WITH_AS(cuda::gradient_into(plan, into, dv, nullptr, seqs, Q = dq, K = dq, V = dv, W = dw),
+                         doctest::Contains("cuda::gradient_into"), cuda::cuda_error);
   }
 }
 
@@ -522,6 +575,15 @@ TEST_CASE("packed sequences through a state: the backward, block by block, = eac
                                             Q = q1, K = k1, V = v1);
     CHECK(kernel_count::runs == 2);
     REQUIRE(ds1.shape()[0] == count);
+    {  // gradient_into: the same bits into the caller's views, ∂S rows returned
+      std::vector<std::vector<float>> store;
+      auto into = bnhc_views(cuda::emulate_gradient_views(plan), g1, store);
+      cuda::state const es1 = cuda::emulate_gradient_into(plan, opt, into, d1, cuda::state(cuda::memory::host), ds2, first,
+                                                          Q = q1, K = k1, V = v1);
+      CHECK(kernel_count::runs == 3);
+      for (std::size_t i = 0; i < g1.all().size(); ++i) CHECK(max_abs_diff(into.all()[i], g1.all()[i]) == 0);
+      CHECK(max_abs_diff(sums_of(es1), sums_of(ds1)) == 0);
+    }
     for (std::size_t s = 0; s < count; ++s) {
       CAPTURE(s);
       auto rows = [&](tensor<float> const& x, sequences const& seqs) { return sequence_rows(x, seqs, s); };
@@ -555,6 +617,20 @@ TEST_CASE("packed sequences through a state: the backward, block by block, = eac
 // device has idle SMs); many short ones in one launch, forward and backward. Against the packed
 // emulation (one launch, unsplit: the same sums in another order, so to the
 // forward and gradient tolerances rather than bit for bit).
+namespace {
+// gradient_into the caller's device tensors = cuda::gradient's, bit for bit.
+template <class E, class Plan, class G, class Dout, class... B>
+void check_packed_into(Plan const& plan, G const& g, Dout const& dout, sequences const& seqs, B const&... bindings) {
+  std::vector<cuda::tensor<E>> mine;
+  mine.reserve(g.all().size());
+  auto into = cuda::gradient_views<E>(plan);
+  for (std::size_t i = 0; i < g.all().size(); ++i) into.all()[i] = mine.emplace_back(g.all()[i].shape()).view();
+  cuda::gradient_into(plan, into, dout, nullptr, seqs, bindings...);
+  for (std::size_t i = 0; i < g.all().size(); ++i)
+    CHECK(max_abs_diff(cuda::to_host(mine[i]), cuda::to_host(g.all()[i])) == 0);
+}
+}  // namespace
+
 TEST_CASE("device: packed sequences = their emulation, forward and backward") {
   auto dev = cuda::probe_device();
   if (skipped_without(dev)) return;
@@ -578,6 +654,7 @@ TEST_CASE("device: packed sequences = their emulation, forward and backward") {
       auto g = cuda::gradient(plan, cuda::to_device<E>(dout), nullptr, seqs, Q = dq, K = dk, V = dv);
       for (std::size_t i = 0; i < g.all().size(); ++i)
         CHECK(relative_rms(cuda::to_host(g.all()[i]), want_g.all()[i]) <= gradient_tolerance(dt));
+      check_packed_into<E>(plan, g, cuda::to_device<E>(dout), seqs, Q = dq, K = dk, V = dv);
       // Chained: a device state of one row per sequence, as the host state's;
       // the same prompts packed into a recurrent: the same launches, the same bits.
       cuda::state st;
@@ -591,6 +668,18 @@ TEST_CASE("device: packed sequences = their emulation, forward and backward") {
       for (std::size_t i = 0; i < got_c.first.all().size(); ++i)
         CHECK(relative_rms(cuda::to_host(got_c.first.all()[i]), want_c.first.all()[i]) <= gradient_tolerance(dt));
       CHECK(relative_rms(sums_of(cuda::to_host(got_c.second)), sums_of(want_c.second)) <= 1e-5);
+      {  // gradient_into: the same launch into the caller's tensors, ∂S returned
+        std::vector<cuda::tensor<E>> mine;
+        mine.reserve(got_c.first.all().size());
+        auto into = cuda::gradient_views<E>(plan);
+        for (std::size_t i = 0; i < got_c.first.all().size(); ++i)
+          into.all()[i] = mine.emplace_back(got_c.first.all()[i].shape()).view();
+        cuda::state const ds = cuda::gradient_into(plan, into, cuda::to_device<E>(dout), st, cuda::state(), nullptr, seqs,
+                                                   Q = dq, K = dk, V = dv);
+        for (std::size_t i = 0; i < mine.size(); ++i)
+          CHECK(max_abs_diff(cuda::to_host(mine[i]), cuda::to_host(got_c.first.all()[i])) == 0);
+        CHECK(max_abs_diff(sums_of(cuda::to_host(ds)), sums_of(cuda::to_host(got_c.second))) == 0);
+      }
       auto rnn = cuda::recurrent(plan, seqs.count(), 2, {dt, dt});
       cuda::tensor<E> prompt(yc.shape(), "test");
       rnn.prefill_into(prompt.view(), nullptr, seqs, Q = dq, K = dk, V = dv);
@@ -622,4 +711,5 @@ TEST_CASE("device: packed sequences = their emulation, forward and backward") {
   auto g = cuda::gradient(plan, cuda::to_device<float>(dout), nullptr, many, Q = dq, K = dk, V = dv);
   for (std::size_t i = 0; i < g.all().size(); ++i)
     CHECK(relative_rms(cuda::to_host(g.all()[i]), want_g.all()[i]) <= gradient_tolerance(cuda::dtype::f32));
+  check_packed_into<float>(plan, g, cuda::to_device<float>(dout), many, Q = dq, K = dk, V = dv);
 }

@@ -254,6 +254,7 @@ class gradients {
     return tensors_[index<Op>()];
   }
   std::array<Tensor, sizeof...(In)>& all() { return tensors_; }
+  std::array<Tensor, sizeof...(In)> const& all() const { return tensors_; }
 
  private:
   template <class Op>

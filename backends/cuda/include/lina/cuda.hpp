@@ -17,8 +17,8 @@
 //     the generated backward's gradients (new tensors); gradient_into(plan, into, dout,
 //     stream, …) into the caller's views (into = gradient_views<T>(plan))
 //   cuda::recurrent                                  decoding: prompts and one-token steps
-//   any of emulate, evaluate (with a state or not), gradient, recurrent::prefill
-//     with a `sequences` before the bindings: packed sequences of different
+//   any of emulate, evaluate (with a state or not), gradient, gradient_into,
+//     recurrent::prefill with a `sequences` before the bindings: packed sequences of different
 //     lengths (lina/sequences.hpp); linear plans in one launch that reads the offsets
 //
 // This header includes the DSL (Hana); the emitter, the emulation and NVRTC
@@ -1575,6 +1575,10 @@ template <class Op, class Tensor, class... In>
 Tensor& gradient_slot(gradients<Tensor, In...>& g) {
   return g.all()[lina::detail::index_of_v<Op, lina::detail::type_list<In...>>];
 }
+template <class Op, class Tensor, class... In>
+Tensor const& gradient_slot(gradients<Tensor, In...> const& g) {
+  return g.all()[lina::detail::index_of_v<Op, lina::detail::type_list<In...>>];
+}
 
 template <class Plan, class Bound>
 void check_dout(shape4 const& got, Bound const& in) {
@@ -1860,6 +1864,48 @@ void zero_view(device_view<T> v, void* stream, char const* call) {
                      static_cast<std::size_t>(v.strides()[2]) * sizeof(T), sh[3] * sizeof(T), sh[2], stream, call);
 }
 
+// Every view of `into` checked against its input's bound shape (a gradient
+// has its input's shape), before anything is written.
+template <class G, class... In, class Bound>
+void check_into(gradients<G, In...>& into, Bound const& in) {
+  ((void)caller_view<In>(into, in.views[Bound::template input_index<In>()].shape()), ...);
+}
+// The emulation's gradients g copied into the caller's views, every view
+// checked first.
+template <class... In, class G>
+void copy_gradients(gradients<tensor_view<float>, In...>& into, G const& g) {
+  ((void)caller_view<In>(into, gradient_slot<In>(g).shape()), ...);
+  auto copy = [](tensor_view<float> to, lina::tensor<float> const& from) {
+    for_each_index(to.shape(), [&](auto... x) { to(x...) = from(x...); });
+  };
+  (copy(gradient_slot<In>(into), gradient_slot<In>(g)), ...);
+}
+
+// Packed sequences differentiated one by one into the caller's views: the
+// gradient of an input cut into sequences is written straight into its rows;
+// one every sequence reads whole (W; K and V of a cross-attention) is zeroed,
+// then each sequence's share — written into share(shape), one buffer per such
+// input, reused by every sequence — is added in sequence order, as the
+// one-launch backward and cpu::gradient_into sum them.
+// grad_into(views, dout rows, sequence bindings...) differentiates one sequence.
+template <class Plan, class View, class... In, class Dout, class GradInto, class Share, class Zero, class Add, class... B>
+void packed_into(gradients<View, In...>& into, Dout const& dout, sequences const& seqs, GradInto const& grad_into,
+                 Share const& share, Zero const& zero, Add const& add, B const&... bindings) {
+  using N = packed_dim<Plan>;
+  constexpr bool cut[] = {cut_input<N, In>...};
+  auto mine = into;
+  for (std::size_t i = 0; i < sizeof...(In); ++i)
+    if (!cut[i]) mine.all()[i] = share(into.all()[i].shape()), zero(into.all()[i]);
+  for (std::size_t s = 0; s < seqs.count(); ++s) {
+    for (std::size_t i = 0; i < sizeof...(In); ++i)
+      if (cut[i]) mine.all()[i] = lina::detail::rows_of_view(into.all()[i], seqs.begin(s), seqs.length(s));
+    grad_into(mine, lina::detail::rows_of_view(view_of(dout), seqs.begin(s), seqs.length(s)),
+              sequence_binding<N, inputs_of<Plan>>(bindings, seqs, s)...);
+    for (std::size_t i = 0; i < sizeof...(In); ++i)
+      if (!cut[i]) add(into.all()[i], mine.all()[i]);
+  }
+}
+
 // (Into: the caller's views, gradients<device_view<T>, …> — gradient_into —, else void.)
 template <class Plan, class Dout, class Chain, class Into, class... B>
 auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_request tiles, Chain const* chain,
@@ -2021,8 +2067,9 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, B const&... bind
 // is a lina::shape_error naming ∂ of the input, before anything runs.
 // emulate_gradient_into (host views, emulate_gradient_views) checks the same
 // and writes the emulation's gradients. Plans as cuda::gradient takes them,
-// but neither stacked (its layers' shares are summed in new tensors: use
-// cuda::gradient) nor chained or packed.
+// but not stacked (its layers' shares are summed in new tensors: use
+// cuda::gradient); packed sequences and the chained forms (returning
+// ∂initial): below.
 template <class T, class Plan>
 auto gradient_views(Plan const&) {
   return gradients_for<device_view<T>, Plan>{};
@@ -2061,16 +2108,8 @@ void emulate_gradient_into(Plan const& plan, options opt, gradients<tensor_view<
                            B const&... bindings) {
   static_assert(std::is_same_v<gradients<tensor_view<float>, In...>, gradients_for<tensor_view<float>, Plan>>,
                 "lina::cuda::emulate_gradient_into: `into` must be cuda::emulate_gradient_views(plan) of this plan");
-  if constexpr (diagnose::gradient_into_plan<!detail::forward_plan<Plan>::stacked>::ok) {
-    auto g = emulate_gradient(plan, opt, dout, bindings...);
-    std::size_t i = 0;
-    ((void)detail::caller_view<In>(into, g.all()[i++].shape()), ...);  // every view checked before any is written
-    for (std::size_t j = 0; j < g.all().size(); ++j) {
-      tensor_view<float> const to = into.all()[j];
-      lina::tensor<float> const& from = g.all()[j];
-      for_each_index(to.shape(), [&](auto... x) { to(x...) = from(x...); });
-    }
-  }
+  if constexpr (diagnose::gradient_into_plan<!detail::forward_plan<Plan>::stacked>::ok)
+    detail::copy_gradients(into, emulate_gradient(plan, opt, dout, bindings...));
 }
 
 // ---- packed sequences' gradients ----
@@ -2107,6 +2146,79 @@ void packed_zeros(gradients<Tensor, In...>& g, Bound const& in, Make const& make
 }
 }  // namespace detail
 
+// Packed sequences' gradients into the caller's views (as gradient_into, the
+// pack as gradient takes it): the backward's launches once for the pack where
+// one launch serves it, else sequence by sequence, each writing its rows of
+// the views (a sum over sequences, as ∂W, through one buffer per such input:
+// not a tensor per sequence). Every view is checked before anything runs.
+template <class Plan, class T, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void gradient_into(Plan const& plan, gradients<device_view<T>, In...>& into, Dout const& dout, void* stream,
+                   tile_request tiles, sequences const& seqs, B const&... bindings) {
+  static_assert(std::is_same_v<gradients<device_view<T>, In...>, gradients_for<device_view<T>, Plan>>,
+                "lina::cuda::gradient_into: `into` must be cuda::gradient_views<T>(plan) of this plan");
+  if constexpr (diagnose::gradient_into_plan<!detail::forward_plan<Plan>::stacked>::ok) {
+    check_tile_request(tiles);
+    auto in = bind<Plan>(bindings...);
+    static_assert(diagnose::device_bindings<is_device_view<typename decltype(in)::view_type>>::ok || true);
+    check_packed<packed_dim<Plan>>(in, seqs);
+    detail::check_dout<Plan>(view_of(dout).shape(), in);
+    detail::check_into(into, in);
+    char const* call = "cuda::gradient_into";
+    int const sms = require_device(call).sms;
+    if (detail::one_launch(plan, detail::device_options<T, T>(tiles), in, seqs, false, sms, true)) {
+      detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), &seqs, &into, bindings...);
+      return;
+    }
+    std::vector<tensor<T>> shares;  // (one per input read whole; its adds are queued before the next sequence writes it)
+    detail::packed_into<Plan>(
+        into, dout, seqs,
+        [&](auto& mine, auto const& d, auto const&... b) {
+          detail::gradient_impl(plan, d, stream, tiles, static_cast<void const*>(nullptr), nullptr, &mine, b...);
+        },
+        [&](shape4 sh) { return shares.emplace_back(sh, call).view(); },
+        [&](device_view<T> v) { detail::zero_view(v, stream, call); },
+        [&](device_view<T> to, device_view<T> from) { detail::add_into(to, device_view<T const>(from), stream); },
+        bindings...);
+    if (!shares.empty()) synchronize_stream(stream, call);  // the shares die with this call
+  }
+}
+template <class Plan, class T, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void gradient_into(Plan const& plan, gradients<device_view<T>, In...>& into, Dout const& dout, void* stream,
+                   sequences const& seqs, B const&... bindings) {
+  gradient_into(plan, into, dout, stream, tile_request{}, seqs, bindings...);
+}
+// The same through the emulation, into host views.
+template <class Plan, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+void emulate_gradient_into(Plan const& plan, options opt, gradients<tensor_view<float>, In...>& into, Dout const& dout,
+                           sequences const& seqs, B const&... bindings) {
+  static_assert(std::is_same_v<gradients<tensor_view<float>, In...>, gradients_for<tensor_view<float>, Plan>>,
+                "lina::cuda::emulate_gradient_into: `into` must be cuda::emulate_gradient_views(plan) of this plan");
+  if constexpr (diagnose::gradient_into_plan<!detail::forward_plan<Plan>::stacked>::ok) {
+    auto in = bind<Plan>(bindings...);
+    check_packed<packed_dim<Plan>>(in, seqs);
+    detail::check_dout<Plan>(view_of(dout).shape(), in);
+    detail::check_into(into, in);
+    if (detail::one_launch(plan, opt, in, seqs, false, 0, true)) {
+      detail::copy_gradients(into, detail::emulate_gradient_impl(plan, opt, dout, static_cast<void const*>(nullptr),
+                                                                 &seqs, bindings...));
+      return;
+    }
+    std::vector<lina::tensor<float>> shares;
+    detail::packed_into<Plan>(
+        into, dout, seqs,
+        [&](auto& mine, auto const& d, auto const&... b) { emulate_gradient_into(plan, opt, mine, d, b...); },
+        [&](shape4 sh) { return shares.emplace_back(sh).view(); },
+        [](tensor_view<float> v) { for_each_index(v.shape(), [&](auto... x) { v(x...) = 0; }); },
+        [](tensor_view<float> to, tensor_view<float> from) {
+          for_each_index(to.shape(), [&](auto... x) { to(x...) += from(x...); });
+        },
+        bindings...);
+  }
+}
+
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, sequences const& seqs, B const&... bindings) {
@@ -2142,6 +2254,13 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, tile_request til
     return detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), &seqs,
                                  static_cast<void*>(nullptr), bindings...);
   gradients_for<tensor<T>, Plan> g;
+  if constexpr (!detail::forward_plan<Plan>::stacked) {  // sequence by sequence into g: no tensors per sequence
+    detail::packed_zeros<Plan>(g, in, [&](shape4 sh) { return tensor<T>(sh, call); });
+    auto into = gradient_views<T>(plan);
+    for (std::size_t i = 0; i < g.all().size(); ++i) into.all()[i] = g.all()[i].view();
+    gradient_into(plan, into, dout, stream, tiles, seqs, bindings...);
+    return g;
+  }
   detail::packed_zeros<Plan>(g, in, [&](shape4 sh) {
     tensor<T> t(sh, call);
     if (t.bytes() > 0) fill_zero(t.data(), t.bytes(), stream, call);
@@ -2157,17 +2276,27 @@ template <class Plan, class Dout, class... B>
 auto gradient(Plan const& plan, Dout const& dout, void* stream, sequences const& seqs, B const&... bindings) {
   return gradient(plan, dout, stream, tile_request{}, seqs, bindings...);
 }
-// The chained form on the device (device states; see emulate_gradient).
-template <class Plan, class Dout, class... B>
-  requires(is_node<Plan> && (is_binding<B> && ...))
-auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
-              tile_request tiles, B const&... bindings) {
+// The chained form on the device (device states; see emulate_gradient), packed
+// or not; gradient_into's chained forms write the inputs' gradients into the
+// caller's views and return ∂initial.
+namespace detail {
+template <class Plan, class Into, class Dout, class... B>
+auto chained_gradient(Plan const& plan, Into* into, Dout const& dout, state const& initial, state const& d_final,
+                      void* stream, tile_request tiles, sequences const* seqs, B const&... bindings) {
   auto linear = longest_branch(plan);
   static_assert(detail::chainable<decltype(linear)>() || true);
   state d_initial(memory::device);
   detail::chain_states const chain{&initial, &d_final, &d_initial};
-  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, nullptr, static_cast<void*>(nullptr), bindings...);
+  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, seqs, into, bindings...);
   return std::pair{std::move(g), std::move(d_initial)};
+}
+}  // namespace detail
+template <class Plan, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
+              tile_request tiles, B const&... bindings) {
+  return detail::chained_gradient(plan, static_cast<void*>(nullptr), dout, initial, d_final, stream, tiles, nullptr,
+                                  bindings...);
 }
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
@@ -2180,18 +2309,53 @@ template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
               tile_request tiles, sequences const& seqs, B const&... bindings) {
-  auto linear = longest_branch(plan);
-  static_assert(detail::chainable<decltype(linear)>() || true);
-  state d_initial(memory::device);
-  detail::chain_states const chain{&initial, &d_final, &d_initial};
-  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, &seqs, static_cast<void*>(nullptr), bindings...);
-  return std::pair{std::move(g), std::move(d_initial)};
+  return detail::chained_gradient(plan, static_cast<void*>(nullptr), dout, initial, d_final, stream, tiles, &seqs,
+                                  bindings...);
 }
 template <class Plan, class Dout, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto gradient(Plan const& plan, Dout const& dout, state const& initial, state const& d_final, void* stream,
               sequences const& seqs, B const&... bindings) {
   return gradient(plan, dout, initial, d_final, stream, tile_request{}, seqs, bindings...);
+}
+template <class Plan, class T, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+state gradient_into(Plan const& plan, gradients<device_view<T>, In...>& into, Dout const& dout, state const& initial,
+                    state const& d_final, void* stream, tile_request tiles, B const&... bindings) {
+  static_assert(std::is_same_v<gradients<device_view<T>, In...>, gradients_for<device_view<T>, Plan>>,
+                "lina::cuda::gradient_into: `into` must be cuda::gradient_views<T>(plan) of this plan");
+  return detail::chained_gradient(plan, &into, dout, initial, d_final, stream, tiles, nullptr, bindings...).second;
+}
+template <class Plan, class T, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+state gradient_into(Plan const& plan, gradients<device_view<T>, In...>& into, Dout const& dout, state const& initial,
+                    state const& d_final, void* stream, B const&... bindings) {
+  return gradient_into(plan, into, dout, initial, d_final, stream, tile_request{}, bindings...);
+}
+template <class Plan, class T, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+state gradient_into(Plan const& plan, gradients<device_view<T>, In...>& into, Dout const& dout, state const& initial,
+                    state const& d_final, void* stream, tile_request tiles, sequences const& seqs, B const&... bindings) {
+  static_assert(std::is_same_v<gradients<device_view<T>, In...>, gradients_for<device_view<T>, Plan>>,
+                "lina::cuda::gradient_into: `into` must be cuda::gradient_views<T>(plan) of this plan");
+  return detail::chained_gradient(plan, &into, dout, initial, d_final, stream, tiles, &seqs, bindings...).second;
+}
+template <class Plan, class T, class... In, class Dout, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+state gradient_into(Plan const& plan, gradients<device_view<T>, In...>& into, Dout const& dout, state const& initial,
+                    state const& d_final, void* stream, sequences const& seqs, B const&... bindings) {
+  return gradient_into(plan, into, dout, initial, d_final, stream, tile_request{}, seqs, bindings...);
+}
+// The chained forms through the emulation, into host views (`rest`: [seqs,] bindings).
+template <class Plan, class... In, class Dout, class... Rest>
+  requires is_node<Plan>
+state emulate_gradient_into(Plan const& plan, options opt, gradients<tensor_view<float>, In...>& into, Dout const& dout,
+                            state const& initial, state const& d_final, Rest const&... rest) {
+  static_assert(std::is_same_v<gradients<tensor_view<float>, In...>, gradients_for<tensor_view<float>, Plan>>,
+                "lina::cuda::emulate_gradient_into: `into` must be cuda::emulate_gradient_views(plan) of this plan");
+  auto [g, d_initial] = emulate_gradient(plan, opt, dout, initial, d_final, rest...);
+  detail::copy_gradients(into, g);
+  return std::move(d_initial);
 }
 
 // ---- recurrent mode: decoding one token at a time -----------------------------------------
