@@ -35,9 +35,11 @@
 // …) — one launch where the pack fills the device, else a launch per sequence —
 // beside the same sequences evaluated one by one (evaluate_into on each one's
 // rows: what one launch saves), and unless --no-backward the gradients through
-// cuda::gradient(plan, dout, stream, seqs, …), the allocating call, as fla's
-// autograd allocates. Checked: the last sequence's first rows (output and ∂Q) of
-// the last head against the emulation. Its tsv rows have B = pS and T = L.
+// cuda::gradient(plan, dout, stream, seqs, …), the allocating call, and through
+// gradient_into into gradients made once (the tsv's backward: fla's autograd
+// takes its tensors from PyTorch's caching allocator, not cudaMalloc). Checked:
+// the last sequence's first rows (output and ∂Q of both) of the last head
+// against the emulation. Its tsv rows have B = pS and T = L.
 //
 // --tiles TxTM[p][sG][/N],… (default 64x64p,32x64,64x128,32x128,32x128p,16x128,
 // 64x128/512,64x64s4,64x64s16,32x128s8; "none": no sweep) times the forward again
@@ -585,29 +587,38 @@ bool time_packed(pack const& pk, bool backward, double budget, double copy_bw, s
   double const err = device_error(o.data() + first * d, n * d, want.data());
   bool ok = err <= std::ldexp(1.0, -8);
 
-  double bwd_ms = 0, bwd_err = 0;
+  double bwd_ms = 0, into_ms = 0, bwd_err = 0, into_err = 0;
   if (backward) {
     auto [dout, hd] = upload(24);
-    int bwd_reps = 0;
-    bwd_ms = time_within([&] { cuda::gradient(plan, dout, stream, seqs, Q = q, K = k, V = v); }, budget, 50, stream,
+    int bwd_reps = 0, into_reps = 0;
+    bwd_ms = time_within([&] { cuda::gradient(plan, dout, stream, seqs, Q = q, K = k, V = v); }, budget / 2, 50, stream,
                          &bwd_reps);
+    // Into gradients made once, as a training loop keeps them (and as fla's
+    // autograd gets its tensors from PyTorch's caching allocator).
+    cuda::tensor<cuda::bf16> gq(sh), gk(sh), gv(sh);
+    auto into = cuda::gradient_views<cuda::bf16>(plan);
+    into[Q] = gq.view(), into[K] = gk.view(), into[V] = gv.view();
+    into_ms = time_within([&] { cuda::gradient_into(plan, into, dout, stream, seqs, Q = q, K = k, V = v); }, budget / 2, 50,
+                          stream, &into_reps);
     auto const g = cuda::gradient(plan, dout, stream, seqs, Q = q, K = k, V = v);
     check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     auto const want_g = cuda::emulate_gradient(plan, bf16, pick(hd), Q = pick(hq), K = pick(hk), V = pick(hv));
     bwd_err = device_error(g[Q].data() + first * d, n * d, want_g[Q].data());
-    ok = ok && bwd_err <= std::ldexp(1.0, -8);
+    into_err = device_error(gq.data() + first * d, n * d, want_g[Q].data());
+    ok = ok && bwd_err <= std::ldexp(1.0, -8) && into_err <= std::ldexp(1.0, -8);
   }
   double const flops = 4.0 * double(h) * double(total) * double(d) * double(d);
   double const gbs = 2.0 * 4.0 * double(h * total * d) / (ms * 1e-3) / 1e9;  // q, k, v read, o written, bf16
-  fmt::print("| {} | {} | {} | {} | {} | {} | {} | {:.3f} | {:.2f} | {:.0f} | {:.1f} % | {:.3f} ({:.2f}×) | {} | {:.1e}{} {} |\n",
+  fmt::print("| {} | {} | {} | {} | {} | {} | {} | {:.3f} | {:.2f} | {:.0f} | {:.1f} % | {:.3f} ({:.2f}×) | {} | {} | {:.1e}{} {} |\n",
              pk.s, pk.l, total, h, d, one ? "one" : "per sequence", reps, ms, flops / (ms * 1e-3) / 1e12, gbs,
              100.0 * gbs / copy_bw, alone_ms, alone_ms / ms,
              backward ? fmt::format("{:.3f} ({})", bwd_ms, one_backward ? "one launch" : "per sequence") : std::string(),
-             err, backward ? fmt::format(", ∂Q {:.1e}", bwd_err) : std::string(), ok ? "ok" : "**MISMATCH**");
+             backward ? fmt::format("{:.3f}", into_ms) : std::string(), err,
+             backward ? fmt::format(", ∂Q {:.1e}, into {:.1e}", bwd_err, into_err) : std::string(), ok ? "ok" : "**MISMATCH**");
   std::fflush(stdout);
   if (tsv) {
     if (backward)
-      std::fprintf(tsv, "p%zu\t%zu\t%zu\t%zu\t%.6f\t%.6f\n", pk.s, pk.l, h, d, ms, bwd_ms);
+      std::fprintf(tsv, "p%zu\t%zu\t%zu\t%zu\t%.6f\t%.6f\n", pk.s, pk.l, h, d, ms, into_ms);
     else
       std::fprintf(tsv, "p%zu\t%zu\t%zu\t%zu\t%.6f\n", pk.s, pk.l, h, d, ms);
   }
@@ -968,12 +979,13 @@ int main(int argc, char** argv) {
       fmt::print("\n## Packed sequences (fla's cu_seqlens): S sequences of mean length L end to end, bf16 [1, H, ΣN, D], "
                  "causal elu+1\n\n");
       fmt::print("| S | L (mean) | ΣN | H | D = M | launches | reps | median ms | TFLOP/s | GB/s (q,k,v read, o written) | "
-                 "of copy | one by one ms (its time / packed) | cuda::gradient ms | check (rel. RMS vs emulation) |\n");
-      fmt::print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+                 "of copy | one by one ms (its time / packed) | cuda::gradient ms | gradient_into ms | check (rel. RMS vs "
+                 "emulation) |\n");
+      fmt::print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
       for (pack const& pk : packs) try {  // (a pack that fails leaves the schedules' table below to run)
           failures += time_packed(pk, backward, budget / 2, copy_bw, std::min<std::size_t>(check_rows, 512), sms, stream, out) ? 0 : 1;
         } catch (std::exception const& e) {
-          fmt::print("| {} | {} | | {} | {} | failed: {} | | | | | | | | |\n", pk.s, pk.l, pk.h, pk.d, e.what());
+          fmt::print("| {} | {} | | {} | {} | failed: {} | | | | | | | | | |\n", pk.s, pk.l, pk.h, pk.d, e.what());
           ++failures;
           cudaGetLastError();  // (a launch error is sticky only when the context is lost)
         }
