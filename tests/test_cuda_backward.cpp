@@ -694,6 +694,56 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
   CHECK_THROWS_AS(cuda::backward_program_of(spec), std::invalid_argument);  // non-causal: no state
 }
 
+// On a device: two chained blocks differentiated last first (device states),
+// against their emulation (gradients and ∂S), N long enough for the
+// chunk-parallel form at B·H = 2; gradient_into = cuda::gradient, bit for bit.
+TEST_CASE("device: chained blocks' gradients = their emulation, and gradient_into = gradient") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  constexpr auto plan = compile<order::linear>(causal_expr);
+  auto run = [&]<class E>(shape s, std::size_t cut, std::uint64_t seed) {
+    cuda::dtype const dt = dtype_for<E>();
+    CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(cut);
+    test::rng r{seed};
+    auto inputs = random_inputs(s, dt, r, false);
+    auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
+    auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+    auto first = [&](tensor<float> const& x) { return test::tokens(x, 0, cut); };
+    auto second = [&](tensor<float> const& x) { return test::tokens(x, cut, s.n); };
+    cuda::options const opt{dt, dt};
+    cuda::state s1(plan, s.b, s.h, cuda::memory::host), none(cuda::memory::host);
+    cuda::emulate(plan, opt, s1, Q = first(q), K = first(k), V = first(v));
+    auto [w2, e1] = cuda::emulate_gradient(plan, opt, second(dout), s1, none, Q = second(q), K = second(k), V = second(v));
+    auto [w1, e0] = cuda::emulate_gradient(plan, opt, first(dout), none, e1, Q = first(q), K = first(k), V = first(v));
+    auto up = [](tensor_view<float const> x) { return cuda::to_device<E>(x); };
+    auto dq2 = up(second(q)), dk2 = up(second(k)), dv2 = up(second(v)), dd2 = up(second(dout));
+    auto dq1 = up(first(q)), dk1 = up(first(k)), dv1 = up(first(v)), dd1 = up(first(dout));
+    cuda::state const ds1 = cuda::to_device(s1);
+    auto [g2, d1] = cuda::gradient(plan, dd2, ds1, cuda::state(), nullptr, Q = dq2, K = dk2, V = dv2);
+    auto [g1, d0] = cuda::gradient(plan, dd1, cuda::state(), d1, nullptr, Q = dq1, K = dk1, V = dv1);
+    double const tol = gradient_tolerance(dt);
+    for (auto [got, want] : {std::pair{&g1, &w1}, std::pair{&g2, &w2}}) {
+      CHECK(relative_rms(cuda::to_host((*got)[Q]), (*want)[Q]) <= tol);
+      CHECK(relative_rms(cuda::to_host((*got)[K]), (*want)[K]) <= tol);
+      CHECK(relative_rms(cuda::to_host((*got)[V]), (*want)[V]) <= tol);
+    }
+    CHECK(relative_rms(sums_of(cuda::to_host(d1)), sums_of(e1)) <= 1e-5);
+    CHECK(relative_rms(sums_of(cuda::to_host(d0)), sums_of(e0)) <= 1e-5);
+    cuda::tensor<E> iq(dq2.shape()), ik(dk2.shape()), iv(dv2.shape());
+    auto into = cuda::gradient_views<E>(plan);
+    into[Q] = iq.view(), into[K] = ik.view(), into[V] = iv.view();
+    cuda::state const i1 = cuda::gradient_into(plan, into, dd2, ds1, cuda::state(), nullptr, Q = dq2, K = dk2, V = dv2);
+    CHECK(max_abs_diff(cuda::to_host(iq), cuda::to_host(g2[Q])) == 0);
+    CHECK(max_abs_diff(cuda::to_host(ik), cuda::to_host(g2[K])) == 0);
+    CHECK(max_abs_diff(cuda::to_host(iv), cuda::to_host(g2[V])) == 0);
+    CHECK(max_abs_diff(sums_of(cuda::to_host(i1)), sums_of(cuda::to_host(d1))) == 0);
+  };
+  run.template operator()<float>(shape{2, 3, 100, 16, 8}, 37, 1001);
+  run.template operator()<cuda::bf16>(shape{2, 3, 100, 16, 8}, 64, 1002);
+  run.template operator()<cuda::bf16>(shape{1, 2, 1500, 64, 64}, 700, 1003);  // (B·H = 2: split into groups of rows)
+  run.template operator()<float>(shape{1, 1, 90, 256, 256}, 45, 1004);         // (M in slices)
+}
+
 TEST_CASE("backward: bad input is refused before anything runs") {
   constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   auto q = tensor<float>::random({1, 2, 10, 4}, 1), v = tensor<float>::random({1, 2, 10, 3}, 2);
