@@ -2138,9 +2138,9 @@ void packed_gradients(gradients<Tensor, In...>& g, Dout const& dout, sequences c
      ...);
   }
 }
-// g's tensors, zeroed, each shaped like its input (make(shape)).
+// g's tensors, each shaped like its input: make(shape).
 template <class Plan, class Tensor, class... In, class Bound, class Make>
-void packed_zeros(gradients<Tensor, In...>& g, Bound const& in, Make const& make) {
+void shaped_gradients(gradients<Tensor, In...>& g, Bound const& in, Make const& make) {
   std::size_t i = 0;
   ((g.all()[i++] = make(in.views[Bound::template input_index<In>()].shape())), ...);
 }
@@ -2228,7 +2228,7 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, sequences
   if (detail::one_launch(plan, opt, in, seqs, false, 0, true))
     return detail::emulate_gradient_impl(plan, opt, dout, static_cast<void const*>(nullptr), &seqs, bindings...);
   gradients_for<lina::tensor<float>, Plan> g;
-  detail::packed_zeros<Plan>(g, in, [](shape4 sh) { return lina::tensor<float>(sh); });
+  detail::shaped_gradients<Plan>(g, in, [](shape4 sh) { return lina::tensor<float>(sh); });  // (zeros)
   detail::packed_gradients<Plan>(
       g, dout, seqs, [&](auto const& d, auto const&... b) { return emulate_gradient(plan, opt, d, b...); },
       [](tensor_view<float> to, tensor_view<float const> from) {
@@ -2255,20 +2255,20 @@ auto gradient(Plan const& plan, Dout const& dout, void* stream, tile_request til
                                  static_cast<void*>(nullptr), bindings...);
   gradients_for<tensor<T>, Plan> g;
   if constexpr (!detail::forward_plan<Plan>::stacked) {  // sequence by sequence into g: no tensors per sequence
-    detail::packed_zeros<Plan>(g, in, [&](shape4 sh) { return tensor<T>(sh, call); });
+    detail::shaped_gradients<Plan>(g, in, [&](shape4 sh) { return tensor<T>(sh, call); });  // (every element written)
     auto into = gradient_views<T>(plan);
     for (std::size_t i = 0; i < g.all().size(); ++i) into.all()[i] = g.all()[i].view();
     gradient_into(plan, into, dout, stream, tiles, seqs, bindings...);
-    return g;
+  } else {  // (a stack: each sequence's layers through cuda::gradient, added into zeros)
+    detail::shaped_gradients<Plan>(g, in, [&](shape4 sh) {
+      tensor<T> t(sh, call);
+      if (t.bytes() > 0) fill_zero(t.data(), t.bytes(), stream, call);
+      return t;
+    });
+    detail::packed_gradients<Plan>(
+        g, dout, seqs, [&](auto const& d, auto const&... b) { return gradient(plan, d, stream, tiles, b...); },
+        [&](device_view<T> to, device_view<T const> from) { detail::add_into(to, from, stream); }, bindings...);
   }
-  detail::packed_zeros<Plan>(g, in, [&](shape4 sh) {
-    tensor<T> t(sh, call);
-    if (t.bytes() > 0) fill_zero(t.data(), t.bytes(), stream, call);
-    return t;
-  });
-  detail::packed_gradients<Plan>(
-      g, dout, seqs, [&](auto const& d, auto const&... b) { return gradient(plan, d, stream, tiles, b...); },
-      [&](device_view<T> to, device_view<T const> from) { detail::add_into(to, from, stream); }, bindings...);
   return g;
 }
 template <class Plan, class Dout, class... B>
