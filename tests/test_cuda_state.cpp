@@ -110,6 +110,32 @@ TEST_CASE("chained: two emulated blocks = one pass = the CPU's chained result, a
   check_chained(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 44, poly2_shapes(), true);
 }
 
+// The chained backward of two blocks: the emulated kernels' gradients and ∂ of
+// each state = the CPU backend's chained backward (cpu::gradient with states).
+TEST_CASE("chained backward: the emulated blocks' gradients and ∂state = the CPU's") {
+  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  std::size_t const b = 2, h = 2, n = 150, d = 16, m = 12, cut = 70;
+  auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2),
+       v = tensor<float>::random({b, h, n, m}, 3), dout = tensor<float>::random({b, h, n, m}, 4);
+  auto first = [&](tensor<float> const& x) { return test::tokens(x, 0, cut); };
+  auto second = [&](tensor<float> const& x) { return test::tokens(x, cut, n); };
+  cpu::state<float> c1, cnone;
+  (void)cpu::evaluate(plan, c1, Q = first(q), K = first(k), V = first(v));
+  auto [c2g, cd1] = cpu::gradient(plan, second(dout), c1, cnone, Q = second(q), K = second(k), V = second(v));
+  auto [c1g, cd0] = cpu::gradient(plan, first(dout), cnone, cd1, Q = first(q), K = first(k), V = first(v));
+  cuda::state e1(plan, b, h, cuda::memory::host), none(cuda::memory::host);
+  (void)cuda::emulate(plan, {}, e1, Q = first(q), K = first(k), V = first(v));
+  auto [e2g, ed1] = cuda::emulate_gradient(plan, {}, second(dout), e1, none, Q = second(q), K = second(k), V = second(v));
+  auto [e1g, ed0] = cuda::emulate_gradient(plan, {}, first(dout), none, ed1, Q = first(q), K = first(k), V = first(v));
+  CHECK(relative_rms(sums_of(ed1), sums_of(cd1)) <= 1e-5);
+  CHECK(relative_rms(sums_of(ed0), sums_of(cd0)) <= 1e-5);
+  for (auto [e, c] : {std::pair{&e1g, &c1g}, std::pair{&e2g, &c2g}}) {
+    CHECK(relative_rms((*e)[Q], (*c)[Q]) <= 1e-5);
+    CHECK(relative_rms((*e)[K], (*c)[K]) <= 1e-5);
+    CHECK(relative_rms((*e)[V], (*c)[V]) <= 1e-5);
+  }
+}
+
 // favor's state has C = F rows (the random features), and W comes with every
 // block: two chained blocks equal one pass, and the sums are the CPU's.
 TEST_CASE("chained: favor blocks = one pass, and the same state as the CPU's, and so do decoding steps and split rows") {

@@ -93,6 +93,90 @@ TEST_CASE_TEMPLATE("recurrent steps and chained blocks equal the parallel plan",
   check_recurrent<T>(causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V, 4);
 }
 
+// Chained blocks' backward: blocks cut at a random point, differentiated last
+// first (the second from the state the first left, handing back ∂ of that
+// state), joined equal the one-pass gradients; for an unnormalised identity
+// map ∂ of the first state is Σ_t q_t dout_tᵀ over the whole sequence; in
+// double, ∂ of the state between the blocks equals finite differences of the
+// loss Σ dout ⊙ out through the second block. The last trial is one long slice
+// (split over threads on the fast path).
+template <class T, class Expr, class... Extra>
+void check_chained_gradient(Expr const& expr, std::uint64_t seed, bool identity, Extra const&... extra) {
+  auto const plan = compile(expr);
+  test::rng r{seed};
+  for (int trial = 0; trial < 4; ++trial) {
+    shape s = trial < 3 ? random_shape(r) : shape{1, 1, 5000, 6, 5};
+    auto q = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next()), k = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
+    auto v = tensor<T>::random({s.b, s.h, s.n, s.m}, r.next()), dout = tensor<T>::random({s.b, s.h, s.n, s.m}, r.next());
+    std::size_t const cut = r.in(0, s.n);
+    CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(cut);
+    auto first = [&](tensor<T> const& x) { return tokens(x, 0, cut); };
+    auto second = [&](tensor<T> const& x) { return tokens(x, cut, s.n); };
+    auto whole = cpu::gradient(plan, dout, Q = q, K = k, V = v, extra...);
+    cpu::state<T> s1, none;
+    (void)cpu::evaluate(plan, s1, Q = first(q), K = first(k), V = first(v), extra...);
+    auto [g2, d1] = cpu::gradient(plan, second(dout), s1, none, Q = second(q), K = second(k), V = second(v), extra...);
+    auto [g1, d0] = cpu::gradient(plan, first(dout), none, d1, Q = first(q), K = first(k), V = first(v), extra...);
+    double const tol = std::is_same_v<T, float> ? 1e-4 : 1e-11;
+    auto joined = [&](auto const& x, char const* name) {
+      CAPTURE(name);
+      double const scale = 1 + test::max_abs(whole[x]);
+      CHECK(max_abs_diff(g1[x], first(whole[x])) <= tol * scale);
+      CHECK(max_abs_diff(g2[x], second(whole[x])) <= tol * scale);
+    };
+    joined(Q, "∂Q"), joined(K, "∂K"), joined(V, "∂V");
+    if (identity) {  // ∂S0 = Σ_t q_t dout_tᵀ
+      tensor<double> want(d0[0].shape());
+      for (std::size_t b = 0; b < s.b; ++b)
+        for (std::size_t h = 0; h < s.h; ++h)
+          for (std::size_t a = 0; a < s.d; ++a)
+            for (std::size_t c = 0; c < s.m; ++c) {
+              double sum = 0;
+              for (std::size_t t = 0; t < s.n; ++t) sum += double(q(b, h, t, a)) * double(dout(b, h, t, c));
+              want(b, h, a, c) = sum;
+            }
+      double err = 0;
+      for_each_index(want.shape(), [&](auto... i) { err = std::max(err, std::abs(double(d0[0](i...)) - want(i...))); });
+      CHECK(err <= tol * (1 + test::max_abs(want)));
+    }
+    if constexpr (std::is_same_v<T, double>) {  // ∂S1 against finite differences through the second block
+      auto loss = [&](cpu::state<T> const& from) {
+        cpu::state<T> st = from;
+        auto y = cpu::evaluate(plan, st, Q = second(q), K = second(k), V = second(v), extra...);
+        double l = 0;
+        for_each_index(y.shape(), [&](auto... i) { l += y(i...) * second(dout)(i...); });
+        return l;
+      };
+      auto const sums = s1[0].shape();
+      for (int probe = 0; probe < 4; ++probe) {
+        std::size_t const b = r.in(0, sums[0] - 1), h = r.in(0, sums[1] - 1), a = r.in(0, sums[2] - 1),
+                          c = r.in(0, sums[3] - 1);
+        double const eps = 1e-6 * (1 + std::abs(s1[0](b, h, a, c)));
+        cpu::state<T> up = s1, down = s1;
+        up[0](b, h, a, c) += eps;
+        down[0](b, h, a, c) -= eps;
+        double const fd = (loss(up) - loss(down)) / (2 * eps);
+        CHECK(std::abs(fd - d1[0](b, h, a, c)) <= 1e-6 * (1 + std::abs(fd)));
+      }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("chained blocks differentiated last first, handing back ∂state, = one backward", T, float, double) {
+  check_chained_gradient<T>(causal_attn<elu_plus_one>, 11, false);
+  check_chained_gradient<T>(causal(Q * transpose(K)) * V, 12, true);
+  check_chained_gradient<T>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 13, false);
+  // a state of another plan, or of another batch, is refused
+  auto q = tensor<T>::random({2, 1, 6, 4}, 1), v = tensor<T>::random({2, 1, 6, 3}, 2);
+  constexpr auto plan = compile(causal_attn<elu_plus_one>);
+  cpu::state<T> other, small, none;
+  (void)cpu::evaluate(compile(causal(Q * transpose(K)) * V), other, Q = q, K = q, V = v);
+  CHECK_THROWS_AS((void)cpu::gradient(plan, v, other, none, Q = q, K = q, V = v), state_error);
+  (void)cpu::evaluate(plan, small, Q = q, K = q, V = v);
+  auto q1 = tensor<T>::random({1, 1, 6, 4}, 3), v1 = tensor<T>::random({1, 1, 6, 3}, 4);
+  CHECK_THROWS_AS((void)cpu::gradient(plan, v1, none, small, Q = q1, K = q1, V = v1), shape_error);
+}
+
 TEST_CASE_TEMPLATE("favor attention steps like any linear attention", T, float, double) {
   constexpr auto e = normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V;
   test::rng r{7};

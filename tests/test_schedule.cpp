@@ -150,9 +150,16 @@ TEST_CASE("the backward's ∂K and ∂V suffix scans run as one scan (transposed
     CHECK(steps[j].rfind("contract([V|1], suffix(", 0) == 0);
   }
   CHECK(pairs == 1);
-  // prefix scans (whose running sums are a plan's state) are never paired
+  // prefix scans (whose running sums are a plan's state) are never paired;
+  // every scan has its place in a state (a chained backward starts it there)
+  constexpr auto prefix = []<std::size_t... J>(std::index_sequence<J...>) {
+    return std::array<bool, S::size>{S::template is_prefix_scan<J>...};
+  }(std::make_index_sequence<S::size>{});
   for (std::size_t k = 0; k < S::size; ++k)
-    if (S::dual_of[k] != sched::none) CHECK((S::scan_index[k] == sched::none && S::scan_index[S::dual_of[k]] == sched::none));
+    if (std::size_t const j = S::dual_of[k]; j != sched::none) {
+      CHECK((!prefix[k] && !prefix[j]));
+      CHECK((S::scan_index[k] != sched::none && S::scan_index[j] != sched::none));
+    }
 }
 
 TEST_CASE("a chain of row-wise steps is one fused group") {

@@ -336,19 +336,22 @@ struct schedule_of {
   }
   static constexpr std::array<std::size_t, size + 1> twin = twins(std::make_index_sequence<size>{});
 
-  // The position of each prefix scan's running sums in the plan's state.
+  // The position of each scan's running sums in the plan's state: a
+  // forward's prefix scans carry its state across blocks of a sequence; a
+  // backward's scans (prefix and suffix) start from the sums a chained
+  // backward gives them (cpu::gradient with states).
   template <std::size_t... J>
   static constexpr std::array<std::size_t, size + 1> scan_indices(std::index_sequence<J...>) {
     std::array<std::size_t, size + 1> s{};
     s.fill(sched::none);
     std::size_t k = 0;
-    ((is_prefix_scan<J> ? void(s[J] = k++) : void()), ...);
+    ((is_scan<J> ? void(s[J] = k++) : void()), ...);
     return s;
   }
   static constexpr std::array<std::size_t, size + 1> scan_index = scan_indices(std::make_index_sequence<size>{});
   static constexpr std::size_t prefix_scans = [] {
     std::size_t k = 0;
-    for (std::size_t j = 0; j < size; ++j) k += scan_index[j] != sched::none;
+    [&]<std::size_t... J>(std::index_sequence<J...>) { ((k += is_prefix_scan<J>), ...); }(std::make_index_sequence<size>{});
     return k;
   }();
 
@@ -571,7 +574,8 @@ struct schedule_of {
 
 };
 
-// The plan's prefix-scan nodes in the order of its state (the schedule's order).
+// The plan's scan nodes in the order of its state (the schedule's order): a
+// forward's prefix scans; a backward's prefix and suffix scans.
 namespace sched {
 template <class Plan, class J>
 struct state_scans_impl;
@@ -582,7 +586,7 @@ struct state_scans_impl<Plan, std::index_sequence<J...>> {
   using scan_node = std::remove_cvref_t<decltype(kid<1>(std::declval<typename S::template node_type<I>>()))>;
   template <std::size_t I>
   static auto pick() {
-    if constexpr (S::template is_prefix_scan<I>)
+    if constexpr (S::template is_scan<I>)
       return type_list<scan_node<I>>{};
     else
       return type_list<>{};

@@ -1,6 +1,7 @@
 // The state of a causal linear plan, as every backend sees it: which plan it
 // belongs to, for how many sequences, and the shape of each prefix scan's
-// running sums. A backend keeps the sums in its own memory (cpu::state holds
+// running sums (of a backward plan, each scan's: what a chained backward
+// starts them from). A backend keeps the sums in its own memory (cpu::state holds
 // them in host vectors); what they mean and the checks that a state fits an
 // evaluation live here, once.
 //

@@ -10,10 +10,12 @@
 // C x (M+1) state: no N x N, no per-step state cache.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <boost/hana/for_each.hpp>
 #include <boost/hana/range.hpp>
 #include <cstddef>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 
@@ -106,6 +108,125 @@ void gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D cons
   auto in = detail::bind_backward(bp, dout, bindings...);
   auto outs = detail::checked_gradient_views<BP>(in, into);
   with_resolved_plan(as_bundle(bp), in.table, [&](auto const& p) { detail::run_slices<T>(p, in, outs); });
+}
+
+// ---- chained blocks ----
+// gradient(plan, dout, initial, d_final, Q = q, …) -> {gradients, ∂initial}:
+// the backward of one block of a sequence evaluated through a state
+// (evaluate(plan, st, …)). `initial` holds the running sums the block started
+// from (copy the state before evaluating the block; unsized: zeros, the first
+// block), `d_final` the gradient of the sums it left (the next block's
+// ∂initial; unsized: zeros, the last block). Blocks are differentiated last
+// first, each handing its ∂initial to the one before; joined, their gradients
+// are the one-pass gradients. Nothing new runs: the derived backward's prefix
+// scans (the recomputed forward, ∂Q's) start from `initial`, its suffix scans
+// (∂K's, ∂V's) from `d_final`, and what a suffix scan ends with is ∂initial.
+// For plans with one state (a stack has one per layer: differentiate its layers).
+namespace detail {
+// contract(A, prefix|suffix(B⊗C)): its operands' types.
+template <class N>
+struct scan_operands;
+template <class A, class Op, class B, class C>
+struct scan_operands<node<op::contract_rows, A, node<Op, node<op::outer_rows, B, C>>>> {
+  using a = A;
+  using b = B;
+  using c = C;
+};
+// The forward's one scan, contract(A, prefix(B⊗C)): its state is B's columns x C's.
+template <class L>
+struct forward_scan {
+  using S = schedule_of<L>;
+  static constexpr std::size_t step = [] {
+    std::size_t j = 0;
+    while (S::scan_index[j] == sched::none) ++j;
+    return j;
+  }();
+  using parts = scan_operands<typename S::template node_type<step>>;
+};
+// Are the running sums of scan step J of the backward's schedule SB laid out
+// as the forward state's transpose? A prefix scan sums the forward's B⊗C or
+// C⊗B; a suffix scan sums the gradient of the state, A⊗G or G⊗A.
+template <class L, class SB, std::size_t J>
+constexpr bool transposed_sums() {
+  using F = typename forward_scan<L>::parts;
+  using P = scan_operands<typename SB::template node_type<J>>;
+  if constexpr (SB::template is_prefix_scan<J>) {
+    constexpr bool same = std::is_same_v<typename P::b, typename F::b> && std::is_same_v<typename P::c, typename F::c>;
+    static_assert(same || (std::is_same_v<typename P::b, typename F::c> && std::is_same_v<typename P::c, typename F::b>),
+                  "lina::cpu::gradient (chained): a prefix scan of the backward that does not sum the forward's state");
+    return !same;
+  } else {
+    static_assert(std::is_same_v<typename P::b, typename F::a> || std::is_same_v<typename P::c, typename F::a>,
+                  "lina::cpu::gradient (chained): a suffix scan of the backward that does not sum the state's gradient");
+    return !std::is_same_v<typename P::b, typename F::a>;
+  }
+}
+// Copy one (batch, head)'s running sums, rows x cols, or their transpose.
+template <class T>
+void copy_sums(T const* from, T* to, std::size_t rows, std::size_t cols, bool transpose) {
+  if (!transpose) return (void)std::copy_n(from, rows * cols, to);
+  for (std::size_t i = 0; i < rows; ++i)
+    for (std::size_t j = 0; j < cols; ++j) to[j * rows + i] = from[i * cols + j];
+}
+}  // namespace detail
+
+template <class P, class D, class T, class... B>
+  requires(is_binding<B> && ...)
+auto gradient(P const& plan, D const& dout, state<T> const& initial, state<T> const& d_final, B const&... bindings) {
+  auto const linear = longest_branch(plan);
+  using L = std::remove_cvref_t<decltype(linear)>;
+  static_assert(check_stateful<L>());
+  static_assert(state_scans<L>::size == 1,
+                "lina::cpu::gradient (chained): this plan carries one state per layer; differentiate its layers one by "
+                "one (cpu::gradient of each, from the last)");
+  auto fwd = bind<L>(bindings...);
+  // The states checked against this block (plan, batch, heads, extents), unsized ones as zeros.
+  state<T> s0 = initial, ds1 = d_final, ds0(linear, fwd.batch, fwd.heads);
+  s0.prepare(linear, fwd);
+  ds1.prepare(linear, fwd);
+  ds0.prepare(linear, fwd);
+  auto const bp = backward_of(linear);
+  using BP = std::remove_cvref_t<decltype(bp)>;
+  auto in = detail::bind_backward(bp, dout, bindings...);
+  static_assert(std::is_same_v<typename decltype(in)::value_type, T>,
+                "lina::cpu::gradient (chained): the states and the inputs must have one element type");
+  std::array<tensor_view<T>, detail::gradient_count<BP>> outs;
+  auto g = detail::new_gradients<T, BP>(in, outs);
+  auto const bundle = as_bundle(bp);
+  using SB = schedule_of<std::remove_cvref_t<decltype(bundle)>>;
+  state<T> sums(bundle, in.batch, in.heads);  // every scan of the backward, filled before it runs
+  sums.prepare(bundle, in);
+  std::size_t const c = s0.scan(0).a, w = s0.scan(0).b;
+  // Scan J's sums from (into) the forward state's layout, C x W, for every slice.
+  auto each_scan = [&](auto const& f) {
+    [&]<std::size_t... J>(std::index_sequence<J...>) {
+      auto one = [&]<std::size_t K>(std::integral_constant<std::size_t, K>) {
+        if constexpr (SB::template is_scan<K>) {
+          if (sums.scan(SB::scan_index[K]).a * sums.scan(SB::scan_index[K]).b != c * w)
+            throw std::logic_error("lina::cpu::gradient (chained): a backward scan's sums are not the state's size");
+          f(K, SB::template is_prefix_scan<K>, detail::transposed_sums<L, SB, K>());
+        }
+      };
+      (one(std::integral_constant<std::size_t, J>{}), ...);
+    }(std::make_index_sequence<SB::size>{});
+  };
+  each_scan([&](std::size_t j, bool prefix, bool transposed) {
+    for (std::size_t b = 0; b < in.batch; ++b)
+      for (std::size_t h = 0; h < in.heads; ++h)
+        detail::copy_sums(prefix ? s0.at(0, b, h) : ds1.at(0, b, h), sums.at(SB::scan_index[j], b, h), c, w, transposed);
+  });
+  detail::run_slices<T>(bundle, in, outs, &sums);
+  // ∂initial: what the first suffix scan that ran ends with (a paired one runs in its dual's pass).
+  bool found = false;
+  each_scan([&](std::size_t j, bool prefix, bool transposed) {
+    if (prefix || found || SB::runs_in[j] != j) return;
+    found = true;
+    std::size_t const rows = transposed ? w : c;
+    for (std::size_t b = 0; b < in.batch; ++b)
+      for (std::size_t h = 0; h < in.heads; ++h)
+        detail::copy_sums(sums.at(SB::scan_index[j], b, h), ds0.at(0, b, h), rows, c * w / rows, transposed);
+  });
+  return std::pair{std::move(g), std::move(ds0)};
 }
 
 }  // namespace lina::cpu
