@@ -95,6 +95,24 @@ lina::tensor_view<T const> tokens(lina::tensor<T> const& t, std::size_t from, st
   return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
 }
 
+// Σ_t x_t y_tᵀ over the rows of [B, H, N, ·] tensors, in double: [B, H, x's cols,
+// y's cols] (the gradient of a chained block's first state, unnormalised identity map).
+template <class T>
+lina::tensor<double> outer_sums(lina::tensor<T> const& x, lina::tensor<T> const& y) {
+  auto const& s = x.shape();
+  std::size_t const m = y.shape()[3];
+  lina::tensor<double> out({s[0], s[1], s[3], m});
+  for (std::size_t b = 0; b < s[0]; ++b)
+    for (std::size_t h = 0; h < s[1]; ++h)
+      for (std::size_t a = 0; a < s[3]; ++a)
+        for (std::size_t c = 0; c < m; ++c) {
+          double sum = 0;
+          for (std::size_t t = 0; t < s[2]; ++t) sum += double(x(b, h, t, a)) * double(y(b, h, t, c));
+          out(b, h, a, c) = sum;
+        }
+  return out;
+}
+
 template <class T>
 double max_abs(lina::tensor<T> const& t) {
   double m = 0;

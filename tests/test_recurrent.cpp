@@ -126,15 +126,8 @@ void check_chained_gradient(Expr const& expr, std::uint64_t seed, bool identity,
     };
     joined(Q, "∂Q"), joined(K, "∂K"), joined(V, "∂V");
     if (identity) {  // ∂S0 = Σ_t q_t dout_tᵀ
-      tensor<double> want(d0[0].shape());
-      for (std::size_t b = 0; b < s.b; ++b)
-        for (std::size_t h = 0; h < s.h; ++h)
-          for (std::size_t a = 0; a < s.d; ++a)
-            for (std::size_t c = 0; c < s.m; ++c) {
-              double sum = 0;
-              for (std::size_t t = 0; t < s.n; ++t) sum += double(q(b, h, t, a)) * double(dout(b, h, t, c));
-              want(b, h, a, c) = sum;
-            }
+      auto const want = test::outer_sums(q, dout);
+      REQUIRE(want.shape() == d0[0].shape());
       double err = 0;
       for_each_index(want.shape(), [&](auto... i) { err = std::max(err, std::abs(double(d0[0](i...)) - want(i...))); });
       CHECK(err <= tol * (1 + test::max_abs(want)));
