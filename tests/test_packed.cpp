@@ -161,6 +161,64 @@ TEST_CASE_TEMPLATE("packed sequences: chained blocks carry one state per sequenc
   }
 }
 
+// The chained backward of packed blocks: the second block differentiated from
+// the state rows the first left, then the first from the ∂ rows the second
+// handed back — each sequence's gradients and ∂ state rows are those of its two
+// blocks differentiated alone, bit for bit.
+TEST_CASE("packed sequences: chained blocks differentiated last first, a state row per sequence") {
+  test::rng r{74};
+  for (int trial = 0; trial < test::trials(4); ++trial) {
+    std::size_t const count = trial == 0 ? 9 : r.in(1, 5);
+    auto const lengths = random_lengths(r, count);
+    std::vector<std::size_t> first(count), second(count);
+    for (std::size_t s = 0; s < count; ++s) {
+      first[s] = r.in(0, lengths[s]);
+      second[s] = lengths[s] - first[s];
+    }
+    auto const a = sequences::from_lengths(first), b = sequences::from_lengths(second);
+    std::size_t const h = r.in(1, 3), d = r.in(1, 16), m = r.in(1, 16);
+    CAPTURE(trial);
+    auto x = [&](sequences const& p, std::size_t cols) { return packed_random<double>(h, p.total(), cols, false, r.next()); };
+    auto qa = x(a, d), ka = x(a, d), va = x(a, m), da = x(a, m), qb = x(b, d), kb = x(b, d), vb = x(b, m), db = x(b, m);
+    auto const plan = compile(causal_attn);
+    cpu::state<double> st, none;
+    (void)cpu::evaluate(plan, st, a, Q = qa, K = ka, V = va);
+    auto [gb, dsa] = cpu::gradient(plan, db, st, none, b, Q = qb, K = kb, V = vb);
+    auto [ga, ds0] = cpu::gradient(plan, da, none, dsa, a, Q = qa, K = ka, V = va);
+    REQUIRE(ds0.batch() == count);
+    for (std::size_t s = 0; s < count; ++s) {
+      CAPTURE(s);
+      cpu::state<double> s1, zero;  // sequence s's two blocks alone
+      (void)cpu::evaluate(plan, s1, Q = copy_rows<double>(qa, a, s), K = copy_rows<double>(ka, a, s), V = copy_rows<double>(va, a, s));
+      auto [g2, d1] = cpu::gradient(plan, copy_rows<double>(db, b, s), s1, zero, Q = copy_rows<double>(qb, b, s),
+                                    K = copy_rows<double>(kb, b, s), V = copy_rows<double>(vb, b, s));
+      auto [g1, d0] = cpu::gradient(plan, copy_rows<double>(da, a, s), zero, d1, Q = copy_rows<double>(qa, a, s),
+                                    K = copy_rows<double>(ka, a, s), V = copy_rows<double>(va, a, s));
+      CHECK(rows_equal(gb[Q], g2[Q], b, s));
+      CHECK(rows_equal(gb[K], g2[K], b, s));
+      CHECK(rows_equal(gb[V], g2[V], b, s));
+      CHECK(rows_equal(ga[Q], g1[Q], a, s));
+      CHECK(rows_equal(ga[K], g1[K], a, s));
+      CHECK(rows_equal(ga[V], g1[V], a, s));
+      double diff = 0;
+      auto same_row = [&](cpu::state<double> const& all, cpu::state<double> const& alone) {
+        for_each_index(alone[0].shape(), [&](std::size_t, std::size_t hh, std::size_t i, std::size_t j) {
+          diff = std::max(diff, std::abs(all[0](s, hh, i, j) - alone[0](0, hh, i, j)));
+        });
+      };
+      same_row(dsa, d1), same_row(ds0, d0);
+      CHECK(diff == 0);
+    }
+  }
+  // state rows for another number of sequences: a shape_error
+  auto const seqs = sequences::from_lengths({3, 4});
+  auto q = tensor<float>::random({1, 2, 7, 4}, 1), v = tensor<float>::random({1, 2, 7, 3}, 2);
+  cpu::state<float> three, none;
+  (void)cpu::evaluate(compile(causal_attn), three, sequences::from_lengths({2, 2, 3}), Q = q, K = q, V = v);
+  test::expect_shape_error([&] { (void)cpu::gradient(compile(causal_attn), v, three, none, seqs, Q = q, K = q, V = v); },
+                           "Q", "sequences (of packed sequences)", 2, 3);
+}
+
 TEST_CASE("packed sequences: gradients are each sequence's, and a shared projection's sum them") {
   test::rng r{73};
   for (int trial = 0; trial < test::trials(6); ++trial) {

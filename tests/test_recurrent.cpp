@@ -118,18 +118,19 @@ void check_chained_gradient(Expr const& expr, std::uint64_t seed, bool identity,
     auto [g2, d1] = cpu::gradient(plan, second(dout), s1, none, Q = second(q), K = second(k), V = second(v), extra...);
     auto [g1, d0] = cpu::gradient(plan, first(dout), none, d1, Q = first(q), K = first(k), V = first(v), extra...);
     double const tol = std::is_same_v<T, float> ? 1e-4 : 1e-11;
-    auto joined = [&](auto const& x, char const* name) {
+    auto joined = [&](auto const& x, char const* name, auto const& a, auto const& b) {  // (Clang < 16 cannot capture a binding)
       CAPTURE(name);
       double const scale = 1 + test::max_abs(whole[x]);
-      CHECK(max_abs_diff(g1[x], first(whole[x])) <= tol * scale);
-      CHECK(max_abs_diff(g2[x], second(whole[x])) <= tol * scale);
+      CHECK(max_abs_diff(a[x], first(whole[x])) <= tol * scale);
+      CHECK(max_abs_diff(b[x], second(whole[x])) <= tol * scale);
     };
-    joined(Q, "∂Q"), joined(K, "∂K"), joined(V, "∂V");
+    joined(Q, "∂Q", g1, g2), joined(K, "∂K", g1, g2), joined(V, "∂V", g1, g2);
     if (identity) {  // ∂S0 = Σ_t q_t dout_tᵀ
       auto const want = test::outer_sums(q, dout);
-      REQUIRE(want.shape() == d0[0].shape());
+      auto const got = d0[0];
+      REQUIRE(want.shape() == got.shape());
       double err = 0;
-      for_each_index(want.shape(), [&](auto... i) { err = std::max(err, std::abs(double(d0[0](i...)) - want(i...))); });
+      for_each_index(want.shape(), [&](auto... i) { err = std::max(err, std::abs(double(got(i...)) - want(i...))); });
       CHECK(err <= tol * (1 + test::max_abs(want)));
     }
     if constexpr (std::is_same_v<T, double>) {  // ∂S1 against finite differences through the second block

@@ -170,28 +170,32 @@ void copy_sums(T const* from, T* to, std::size_t rows, std::size_t cols, bool tr
 }
 }  // namespace detail
 
-template <class P, class D, class T, class... B>
+// gradient_into(plan, into, dout, initial, d_final, Q = q, …) -> ∂initial: the
+// same into the caller's views (checked first, as gradient_into's).
+template <class P, class T, class... In, class D, class... B>
   requires(is_binding<B> && ...)
-auto gradient(P const& plan, D const& dout, state<T> const& initial, state<T> const& d_final, B const&... bindings) {
+state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D const& dout, state<T> const& initial,
+                       state<T> const& d_final, B const&... bindings) {
   auto const linear = longest_branch(plan);
   using L = std::remove_cvref_t<decltype(linear)>;
   static_assert(check_stateful<L>());
   static_assert(state_scans<L>::size == 1,
                 "lina::cpu::gradient (chained): this plan carries one state per layer; differentiate its layers one by "
                 "one (cpu::gradient of each, from the last)");
-  auto fwd = bind<L>(bindings...);
+  auto const bp = backward_of(linear);
+  using BP = std::remove_cvref_t<decltype(bp)>;
+  static_assert(std::is_same_v<gradients<tensor_view<T>, In...>, gradients_of<tensor_view<T>, BP>>,
+                "lina::cpu::gradient_into: `into` must be cpu::gradient_views<T>(plan) of this plan");
+  auto in = detail::bind_backward(bp, dout, bindings...);
+  static_assert(std::is_same_v<typename decltype(in)::value_type, T>,
+                "lina::cpu::gradient (chained): the states and the inputs must have one element type");
+  auto outs = detail::checked_gradient_views<BP>(in, into);
   // The states checked against this block (plan, batch, heads, extents), unsized ones as zeros.
+  auto fwd = bind<L>(bindings...);
   state<T> s0 = initial, ds1 = d_final, ds0(linear, fwd.batch, fwd.heads);
   s0.prepare(linear, fwd);
   ds1.prepare(linear, fwd);
   ds0.prepare(linear, fwd);
-  auto const bp = backward_of(linear);
-  using BP = std::remove_cvref_t<decltype(bp)>;
-  auto in = detail::bind_backward(bp, dout, bindings...);
-  static_assert(std::is_same_v<typename decltype(in)::value_type, T>,
-                "lina::cpu::gradient (chained): the states and the inputs must have one element type");
-  std::array<tensor_view<T>, detail::gradient_count<BP>> outs;
-  auto g = detail::new_gradients<T, BP>(in, outs);
   auto const bundle = as_bundle(bp);
   using SB = schedule_of<std::remove_cvref_t<decltype(bundle)>>;
   state<T> sums(bundle, in.batch, in.heads);  // every scan of the backward, filled before it runs
@@ -226,7 +230,20 @@ auto gradient(P const& plan, D const& dout, state<T> const& initial, state<T> co
       for (std::size_t h = 0; h < in.heads; ++h)
         detail::copy_sums(sums.at(SB::scan_index[j], b, h), ds0.at(0, b, h), rows, c * w / rows, transposed);
   });
-  return std::pair{std::move(g), std::move(ds0)};
+  return ds0;
+}
+template <class P, class D, class T, class... B>
+  requires(is_binding<B> && ...)
+auto gradient(P const& plan, D const& dout, state<T> const& initial, state<T> const& d_final, B const&... bindings) {
+  auto const linear = longest_branch(plan);
+  using BP = std::remove_cvref_t<decltype(backward_of(linear))>;
+  auto in = detail::bind_backward(backward_of(linear), dout, bindings...);
+  std::array<tensor_view<T>, detail::gradient_count<BP>> outs;
+  auto g = detail::new_gradients<T, BP>(in, outs);
+  auto into = gradient_views<T>(linear);
+  for (std::size_t i = 0; i < outs.size(); ++i) into.all()[i] = outs[i];
+  state<T> d_initial = gradient_into(plan, into, dout, initial, d_final, bindings...);
+  return std::pair{std::move(g), std::move(d_initial)};
 }
 
 }  // namespace lina::cpu

@@ -58,6 +58,23 @@ void for_each_sequence(sequences const& seqs, Bound const& in, F const& f) {
 #endif
   for (long s = 0; s < n; ++s) f(static_cast<std::size_t>(s));
 }
+// Row s of a state of one row per sequence, as a state of one (`one`: sequence
+// s's bindings of plan L), and back.
+template <class T, class L, class Bound>
+state<T> state_row(state<T> const& all, std::size_t s, L const& plan, Bound const& one) {
+  state<T> mine;
+  mine.prepare(plan, one);
+  for (std::size_t k = 0; k < all.scans(); ++k)
+    for (std::size_t h = 0; h < all.heads(); ++h)
+      std::copy_n(all.at(k, s, h), all.scan(k).a * all.scan(k).b, mine.at(k, 0, h));
+  return mine;
+}
+template <class T>
+void set_state_row(state<T>& all, std::size_t s, state<T> const& one) {
+  for (std::size_t k = 0; k < all.scans(); ++k)
+    for (std::size_t h = 0; h < all.heads(); ++h)
+      std::copy_n(one.at(k, 0, h), all.scan(k).a * all.scan(k).b, all.at(k, s, h));
+}
 }  // namespace detail
 
 // evaluate_into(plan, out, seqs, bindings...): packed sequences into caller
@@ -105,23 +122,9 @@ void evaluate_into(Plan const& plan, tensor_view<T> out, state<T>& st, sequences
   st.prepare(linear, in, seqs.count(), "sequences (of packed sequences)");
   detail::for_each_sequence(seqs, in, [&](std::size_t s) {
     auto one = bind<L>(sequence_binding<N, inputs_of<L>>(bindings, seqs, s)...);
-    state<T> mine;  // sequence s's rows of st, as a batch of one
-    mine.prepare(linear, one);
-    auto copy = [&](bool in_to_st) {
-      for (std::size_t k = 0; k < st.scans(); ++k)
-        for (std::size_t h = 0; h < st.heads(); ++h) {
-          T* all = st.at(k, s, h);
-          T* own = mine.at(k, 0, h);
-          std::size_t const n = st.scan(k).a * st.scan(k).b;
-          if (in_to_st)
-            std::copy(own, own + n, all);
-          else
-            std::copy(all, all + n, own);
-        }
-    };
-    copy(false);
+    state<T> mine = detail::state_row(st, s, linear, one);  // sequence s's rows of st, as a batch of one
     detail::evaluate_bound(linear, mine, one, lina::detail::rows_of_view(out, seqs.begin(s), seqs.length(s)));
-    copy(true);
+    detail::set_state_row(st, s, mine);
   });
 }
 
@@ -140,9 +143,10 @@ namespace detail {
 // gradient of an input cut into sequences is cut the same way; one every
 // sequence reads whole (a projection W) is the sum of the sequences' shares,
 // added in sequence order (the same result whatever the threads).
-template <class P, class T, class... In, class D, class... B>
+// one(s, views, dout rows, sequence bindings...) differentiates sequence s.
+template <class P, class T, class... In, class D, class One, class... B>
 void packed_backward(P const& plan, gradients<tensor_view<T>, In...>& into, D const& dout, sequences const& seqs,
-                     B const&... bindings) {
+                     One const& one, B const&... bindings) {
   using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
   using Forward = typename BP::forward_type;
   using N = packed_dim<Forward>;
@@ -163,20 +167,33 @@ void packed_backward(P const& plan, gradients<tensor_view<T>, In...>& into, D co
         mine.all()[i] = shares[s][i].view();
       }
     }
-    gradient_into(plan, mine, lina::detail::rows_of_view(view_of(dout), seqs.begin(s), seqs.length(s)),
-                  sequence_binding<N, inputs_of<Forward>>(bindings, seqs, s)...);
+    one(s, mine, lina::detail::rows_of_view(view_of(dout), seqs.begin(s), seqs.length(s)),
+        sequence_binding<N, inputs_of<Forward>>(bindings, seqs, s)...);
   });
   for (std::size_t i = 0; i < count; ++i) {
     if (cut[i]) continue;
     auto const& out = into.all()[i];
     for_each_index(out.shape(), [&](auto... x) {
       T sum = 0;
-      for (auto const& one : shares) sum += one[i](x...);
+      for (auto const& share : shares) sum += share[i](x...);
       out(x...) = sum;
     });
   }
 }
 }  // namespace detail
+
+// gradient_into(plan, into, dout, seqs, bindings...): the same into caller views.
+template <class P, class T, class... In, class D, class... B>
+  requires(is_binding<B> && ...)
+void gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D const& dout, sequences const& seqs,
+                   B const&... bindings) {
+  static_assert(std::is_same_v<gradients<tensor_view<T>, In...>,
+                               gradients_of<tensor_view<T>, std::remove_cvref_t<decltype(backward_of(plan))>>>,
+                "lina::cpu::gradient_into: `into` must be cpu::gradient_views<T>(plan) of this plan");
+  detail::packed_backward(
+      plan, into, dout, seqs,
+      [&](std::size_t, auto& mine, auto const& d, auto const&... b) { gradient_into(plan, mine, d, b...); }, bindings...);
+}
 
 // gradient(plan, dout, seqs, bindings...): the backward of packed sequences
 // (dout [1, H, ΣN, M]); gradients in the layout of their inputs.
@@ -190,19 +207,50 @@ auto gradient(P const& plan, D const& dout, sequences const& seqs, B const&... b
   auto g = detail::new_gradients<T, BP>(in, outs);
   auto into = gradient_views<T>(plan);
   for (std::size_t i = 0; i < outs.size(); ++i) into.all()[i] = outs[i];
-  detail::packed_backward(plan, into, dout, seqs, bindings...);
+  gradient_into(plan, into, dout, seqs, bindings...);
   return g;
 }
 
-// gradient_into(plan, into, dout, seqs, bindings...): the same into caller views.
+// Packed sequences chained: gradient_into(plan, into, dout, initial, d_final,
+// seqs, bindings...) -> ∂initial, states of one row per sequence (as
+// evaluate(plan, st, seqs, …) leaves them; unsized: zeros), each sequence's
+// block differentiated from its rows as it would be alone; gradient(plan,
+// dout, initial, d_final, seqs, …) -> {gradients, ∂initial} into new tensors.
 template <class P, class T, class... In, class D, class... B>
   requires(is_binding<B> && ...)
-void gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D const& dout, sequences const& seqs,
-                   B const&... bindings) {
-  static_assert(std::is_same_v<gradients<tensor_view<T>, In...>,
-                               gradients_of<tensor_view<T>, std::remove_cvref_t<decltype(backward_of(plan))>>>,
-                "lina::cpu::gradient_into: `into` must be cpu::gradient_views<T>(plan) of this plan");
-  detail::packed_backward(plan, into, dout, seqs, bindings...);
+state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D const& dout, state<T> const& initial,
+                       state<T> const& d_final, sequences const& seqs, B const&... bindings) {
+  auto const linear = longest_branch(plan);
+  using L = std::remove_cvref_t<decltype(linear)>;
+  using N = packed_dim<L>;
+  auto in = bind<L>(bindings...);
+  check_packed<N>(in, seqs);
+  state<T> s0 = initial, ds1 = d_final, ds0(linear, seqs.count(), in.heads);
+  for (state<T>* x : {&s0, &ds1, &ds0}) x->prepare(linear, in, seqs.count(), "sequences (of packed sequences)");
+  detail::packed_backward(
+      linear, into, dout, seqs,
+      [&](std::size_t s, auto& mine, auto const& d, auto const&... b) {
+        auto one = bind<L>(b...);
+        state<T> const r = gradient_into(linear, mine, d, detail::state_row(s0, s, linear, one),
+                                         detail::state_row(ds1, s, linear, one), b...);
+        detail::set_state_row(ds0, s, r);
+      },
+      bindings...);
+  return ds0;
+}
+template <class P, class D, class T, class... B>
+  requires(is_binding<B> && ...)
+auto gradient(P const& plan, D const& dout, state<T> const& initial, state<T> const& d_final, sequences const& seqs,
+              B const&... bindings) {
+  auto const linear = longest_branch(plan);
+  using BP = std::remove_cvref_t<decltype(backward_of(linear))>;
+  auto in = detail::bind_backward(backward_of(linear), dout, bindings...);
+  std::array<tensor_view<T>, detail::gradient_count<BP>> outs;
+  auto g = detail::new_gradients<T, BP>(in, outs);
+  auto into = gradient_views<T>(linear);
+  for (std::size_t i = 0; i < outs.size(); ++i) into.all()[i] = outs[i];
+  state<T> d_initial = gradient_into(plan, into, dout, initial, d_final, seqs, bindings...);
+  return std::pair{std::move(g), std::move(d_initial)};
 }
 
 }  // namespace lina::cpu

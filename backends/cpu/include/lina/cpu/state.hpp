@@ -51,6 +51,9 @@ class state : public state_info {
   T* at(std::size_t k, std::size_t b, std::size_t h) {
     return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
   }
+  T const* at(std::size_t k, std::size_t b, std::size_t h) const {
+    return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
+  }
 
  private:
   tensor_view<T> view(std::size_t k) {
