@@ -67,6 +67,24 @@ tensor<T> copy_rows(X const& x, sequences const& seqs, std::size_t s) {
   return t;
 }
 
+// `count` sequences of random lengths, each cut at a random point into two
+// packed blocks a and b, and random H, D, M.
+struct blocks {
+  sequences a, b;
+  std::size_t h, d, m;
+};
+blocks two_blocks(test::rng& r, std::size_t count) {
+  auto const lengths = random_lengths(r, count);
+  std::vector<std::size_t> first(count), second(count);
+  for (std::size_t s = 0; s < count; ++s) {
+    first[s] = r.in(0, lengths[s]);
+    second[s] = lengths[s] - first[s];
+  }
+  blocks x{sequences::from_lengths(first), sequences::from_lengths(second), 0, 0, 0};
+  x.h = r.in(1, 3), x.d = r.in(1, 16), x.m = r.in(1, 16);
+  return x;
+}
+
 // Rows of sequence s of a packed result equal `alone`, exactly.
 template <class T, class X>
 bool rows_equal(X const& packed, tensor<T> const& alone, sequences const& seqs, std::size_t s) {
@@ -111,14 +129,9 @@ TEST_CASE_TEMPLATE("packed sequences: chained blocks carry one state per sequenc
   test::rng r{72};
   for (int trial = 0; trial < test::trials(8); ++trial) {
     std::size_t const count = trial == 0 ? 12 : r.in(1, 5);
-    auto const lengths = random_lengths(r, count);
-    std::vector<std::size_t> first(count), second(count);
-    for (std::size_t s = 0; s < count; ++s) {
-      first[s] = r.in(0, lengths[s]);
-      second[s] = lengths[s] - first[s];
-    }
-    auto const a = sequences::from_lengths(first), b = sequences::from_lengths(second);
-    std::size_t const h = r.in(1, 3), d = r.in(1, 16), m = r.in(1, 16);
+    auto const blk = two_blocks(r, count);
+    auto const &a = blk.a, &b = blk.b;
+    std::size_t const h = blk.h, d = blk.d, m = blk.m;
     CAPTURE(trial);
     auto qa = packed_random<T>(h, a.total(), d, false, r.next()), qb = packed_random<T>(h, b.total(), d, false, r.next());
     auto ka = packed_random<T>(h, a.total(), d, false, r.next()), kb = packed_random<T>(h, b.total(), d, false, r.next());
@@ -169,14 +182,9 @@ TEST_CASE("packed sequences: chained blocks differentiated last first, a state r
   test::rng r{74};
   for (int trial = 0; trial < test::trials(4); ++trial) {
     std::size_t const count = trial == 0 ? 9 : r.in(1, 5);
-    auto const lengths = random_lengths(r, count);
-    std::vector<std::size_t> first(count), second(count);
-    for (std::size_t s = 0; s < count; ++s) {
-      first[s] = r.in(0, lengths[s]);
-      second[s] = lengths[s] - first[s];
-    }
-    auto const a = sequences::from_lengths(first), b = sequences::from_lengths(second);
-    std::size_t const h = r.in(1, 3), d = r.in(1, 16), m = r.in(1, 16);
+    auto const blk = two_blocks(r, count);
+    auto const &a = blk.a, &b = blk.b;
+    std::size_t const h = blk.h, d = blk.d, m = blk.m;
     CAPTURE(trial);
     auto x = [&](sequences const& p, std::size_t cols) { return packed_random<double>(h, p.total(), cols, false, r.next()); };
     auto qa = x(a, d), ka = x(a, d), va = x(a, m), da = x(a, m), qb = x(b, d), kb = x(b, d), vb = x(b, m), db = x(b, m);

@@ -117,6 +117,17 @@ void check_chained_gradient(Expr const& expr, std::uint64_t seed, bool identity,
     (void)cpu::evaluate(plan, s1, Q = first(q), K = first(k), V = first(v), extra...);
     auto [g2, d1] = cpu::gradient(plan, second(dout), s1, none, Q = second(q), K = second(k), V = second(v), extra...);
     auto [g1, d0] = cpu::gradient(plan, first(dout), none, d1, Q = first(q), K = first(k), V = first(v), extra...);
+    {  // into the caller's views (the plan's own gradient_views): the same bits, ∂S returned
+      tensor<T> gq(second(q).shape()), gk(second(k).shape()), gv(second(v).shape());
+      auto into = cpu::gradient_views<T>(plan);
+      into[Q] = gq.view(), into[K] = gk.view(), into[V] = gv.view();
+      cpu::state<T> const d =
+          cpu::gradient_into(plan, into, second(dout), s1, none, Q = second(q), K = second(k), V = second(v), extra...);
+      CHECK(max_abs_diff(gq, g2[Q]) == 0);
+      CHECK(max_abs_diff(gk, g2[K]) == 0);
+      CHECK(max_abs_diff(gv, g2[V]) == 0);
+      CHECK(max_abs_diff(d[0], d1[0]) == 0);
+    }
     double const tol = std::is_same_v<T, float> ? 1e-4 : 1e-11;
     auto joined = [&](auto const& x, char const* name, auto const& a, auto const& b) {  // (Clang < 16 cannot capture a binding)
       CAPTURE(name);

@@ -50,6 +50,19 @@ auto new_gradients(Bound const& in, std::array<tensor_view<T>, gradient_count<BP
   }(std::make_index_sequence<gradient_count<BP>>{});
   return g;
 }
+// New gradient tensors of plan's inputs, each laid out like its input, and
+// `into` views of them (for the allocating forms that write through gradient_into).
+template <class P, class D, class... B>
+auto new_gradients_into(P const& plan, D const& dout, B const&... bindings) {
+  using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
+  auto in = bind_backward(backward_of(plan), dout, bindings...);
+  using T = typename decltype(in)::value_type;
+  std::array<tensor_view<T>, gradient_count<BP>> outs;
+  auto g = new_gradients<T, BP>(in, outs);
+  gradients_of<tensor_view<T>, BP> into;
+  for (std::size_t i = 0; i < outs.size(); ++i) into.all()[i] = outs[i];
+  return std::pair{std::move(g), into};
+}
 // The caller's gradient views, each checked against the shape of its input.
 template <class BP, class Bound, class T, class... In>
 auto checked_gradient_views(Bound const& in, gradients<tensor_view<T>, In...>& into) {
@@ -235,13 +248,7 @@ state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D 
 template <class P, class D, class T, class... B>
   requires(is_binding<B> && ...)
 auto gradient(P const& plan, D const& dout, state<T> const& initial, state<T> const& d_final, B const&... bindings) {
-  auto const linear = longest_branch(plan);
-  using BP = std::remove_cvref_t<decltype(backward_of(linear))>;
-  auto in = detail::bind_backward(backward_of(linear), dout, bindings...);
-  std::array<tensor_view<T>, detail::gradient_count<BP>> outs;
-  auto g = detail::new_gradients<T, BP>(in, outs);
-  auto into = gradient_views<T>(linear);
-  for (std::size_t i = 0; i < outs.size(); ++i) into.all()[i] = outs[i];
+  auto [g, into] = detail::new_gradients_into(longest_branch(plan), dout, bindings...);
   state<T> d_initial = gradient_into(plan, into, dout, initial, d_final, bindings...);
   return std::pair{std::move(g), std::move(d_initial)};
 }

@@ -200,15 +200,9 @@ void gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D cons
 template <class P, class D, class... B>
   requires(is_binding<B> && ...)
 auto gradient(P const& plan, D const& dout, sequences const& seqs, B const&... bindings) {
-  using BP = std::remove_cvref_t<decltype(backward_of(plan))>;
-  auto in = detail::bind_backward(backward_of(plan), dout, bindings...);
-  using T = typename decltype(in)::value_type;
-  std::array<tensor_view<T>, detail::gradient_count<BP>> outs;
-  auto g = detail::new_gradients<T, BP>(in, outs);
-  auto into = gradient_views<T>(plan);
-  for (std::size_t i = 0; i < outs.size(); ++i) into.all()[i] = outs[i];
+  auto [g, into] = detail::new_gradients_into(plan, dout, bindings...);
   gradient_into(plan, into, dout, seqs, bindings...);
-  return g;
+  return std::move(g);
 }
 
 // Packed sequences chained: gradient_into(plan, into, dout, initial, d_final,
@@ -242,13 +236,7 @@ template <class P, class D, class T, class... B>
   requires(is_binding<B> && ...)
 auto gradient(P const& plan, D const& dout, state<T> const& initial, state<T> const& d_final, sequences const& seqs,
               B const&... bindings) {
-  auto const linear = longest_branch(plan);
-  using BP = std::remove_cvref_t<decltype(backward_of(linear))>;
-  auto in = detail::bind_backward(backward_of(linear), dout, bindings...);
-  std::array<tensor_view<T>, detail::gradient_count<BP>> outs;
-  auto g = detail::new_gradients<T, BP>(in, outs);
-  auto into = gradient_views<T>(linear);
-  for (std::size_t i = 0; i < outs.size(); ++i) into.all()[i] = outs[i];
+  auto [g, into] = detail::new_gradients_into(longest_branch(plan), dout, bindings...);
   state<T> d_initial = gradient_into(plan, into, dout, initial, d_final, seqs, bindings...);
   return std::pair{std::move(g), std::move(d_initial)};
 }
