@@ -1,10 +1,9 @@
 // Derived gradients: the forward plan and the backward plan lina derives from
-// it, for the linear and the quadratic order; then one gradient checked
-// against central finite differences, and the backward's extra memory.
+// it, for the linear and the quadratic order; then every order's gradients
+// checked against central finite differences, and the backward's extra memory.
 #include <fmt/core.h>
 
-#include <algorithm>
-#include <cmath>
+#include <lina/check.hpp>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
 #include <sstream>
@@ -43,30 +42,11 @@ int main() {
   side_by_side("linear order", compile<order::linear>(attn));
   side_by_side("quadratic order", compile<order::quadratic>(attn));
 
-  // One gradient against central differences of L = sum(dout ⊙ out), in double.
-  std::size_t n = 64;
-  auto q = tensor<double>::random({1, 2, n, 8}, 1), k = tensor<double>::random({1, 2, n, 8}, 2);
-  auto v = tensor<double>::random({1, 2, n, 4}, 3), dout = tensor<double>::random({1, 2, n, 4}, 4);
-  auto g = cpu::gradient(compile(attn), dout, Q = q, K = k, V = v);
-  auto loss = [&] {
-    auto out = cpu::evaluate(attn, Q = q, K = k, V = v);  // as written: the oracle
-    double s = 0;
-    for (std::size_t i = 0; i < out.size(); ++i) s += out.data()[i] * dout.data()[i];
-    return s;
-  };
-  double worst = 0, h = 1e-6;
-  for (std::size_t i = 0; i < k.size(); i += 7) {
-    double keep = k.data()[i];
-    k.data()[i] = keep + h;
-    double up = loss();
-    k.data()[i] = keep - h;
-    double down = loss();
-    k.data()[i] = keep;
-    double fd = (up - down) / (2 * h);
-    worst = std::max(worst, std::abs(fd - g[K].data()[i]) / (1 + std::abs(fd)));
-  }
-  fmt::print("∂L/∂K at N = {} vs central differences (h = 1e-6, every 7th entry): max relative error {:.2e}\n", n,
-             worst);
+  // Every order's gradients against central differences of L = sum(dout ⊙ out)
+  // in double, at random extents (N up to 64): lina::check, what to run on a
+  // variant of your own (a map's hand-written derivative, say).
+  auto report = check::gradients(attn, {.trials = 2, .max_extent = 64});
+  fmt::print("{}\n", report.str());
 
   // The backward's extra memory: temporaries beyond inputs, dout and gradients.
   // (Finished calls keep their buffers for the next ones; released first, so
@@ -79,4 +59,5 @@ int main() {
     fmt::print("linear backward, N = {:5}: peak temporaries {:7.1f} KiB (an N x N float matrix would be {:.0f} MiB)\n",
                len, cpu::memory().peak / 1024.0, double(len) * double(len) * 4 / (1 << 20));
   }
+  return report.ok() ? 0 : 1;
 }

@@ -1,6 +1,6 @@
-// Derived gradients: finite differences in double for every input, map and
-// mask; linear = quadratic gradients; a two-token case in closed form; the
-// printed causal backward; constant extra memory.
+// Derived gradients (against finite differences: test_gradient_fd*.cpp):
+// linear = quadratic gradients; a two-token case in closed form; the printed
+// causal backward; constant extra memory.
 #include <string>
 
 #include "gradient_support.hpp"

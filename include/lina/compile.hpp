@@ -343,18 +343,35 @@ struct linear_order {
 // compile<order, CostModel>(expr) -> plan (a node tree in the plan vocabulary);
 // compile(expr, N) names the sequence dimension where the structure does not
 // tell it (see sequence_dim).
-template <order O = order::automatic, class Model = default_cost_model, class E, class Key>
-  requires(is_node<E> && concepts::base_dimension<Key>)
-constexpr auto compile(E const& e, Key) {
+namespace detail {
+// The three rule tables applied in turn: compile's work, before its checks.
+template <order O, class Model, class E, class Key>
+constexpr auto ordered(E const& e, Key) {
   auto canonical = rewrite::rewrite(rules::canonical_rules, e);
   auto chains = rewrite::rewrite(rules::flatten_rules, canonical);
-  auto plan = rewrite::rewrite(rules::ordering_rules<O, Key, Model>, chains);
+  return rewrite::rewrite(rules::ordering_rules<O, Key, Model>, chains);
+}
+template <class P, class Key>
+inline constexpr bool is_linear_order = !contains_op<P, op::exp>() && !has_square<P, Key>();
+}  // namespace detail
+
+template <order O = order::automatic, class Model = default_cost_model, class E, class Key>
+  requires(is_node<E> && concepts::base_dimension<Key>)
+constexpr auto compile(E const& e, Key key) {
+  auto plan = detail::ordered<O, Model>(e, key);
   if constexpr (O == order::linear) {
     using P = decltype(plan);
     static_assert(diagnose::linear_order<contains_op<P, op::exp>(), has_square<P, Key>()>::ok || true);
   }
   return plan;
 }
+
+// Does compile<order::linear>(e, key) compile (no exp, no N x N left)? For
+// code that tries every order where it exists (lina::check).
+template <class E, class Key>
+inline constexpr bool has_linear_order =
+    detail::is_linear_order<decltype(detail::ordered<order::linear, default_cost_model>(std::declval<E const&>(), Key{})),
+                            Key>;
 
 template <order O = order::automatic, class Model = default_cost_model, class E>
   requires is_node<E>
