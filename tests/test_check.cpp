@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <lina/check.hpp>
 #include <lina/lina.hpp>
@@ -127,6 +128,26 @@ TEST_CASE("check: right maps pass with every input and order reported, and a wro
     CHECK_FALSE(w.ok());
     CHECK_FALSE(w.passes(find(w, "∂K", "order::linear")));
   }
+}
+
+TEST_CASE("check: recurrent steps and two chained blocks = the expression as written, a cut at 0 and N included") {
+  // Double sums row by row in the same order in steps, blocks and one pass:
+  // the same bits as the linear plan, to rounding of the as-written product.
+  std::set<std::string> cuts;
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    auto r = check::recurrent(attention<square_plus_one>, {.trials = 1, .seed = seed});
+    INFO(r);
+    CHECK(r.ok());
+    REQUIRE(r.findings.size() == 2);
+    CHECK(r.findings[0].quantity == "out (steps)");
+    CHECK(r.findings[1].quantity == "out (two blocks)");
+    for (auto const& f : r.findings) CHECK(f.error < 1e-12);
+    auto const& e = r.findings[1].extents;
+    auto const n = std::stoul(e.substr(e.find(" N=") + 3)), cut = std::stoul(e.substr(e.find("cut at ") + 7));
+    CHECK(cut <= n);
+    cuts.insert(cut == 0 ? "0" : cut == n ? "N" : "inside");
+  }
+  CHECK(cuts.size() == 3);  // both ends reached, and a cut inside
 }
 
 TEST_CASE("check: softmax has no linear order, static extents are kept, a sequence dimension is named where needed") {

@@ -2,6 +2,7 @@
 //
 //   auto g = lina::check::gradients(my_attention);  // derived gradients = central differences?
 //   auto o = lina::check::orderings(my_attention);  // every evaluation order = the expression as written?
+//   auto s = lina::check::recurrent(my_attention);  // steps and chained blocks = the expression as written?
 //   CHECK_MESSAGE(g.ok(), g);                       // (doctest) the report says where, and by how much
 //
 // For whoever writes a feature map or a variant: a map's derivative or vjp is
@@ -14,7 +15,9 @@
 //    quadratic, linear where one exists), against central differences of L
 //    evaluated as written;
 //  - orderings: the output of each compiled order against the expression as
-//    written.
+//    written;
+//  - recurrent (causal variants): the output of recurrent steps and of two
+//    chained blocks against the expression as written.
 // An element's error is |got − want| / (1 + |want|); the report keeps the
 // worst per (order, quantity) over the trials, with the element and extents.
 // A NaN anywhere is an error that fails.
@@ -62,7 +65,7 @@ struct options {
 
 // The worst element of one quantity of one order over the trials.
 struct finding {
-  std::string quantity;  // "∂Q", or "out"
+  std::string quantity;  // "∂Q", "out", "out (steps)", "out (two blocks)"
   std::string order;     // "as written", "order::automatic", "order::quadratic", "order::linear"
   double error = 0;      // |got − want| / (1 + |want|); NaN if an element was NaN
   double got = 0, want = 0;
@@ -71,7 +74,7 @@ struct finding {
 };
 
 struct report {
-  std::string check;  // "gradients" or "orderings"
+  std::string check;  // "gradients", "orderings" or "recurrent"
   double tolerance = 0;
   int trials = 0;
   std::vector<finding> findings;
@@ -91,10 +94,15 @@ struct report {
   std::string str() const {
     std::string s = fmt::format("lina::check::{}: {} (tolerance {:g}, {} trials; error = |got - want| / (1 + |want|))\n",
                                 check, ok() ? "ok" : "FAILED", tolerance, trials);
+    auto width = [](std::string const& t) {  // in characters (UTF-8: ∂)
+      return static_cast<std::size_t>(std::count_if(t.begin(), t.end(), [](char c) { return (c & 0xC0) != 0x80; }));
+    };
+    std::size_t wq = 0, wo = 0;
+    for (finding const& f : findings) wq = std::max(wq, width(f.quantity)), wo = std::max(wo, width(f.order));
     for (finding const& f : findings)
-      s += fmt::format("  {} {:<4} {:<17} {:<9.3g} at [{},{},{},{}]: got {:.9g}, want {:.9g} ({})\n",
-                       passes(f) ? " " : "x", f.quantity, f.order, f.error, f.at[0], f.at[1], f.at[2], f.at[3], f.got,
-                       f.want, f.extents);
+      s += fmt::format("  {} {}{:{}} {}{:{}} {:<9.3g} at [{},{},{},{}]: got {:.9g}, want {:.9g} ({})\n",
+                       passes(f) ? " " : "x", f.quantity, "", wq - width(f.quantity), f.order, "",
+                       wo - width(f.order), f.error, f.at[0], f.at[1], f.at[2], f.at[3], f.got, f.want, f.extents);
     return s;
   }
   friend std::ostream& operator<<(std::ostream& os, report const& r) { return os << r.str(); }
@@ -164,6 +172,22 @@ struct trial {
       return f(make_binding<I::name>(x[lina::detail::index_of_v<I, inputs>])...);
     }(inputs{});
   }
+  // The same with the inputs whose rows are Seq cut to rows [first, first + n)
+  // (views; an input of other rows, as W, whole).
+  template <class Seq, class F>
+  decltype(auto) bound_rows(std::size_t first, std::size_t n, F&& f) const {
+    return [&]<class... I>(lina::detail::type_list<I...>) -> decltype(auto) {
+      auto rows = [&]<class In>() {
+        tensor_view<double const> v = x[lina::detail::index_of_v<In, inputs>].view();
+        if constexpr (!std::is_same_v<typename In::rows, Seq>)
+          return v;
+        else
+          return tensor_view<double const>(v.data() + static_cast<std::ptrdiff_t>(first) * v.strides()[2],
+                                           {v.shape()[0], v.shape()[1], n, v.shape()[3]}, v.strides());
+      };
+      return f(make_binding<I::name>(rows.template operator()<I>())...);
+    }(inputs{});
+  }
 };
 
 inline finding named(std::string quantity, std::string order) {
@@ -210,7 +234,7 @@ template <bool Known>
 struct check_sequence_dimension {
   static_assert(Known,
                 "lina::check: the sequence dimension cannot be told from the expression's structure; name it as "
-                "compile(e, N) takes it: check::gradients(e, N) or check::orderings(e, N)");
+                "compile(e, N) takes it: check::gradients(e, N), check::orderings(e, N), check::recurrent(e, N)");
   static constexpr bool ok = Known;
 };
 }  // namespace diagnose
@@ -276,6 +300,49 @@ report orderings(E const& e, Key key, options const& o = {}) {
   return r;
 }
 
+// A causal variant's recurrent mode against the expression as written: the
+// output of cpu::recurrent's steps, token by token, and of two blocks chained
+// through a cpu::state (cut at a random row, 0 and N included), each against
+// the whole sequence evaluated as written ("out (steps)", "out (two blocks)").
+// A plan without a running state (no causal mask, softmax) is a compile error,
+// as for cpu::recurrent.
+template <class E, class Key>
+  requires(is_node<E> && concepts::base_dimension<Key>)
+report recurrent(E const& e, Key key, options const& o = {}) {
+  report r{"recurrent", o.tolerance, o.trials, {detail::named("out (steps)", "order::automatic"),
+                                                detail::named("out (two blocks)", "order::automatic")}};
+  auto const plan = compile(e, key);
+  detail::rng g{o.seed};
+  for (int trial = 0; trial < o.trials; ++trial) {
+    detail::trial<E> t(o, g);
+    auto const want = t.bound([&](auto const&... b) { return cpu::evaluate(e, b...); });
+    std::size_t const n = want.shape()[2];
+    tensor<double> steps(want.shape()), blocks(want.shape());
+    auto rows = [](tensor<double>& x, std::size_t first, std::size_t count) {
+      auto v = x.view();
+      return tensor_view<double>(v.data() + static_cast<std::ptrdiff_t>(first) * v.strides()[2],
+                                 {v.shape()[0], v.shape()[1], count, v.shape()[3]}, v.strides());
+    };
+    auto rnn = cpu::recurrent<double>(plan, t.batch, t.heads);
+    for (std::size_t i = 0; i < n; ++i)
+      t.template bound_rows<Key>(i, 1, [&](auto const&... b) { rnn.step_into(rows(steps, i, 1), b...); });
+    cpu::state<double> st;
+    std::size_t const cut = g.in(0, n);
+    for (int block = 0; block < 2; ++block) {
+      std::size_t const first = block == 0 ? 0 : cut, count = block == 0 ? cut : n - cut;
+      t.template bound_rows<Key>(first, count, [&](auto const&... b) {
+        auto out = cpu::evaluate(plan, st, b...);
+        for_each_index(out.shape(), [&](std::size_t b0, std::size_t h, std::size_t i, std::size_t j) {
+          blocks.view()(b0, h, first + i, j) = out.view()(b0, h, i, j);
+        });
+      });
+    }
+    detail::compare(r.findings[0], steps, want, t.extents);
+    detail::compare(r.findings[1], blocks, want, t.extents + fmt::format(", cut at {}", cut));
+  }
+  return r;
+}
+
 // The same, the sequence dimension told by the expression's structure.
 template <class E>
   requires is_node<E>
@@ -292,6 +359,15 @@ report orderings(E const& e, options const& o = {}) {
   using Key = sequence_dim<E>;
   if constexpr (diagnose::check_sequence_dimension<!std::is_void_v<Key>>::ok)
     return orderings(e, Key{}, o);
+  else
+    return {};
+}
+template <class E>
+  requires is_node<E>
+report recurrent(E const& e, options const& o = {}) {
+  using Key = sequence_dim<E>;
+  if constexpr (diagnose::check_sequence_dimension<!std::is_void_v<Key>>::ok)
+    return recurrent(e, Key{}, o);
   else
     return {};
 }
