@@ -8,6 +8,7 @@
 #include <lina/check.hpp>
 #include <lina/lina.hpp>
 #include <set>
+#include <stdexcept>
 #include <string>
 
 using namespace lina;
@@ -184,4 +185,43 @@ TEST_CASE("check: each trial draws distinct extents, and inputs between low and 
     for (auto const* t4 : {&x.x[0], &x.x[1], &x.x[2], &x.dout})
       for (std::size_t i = 0; i < t4->size(); ++i) CHECK((t4->data()[i] >= 0.5 && t4->data()[i] < 2));
   }
+}
+
+TEST_CASE("check: options that would check nothing, or not what they say, throw naming the option") {
+  // trials = 0 ran nothing and passed before this was an error.
+  auto throws = [](check::options const& o, std::string const& option) {
+    INFO(option);
+    for (int which = 0; which < 3; ++which) {
+      auto run = [&] {
+        if (which == 0) return check::orderings(attention<square_plus_one>, o);
+        if (which == 1) return check::gradients(attention<square_plus_one>, o);
+        return check::recurrent(attention<square_plus_one>, o);
+      };
+      try {
+        (void)run();
+        FAIL("no exception");
+      } catch (std::invalid_argument const& e) {
+        CHECK(std::string(e.what()).find("options." + option + " = ") != std::string::npos);
+      }
+    }
+  };
+  double const nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  throws({.trials = 0}, "trials");
+  throws({.trials = -1}, "trials");
+  throws({.max_extent = 0}, "max_extent");
+  throws({.max_batch = 0}, "max_batch");
+  throws({.max_heads = 0}, "max_heads");
+  throws({.low = nan}, "low");
+  throws({.low = -inf}, "low");
+  throws({.low = 1, .high = 1}, "high");
+  throws({.high = nan}, "high");
+  throws({.step = 0}, "step");
+  throws({.step = -1e-6}, "step");
+  throws({.step = inf}, "step");
+  throws({.tolerance = -1}, "tolerance");
+  throws({.tolerance = nan}, "tolerance");
+  // The smallest valid options run and report.
+  CHECK(check::orderings(attention<square_plus_one>, {.trials = 1, .max_extent = 1, .max_batch = 1, .max_heads = 1,
+                                                      .tolerance = 0})
+            .findings.size() == 3);
 }

@@ -51,6 +51,8 @@
 
 namespace lina::check {
 
+// Each check throws std::invalid_argument, naming the option, for a trials or an
+// extent bound below 1, low >= high, a step <= 0, a negative tolerance, or a NaN.
 struct options {
   int trials = 3;
   std::size_t max_extent = 6;  // dynamic dimensions: 1 .. max_extent
@@ -80,7 +82,7 @@ struct report {
   std::vector<finding> findings;
 
   bool passes(finding const& f) const { return f.error <= tolerance; }  // NaN fails
-  // Every finding passes (and there is one: trials = 0 checked nothing).
+  // Every finding passes (and there is one: a report that checked nothing fails).
   bool ok() const {
     return !findings.empty() && std::all_of(findings.begin(), findings.end(), [&](finding const& f) { return passes(f); });
   }
@@ -110,6 +112,24 @@ struct report {
 
 namespace detail {
 
+// Options that would check nothing, or not what they say, are an error
+// before any trial: a check with zero trials must not pass.
+inline void validate(options const& o) {
+  auto fail = [](char const* what, auto value) {
+    throw std::invalid_argument(fmt::format("lina::check: options.{} = {}; {}", what, value,
+                                            "trials, max_extent, max_batch and max_heads must be at least 1, "
+                                            "low < high finite, step > 0 finite, tolerance >= 0"));
+  };
+  if (o.trials < 1) fail("trials", o.trials);
+  if (o.max_extent < 1) fail("max_extent", o.max_extent);
+  if (o.max_batch < 1) fail("max_batch", o.max_batch);
+  if (o.max_heads < 1) fail("max_heads", o.max_heads);
+  if (!std::isfinite(o.low)) fail("low", o.low);
+  if (!std::isfinite(o.high) || !(o.low < o.high)) fail("high", o.high);
+  if (!std::isfinite(o.step) || !(o.step > 0)) fail("step", o.step);
+  if (!(o.tolerance >= 0)) fail("tolerance", o.tolerance);
+}
+
 struct rng {  // splitmix64, as lina::tensor::random
   std::uint64_t s;
   std::uint64_t next() {
@@ -133,11 +153,11 @@ struct trial {
   std::string extents;
 
   trial(options const& o, rng& r) {
-    batch = r.in(1, std::max<std::size_t>(o.max_batch, 1));
-    heads = r.in(1, std::max<std::size_t>(o.max_heads, 1));
+    batch = r.in(1, o.max_batch);
+    heads = r.in(1, o.max_heads);
     extents = fmt::format("B={} H={}", batch, heads);
     // Dynamic extents from a shuffled 1..max_extent: distinct while it lasts.
-    std::vector<std::size_t> pool(std::max<std::size_t>(o.max_extent, 1));
+    std::vector<std::size_t> pool(o.max_extent);
     std::iota(pool.begin(), pool.end(), std::size_t{1});
     for (std::size_t i = pool.size(); i > 1; --i) std::swap(pool[i - 1], pool[r.next() % i]);
     std::size_t next = 0;
@@ -244,6 +264,7 @@ template <class E, class Key>
   requires(is_node<E> && concepts::base_dimension<Key>)
 report gradients(E const& e, Key key, options const& o = {}) {
   using inputs = inputs_of<E>;
+  detail::validate(o);
   report r{"gradients", o.tolerance, o.trials, {}};
   detail::rng g{o.seed};
   auto slot = [&](std::string quantity, std::string order) -> finding& {
@@ -285,6 +306,7 @@ report gradients(E const& e, Key key, options const& o = {}) {
 template <class E, class Key>
   requires(is_node<E> && concepts::base_dimension<Key>)
 report orderings(E const& e, Key key, options const& o = {}) {
+  detail::validate(o);
   report r{"orderings", o.tolerance, o.trials, {}};
   detail::rng g{o.seed};
   for (int trial = 0; trial < o.trials; ++trial) {
@@ -309,6 +331,7 @@ report orderings(E const& e, Key key, options const& o = {}) {
 template <class E, class Key>
   requires(is_node<E> && concepts::base_dimension<Key>)
 report recurrent(E const& e, Key key, options const& o = {}) {
+  detail::validate(o);
   report r{"recurrent", o.tolerance, o.trials, {detail::named("out (steps)", "order::automatic"),
                                                 detail::named("out (two blocks)", "order::automatic")}};
   auto const plan = compile(e, key);
