@@ -47,6 +47,7 @@
 #include "lina/cpu.hpp"
 #include "lina/dims.hpp"
 #include "lina/node.hpp"
+#include "lina/sequences.hpp"
 #include "lina/tensor.hpp"
 
 namespace lina::check {
@@ -202,8 +203,7 @@ struct trial {
         if constexpr (!std::is_same_v<typename In::rows, Seq>)
           return v;
         else
-          return tensor_view<double const>(v.data() + static_cast<std::ptrdiff_t>(first) * v.strides()[2],
-                                           {v.shape()[0], v.shape()[1], n, v.shape()[3]}, v.strides());
+          return lina::detail::rows_of_view(v, first, n);
       };
       return f(make_binding<I::name>(rows.template operator()<I>())...);
     }(inputs{});
@@ -341,14 +341,11 @@ report recurrent(E const& e, Key key, options const& o = {}) {
     auto const want = t.bound([&](auto const&... b) { return cpu::evaluate(e, b...); });
     std::size_t const n = want.shape()[2];
     tensor<double> steps(want.shape()), blocks(want.shape());
-    auto rows = [](tensor<double>& x, std::size_t first, std::size_t count) {
-      auto v = x.view();
-      return tensor_view<double>(v.data() + static_cast<std::ptrdiff_t>(first) * v.strides()[2],
-                                 {v.shape()[0], v.shape()[1], count, v.shape()[3]}, v.strides());
-    };
     auto rnn = cpu::recurrent<double>(plan, t.batch, t.heads);
     for (std::size_t i = 0; i < n; ++i)
-      t.template bound_rows<Key>(i, 1, [&](auto const&... b) { rnn.step_into(rows(steps, i, 1), b...); });
+      t.template bound_rows<Key>(i, 1, [&](auto const&... b) {
+        rnn.step_into(lina::detail::rows_of_view(steps.view(), i, 1), b...);
+      });
     cpu::state<double> st;
     std::size_t const cut = g.in(0, n);
     for (int block = 0; block < 2; ++block) {
