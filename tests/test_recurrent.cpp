@@ -61,13 +61,22 @@ void check_recurrent(Expr const& expr, std::uint64_t seed, Extra const&... extra
     }
     CHECK(step_err == 0);
 
-    // blocks at random boundaries, then steps continuing from the blocks' state
+    // blocks at random boundaries, then steps continuing from the blocks' state;
+    // every other block into its rows of a [B, N, H, M] output (evaluate_into)
     cpu::state<T> st;
+    std::vector<T> bnhm(s.b * s.n * s.h * s.m, T(-7));
+    tensor_view<T> const into(bnhm.data(), {s.b, s.h, s.n, s.m}, {s.n * s.h * s.m, s.m, s.h * s.m, 1});
     std::size_t at = 0;
-    while (at < s.n) {
+    for (int block = 0; at < s.n; ++block) {
       std::size_t to = std::min(s.n, at + r.in(1, 40));
-      auto y = cpu::evaluate(compile(expr), st, Q = tokens(q, at, to), K = tokens(k, at, to), V = tokens(v, at, to), extra...);
-      CHECK(max_abs_diff(y, tokens(once, at, to)) == 0);
+      if (block % 2 == 0) {
+        auto y = cpu::evaluate(compile(expr), st, Q = tokens(q, at, to), K = tokens(k, at, to), V = tokens(v, at, to), extra...);
+        CHECK(max_abs_diff(y, tokens(once, at, to)) == 0);
+      } else {
+        auto rows = lina::detail::rows_of_view(into, at, to - at);
+        cpu::evaluate_into(compile(expr), rows, st, Q = tokens(q, at, to), K = tokens(k, at, to), V = tokens(v, at, to), extra...);
+        CHECK(max_abs_diff(rows, tokens(once, at, to)) == 0);
+      }
       at = to;
     }
     std::size_t prompt = s.n / 2;
@@ -253,6 +262,26 @@ TEST_CASE("stepping with the wrong shape throws shape_error, and a foreign state
   CHECK_THROWS_AS(rnn.set_state(small.state()), state_error);
   cpu::state<float> foreign = other.state();
   CHECK_THROWS_AS(cpu::evaluate(compile(e), foreign, Q = q, K = q, V = v), state_error);
+
+  // evaluate_into a chained block: a wrong output or a foreign state throws
+  // before the state or the output is touched
+  tensor<float> out({2, 3, 1, 6}, 5.0f), wide({2, 3, 1, 7}, 5.0f);
+  cpu::state<float> st = rnn.state();
+  auto const kept = st;
+  test::expect_shape_error([&] { cpu::evaluate_into(compile(e), wide.view(), st, Q = q, K = q, V = v); }, "out",
+                           "cols", 7, 6);
+  CHECK_THROWS_AS(cpu::evaluate_into(compile(e), out.view(), foreign, Q = q, K = q, V = v), state_error);
+  cpu::state<float> fresh;
+  test::expect_shape_error([&] { cpu::evaluate_into(compile(e), wide.view(), fresh, Q = q, K = q, V = v); }, "out",
+                           "cols", 7, 6);
+  CHECK(fresh.unbound());
+  for (auto const* t : {&out, &wide})
+    for (std::size_t i = 0; i < t->size(); ++i) CHECK(t->data()[i] == 5.0f);
+  for (std::size_t k = 0; k < st.scans(); ++k) CHECK(max_abs_diff(st[k], kept[k]) == 0);
+  cpu::evaluate_into(compile(e), out.view(), st, Q = q, K = q, V = v);  // and then it runs
+  cpu::state<float> again = kept;
+  CHECK(max_abs_diff(out, cpu::evaluate(compile(e), again, Q = q, K = q, V = v)) == 0);
+  CHECK(max_abs_diff(st[0], again[0]) == 0);
 }
 
 TEST_CASE_TEMPLATE("poly2 is exact: (q·k)² through C = D(D+1)/2 features", T, float, double) {

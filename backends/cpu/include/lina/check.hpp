@@ -351,10 +351,7 @@ report recurrent(E const& e, Key key, options const& o = {}) {
     for (int block = 0; block < 2; ++block) {
       std::size_t const first = block == 0 ? 0 : cut, count = block == 0 ? cut : n - cut;
       t.template bound_rows<Key>(first, count, [&](auto const&... b) {
-        auto out = cpu::evaluate(plan, st, b...);
-        for_each_index(out.shape(), [&](std::size_t b0, std::size_t h, std::size_t i, std::size_t j) {
-          blocks.view()(b0, h, first + i, j) = out.view()(b0, h, i, j);
-        });
+        cpu::evaluate_into(plan, lina::detail::rows_of_view(blocks.view(), first, count), st, b...);
       });
     }
     detail::compare(r.findings[0], steps, want, t.extents);

@@ -3,6 +3,7 @@
 //   cpu::state<float> st;                              // empty: starts from zero sums
 //   auto a = cpu::evaluate(plan, st, Q = q1, K = k1, V = v1);   // tokens [0, n1)
 //   auto b = cpu::evaluate(plan, st, Q = q2, K = k2, V = v2);   // tokens [n1, N): continues
+//   cpu::evaluate_into(plan, out_view, st, Q = …);             // the same into caller memory
 //
 //   auto rnn = cpu::recurrent<float>(plan, B, H);     // or from a prefilled state
 //   tensor<float> y = rnn.step(Q = q_t, K = k_t, V = v_t);      // one token: [B, H, 1, M]
@@ -35,18 +36,30 @@ void evaluate_bound(L const& linear, state<T>& st, Bound const& in, tensor_view<
 }
 }  // namespace detail
 
-// evaluate(plan, st, bindings...): the causal plan over a block of tokens,
-// starting from the running sums in `st` and leaving them updated, so that
-// consecutive blocks give the same result as one evaluation of all of them.
+// evaluate_into(plan, out, st, bindings...): the causal plan over a block of
+// tokens, starting from the running sums in `st` and leaving them updated, so
+// that consecutive blocks give the same result as one evaluation of all of
+// them; into caller memory of any layout (a block's rows of a [B, N, H, M]
+// output, say). A wrong output shape throws shape_error, a state of another
+// plan or batch state_error, before the state or `out` is touched.
 template <class Plan, class T, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
-tensor<T> evaluate(Plan const& plan, state<T>& st, B const&... bindings) {
+void evaluate_into(Plan const& plan, tensor_view<T> out, state<T>& st, B const&... bindings) {
   auto linear = longest_branch(plan);
   using L = decltype(linear);
   static_assert(check_stateful<L>() || true);
   auto in = bind<L>(bindings...);
-  tensor<T> out(result_shape<L>(in));
-  detail::evaluate_bound(linear, st, in, out.view());
+  check_result_shape<L>(out.shape(), in);
+  detail::evaluate_bound(linear, st, in, out);
+}
+
+// evaluate(plan, st, bindings...): the same into a new [B, H, rows, cols] tensor.
+template <class Plan, class T, class... B>
+  requires(is_node<Plan> && (is_binding<B> && ...))
+tensor<T> evaluate(Plan const& plan, state<T>& st, B const&... bindings) {
+  using L = decltype(longest_branch(plan));
+  tensor<T> out(result_shape<L>(bind<L>(bindings...)));
+  evaluate_into(plan, out.view(), st, bindings...);
   return out;
 }
 
