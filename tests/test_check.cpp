@@ -131,17 +131,19 @@ TEST_CASE("check: right maps pass with every input and order reported, and a wro
   }
 }
 
-TEST_CASE("check: recurrent steps and two chained blocks = the expression as written, a cut at 0 and N included") {
+TEST_CASE("check: recurrent steps, two chained blocks and their joined gradients = the expression as written, a cut at 0 and N included") {
   // Double sums row by row in the same order in steps, blocks and one pass:
-  // the same bits as the linear plan, to rounding of the as-written product.
+  // the same bits as the linear plan, to rounding of the as-written product;
+  // the joined gradients to rounding in double.
   std::set<std::string> cuts;
   for (std::uint64_t seed = 1; seed <= 12; ++seed) {
     auto r = check::recurrent(attention<square_plus_one>, {.trials = 1, .seed = seed});
     INFO(r);
     CHECK(r.ok());
-    REQUIRE(r.findings.size() == 2);
+    REQUIRE(r.findings.size() == 5);
     CHECK(r.findings[0].quantity == "out (steps)");
     CHECK(r.findings[1].quantity == "out (two blocks)");
+    for (char const* q : {"∂Q (two blocks)", "∂K (two blocks)", "∂V (two blocks)"}) CHECK(has(r, q, "order::automatic"));
     for (auto const& f : r.findings) CHECK(f.error < 1e-12);
     auto const& e = r.findings[1].extents;
     auto const n = std::stoul(e.substr(e.find(" N=") + 3)), cut = std::stoul(e.substr(e.find("cut at ") + 7));
@@ -149,6 +151,14 @@ TEST_CASE("check: recurrent steps and two chained blocks = the expression as wri
     cuts.insert(cut == 0 ? "0" : cut == n ? "N" : "inside");
   }
   CHECK(cuts.size() == 3);  // both ends reached, and a cut inside
+  // An input whose rows are not the sequence's (favor's projection W): its
+  // gradient is the sum of the blocks'.
+  constexpr auto F = dim<"F">;
+  constexpr auto W = input<"W">(D, F);
+  auto favor = check::recurrent(normalize(causal(phi<lina::favor>(Q, W) * transpose(phi<lina::favor>(K, W)))) * V);
+  INFO(favor);
+  CHECK(favor.ok());
+  CHECK(has(favor, "∂W (two blocks)", "order::automatic"));
 }
 
 TEST_CASE("check: softmax has no linear order, static extents are kept, a sequence dimension is named where needed") {

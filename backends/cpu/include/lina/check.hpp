@@ -17,7 +17,8 @@
 //  - orderings: the output of each compiled order against the expression as
 //    written;
 //  - recurrent (causal variants): the output of recurrent steps and of two
-//    chained blocks against the expression as written.
+//    chained blocks, and the two blocks' gradients joined, against the
+//    expression as written.
 // An element's error is |got − want| / (1 + |want|); the report keeps the
 // worst per (order, quantity) over the trials, with the element and extents.
 // A NaN anywhere is an error that fails.
@@ -68,7 +69,7 @@ struct options {
 
 // The worst element of one quantity of one order over the trials.
 struct finding {
-  std::string quantity;  // "∂Q", "out", "out (steps)", "out (two blocks)"
+  std::string quantity;  // "∂Q", "out", "out (steps)", "out (two blocks)", "∂Q (two blocks)"
   std::string order;     // "as written", "order::automatic", "order::quadratic", "order::linear"
   double error = 0;      // |got − want| / (1 + |want|); NaN if an element was NaN
   double got = 0, want = 0;
@@ -325,15 +326,24 @@ report orderings(E const& e, Key key, options const& o = {}) {
 // A causal variant's recurrent mode against the expression as written: the
 // output of cpu::recurrent's steps, token by token, and of two blocks chained
 // through a cpu::state (cut at a random row, 0 and N included), each against
-// the whole sequence evaluated as written ("out (steps)", "out (two blocks)").
+// the whole sequence evaluated as written ("out (steps)", "out (two blocks)");
+// and the two blocks' gradients, the second differentiated first and handing
+// back ∂ of the state between them, joined, against cpu::gradient of the whole
+// expression as written ("∂Q (two blocks)", …; an input whose rows are not the
+// sequence's, as W, sums the blocks' gradients). The chained backward uses the
+// map's derivative as the one-pass backward does: check::gradients checks that.
 // A plan without a running state (no causal mask, softmax) is a compile error,
 // as for cpu::recurrent.
 template <class E, class Key>
   requires(is_node<E> && concepts::base_dimension<Key>)
 report recurrent(E const& e, Key key, options const& o = {}) {
   detail::validate(o);
+  using inputs = inputs_of<E>;
   report r{"recurrent", o.tolerance, o.trials, {detail::named("out (steps)", "order::automatic"),
                                                 detail::named("out (two blocks)", "order::automatic")}};
+  [&]<class... I>(lina::detail::type_list<I...>) {
+    (r.findings.push_back(detail::named("∂" + std::string(I::name.view()) + " (two blocks)", "order::automatic")), ...);
+  }(inputs{});
   auto const plan = compile(e, key);
   detail::rng g{o.seed};
   for (int trial = 0; trial < o.trials; ++trial) {
@@ -346,16 +356,45 @@ report recurrent(E const& e, Key key, options const& o = {}) {
       t.template bound_rows<Key>(i, 1, [&](auto const&... b) {
         rnn.step_into(lina::detail::rows_of_view(steps.view(), i, 1), b...);
       });
-    cpu::state<double> st;
+    cpu::state<double> st, between;
     std::size_t const cut = g.in(0, n);
     for (int block = 0; block < 2; ++block) {
       std::size_t const first = block == 0 ? 0 : cut, count = block == 0 ? cut : n - cut;
       t.template bound_rows<Key>(first, count, [&](auto const&... b) {
         cpu::evaluate_into(plan, lina::detail::rows_of_view(blocks.view(), first, count), st, b...);
       });
+      if (block == 0) between = st;
     }
+    std::string const extents = t.extents + fmt::format(", cut at {}", cut);
     detail::compare(r.findings[0], steps, want, t.extents);
-    detail::compare(r.findings[1], blocks, want, t.extents + fmt::format(", cut at {}", cut));
+    detail::compare(r.findings[1], blocks, want, extents);
+
+    // Backward through the two blocks: the second from the state the first
+    // left, handing back ∂ of it; the first from a zero state, given that ∂.
+    cpu::state<double> const none;
+    auto const whole = t.bound([&](auto const&... b) { return cpu::gradient(e, t.dout, b...); });
+    auto const second = t.template bound_rows<Key>(cut, n - cut, [&](auto const&... b) {
+      return cpu::gradient(plan, lina::detail::rows_of_view(t.dout.view(), cut, n - cut), between, none, b...);
+    });
+    auto const first = t.template bound_rows<Key>(0, cut, [&](auto const&... b) {
+      return cpu::gradient(plan, lina::detail::rows_of_view(t.dout.view(), 0, cut), none, second.second, b...);
+    });
+    std::size_t k = 2;
+    [&]<class... I>(lina::detail::type_list<I...>) {
+      auto one = [&]<class In>() {
+        tensor<double> const& a = first.first[node<In>{}];
+        tensor<double> const& b = second.first[node<In>{}];
+        tensor<double> joined(whole[node<In>{}].shape());
+        for_each_index(joined.shape(), [&](std::size_t b0, std::size_t h, std::size_t i, std::size_t j) {
+          if constexpr (std::is_same_v<typename In::rows, Key>)
+            joined.view()(b0, h, i, j) = i < cut ? a.view()(b0, h, i, j) : b.view()(b0, h, i - cut, j);
+          else
+            joined.view()(b0, h, i, j) = a.view()(b0, h, i, j) + b.view()(b0, h, i, j);
+        });
+        detail::compare(r.findings[k++], joined, whole[node<In>{}], extents);
+      };
+      (one.template operator()<I>(), ...);
+    }(inputs{});
   }
   return r;
 }
