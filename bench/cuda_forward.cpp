@@ -567,7 +567,7 @@ bool time_packed(pack const& pk, bool backward, double budget, double copy_bw, s
   double const ms = time_within([&] { cuda::evaluate_into(plan, o.view(), stream, seqs, Q = q, K = k, V = v); }, budget,
                                 50, stream, &reps);
   auto rows = [&](cuda::tensor<cuda::bf16>& t, std::size_t x) {
-    return lina::detail::rows_of_view(t.view(), seqs.begin(x), seqs.length(x));
+    return t.view().rows(seqs.begin(x), seqs.length(x));
   };
   double const alone_ms = time_within(
       [&] {

@@ -84,10 +84,7 @@ tensor<float> sums_of(cuda::state const& st) {
   return r;
 }
 // Rows [from, to) of a [B, H, N, M] tensor, writable (a block of the output).
-tensor_view<float> rows_of(tensor<float>& t, std::size_t from, std::size_t to) {
-  auto s = t.shape();
-  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
-}
+tensor_view<float> rows_of(tensor<float>& t, std::size_t from, std::size_t to) { return t.rows(from, to - from); }
 
 // A tensor or view's elements in a tensor of contiguous strides (a gradient the
 // CPU laid out like a broadcast input, a cpu::state's sums).

@@ -91,8 +91,7 @@ inline std::size_t length(rng& r) {
 // Tokens [from, to) of a [B, H, N, *] tensor, as a view (a block of a sequence).
 template <class T>
 lina::tensor_view<T const> tokens(lina::tensor<T> const& t, std::size_t from, std::size_t to) {
-  auto s = t.shape();
-  return {t.data() + static_cast<std::ptrdiff_t>(from) * t.strides()[2], {s[0], s[1], to - from, s[3]}, t.strides()};
+  return t.rows(from, to - from);
 }
 
 // Σ_t x_t y_tᵀ over the rows of [B, H, N, ·] tensors, in double: [B, H, x's cols,

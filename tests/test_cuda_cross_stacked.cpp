@@ -462,7 +462,7 @@ TEST_CASE("packed sequences: favor's backward in one launch, ∂W summed over th
       std::vector<std::vector<float>> untouched;
       auto fresh = bnhc_views(cuda::emulate_gradient_views(plan), expected, untouched);
       auto wrong = fresh;
-      wrong[V] = lina::detail::rows_of_view(fresh[V], 0, seqs.total() - 1);
+      wrong[V] = fresh[V].rows(0, seqs.total() - 1);
       test::expect_shape_error([&] { cuda::emulate_gradient_into(plan, o, wrong, dout, seqs, Q = q, K = k, V = v, W = w); },
                                "∂V", "rows", seqs.total() - 1, seqs.total());
       auto const other = sequences::from_lengths({70, 0, 1, 129, 4});

@@ -394,11 +394,7 @@ TEST_CASE("device: recurrent steps = their emulation, and allocate nothing after
     }
     auto pq = cuda::to_device<E>(test::tokens(q, 0, prompt)), pk = cuda::to_device<E>(test::tokens(k, 0, prompt)),
          pv = cuda::to_device<E>(test::tokens(v, 0, prompt));
-    auto rows = [&](std::size_t from, std::size_t to) {
-      auto ov = out.view();
-      return cuda::device_view<E>(ov.data() + static_cast<std::ptrdiff_t>(from) * ov.strides()[2],
-                                  {s.b, s.h, to - from, s.m}, ov.strides());
-    };
+    auto rows = [&](std::size_t from, std::size_t to) { return out.rows(from, to - from); };
     gpu.prefill_into(rows(0, prompt), nullptr, Q = pq, K = pk, V = pv);
     host.prefill_into(rows_of(want, 0, prompt), Q = test::tokens(q, 0, prompt), K = test::tokens(k, 0, prompt),
                       V = test::tokens(v, 0, prompt));

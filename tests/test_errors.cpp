@@ -8,6 +8,9 @@
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
 #include <string>
+#include <utility>
+#include <vector>
+
 #include "support.hpp"
 
 using namespace lina;
@@ -65,6 +68,26 @@ TEST_CASE("evaluate_into checks the output's shape") {
   CHECK(e.symbol() == "out");
   CHECK(e.extent() == 4);
   CHECK(e.expected_extent() == 3);
+}
+
+TEST_CASE("rows(first, count) is a block of a sequence in any layout, and past the rows throws") {
+  // [B, N, H, D] memory: rows of every (batch, head) are H·D apart
+  std::size_t const b = 2, h = 3, n = 7, d = 4;
+  std::vector<float> mem(b * n * h * d);
+  for (std::size_t i = 0; i < mem.size(); ++i) mem[i] = static_cast<float>(i);
+  tensor_view<float> const v(mem.data(), {b, h, n, d}, {std::ptrdiff_t(n * h * d), std::ptrdiff_t(d),
+                                                        std::ptrdiff_t(h * d), 1});
+  auto const block = v.rows(2, 4);
+  CHECK(block.shape() == shape4{b, h, 4, d});
+  CHECK(block.strides() == v.strides());
+  for_each_index(block.shape(), [&](auto bb, auto hh, auto i, auto j) { CHECK(block(bb, hh, i, j) == v(bb, hh, 2 + i, j)); });
+  CHECK(v.rows(7, 0).shape()[2] == 0);  // an empty block at the end
+  auto t = tensor<float>::random({b, h, n, d}, 5);
+  CHECK(max_abs_diff(t.rows(3, 4), std::as_const(t).rows(3, 4)) == 0);
+  CHECK(t.rows(0, n).data() == t.data());
+  CHECK_THROWS_WITH_AS((void)v.rows(5, 3), "lina: rows [5, 5 + 3) of a view of 7 rows", std::out_of_range);
+  CHECK_THROWS_AS((void)v.rows(8, 0), std::out_of_range);
+  CHECK_THROWS_AS((void)t.rows(1, std::size_t(-1)), std::out_of_range);  // no wrap-around
 }
 
 TEST_CASE("N = 0 gives an empty result, N = 1 a single row") {

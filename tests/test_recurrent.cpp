@@ -65,7 +65,8 @@ void check_recurrent(Expr const& expr, std::uint64_t seed, Extra const&... extra
     // every other block into its rows of a [B, N, H, M] output (evaluate_into)
     cpu::state<T> st;
     std::vector<T> bnhm(s.b * s.n * s.h * s.m, T(-7));
-    tensor_view<T> const into(bnhm.data(), {s.b, s.h, s.n, s.m}, {s.n * s.h * s.m, s.m, s.h * s.m, 1});
+    tensor_view<T> const into(bnhm.data(), {s.b, s.h, s.n, s.m},
+                                {std::ptrdiff_t(s.n * s.h * s.m), std::ptrdiff_t(s.m), std::ptrdiff_t(s.h * s.m), 1});
     std::size_t at = 0;
     for (int block = 0; at < s.n; ++block) {
       std::size_t to = std::min(s.n, at + r.in(1, 40));
@@ -73,7 +74,7 @@ void check_recurrent(Expr const& expr, std::uint64_t seed, Extra const&... extra
         auto y = cpu::evaluate(compile(expr), st, Q = tokens(q, at, to), K = tokens(k, at, to), V = tokens(v, at, to), extra...);
         CHECK(max_abs_diff(y, tokens(once, at, to)) == 0);
       } else {
-        auto rows = lina::detail::rows_of_view(into, at, to - at);
+        auto rows = into.rows(at, to - at);
         cpu::evaluate_into(compile(expr), rows, st, Q = tokens(q, at, to), K = tokens(k, at, to), V = tokens(v, at, to), extra...);
         CHECK(max_abs_diff(rows, tokens(once, at, to)) == 0);
       }

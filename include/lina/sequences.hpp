@@ -111,13 +111,6 @@ template <class P>
 using packed_dim = typename P::shape::rows;
 
 namespace detail {
-// View v's rows [row0, row0 + rows) (every backend's view has this constructor).
-template <class View>
-View rows_of_view(View const& v, std::size_t row0, std::size_t rows) {
-  auto shape = v.shape();
-  shape[2] = rows;
-  return View(v.data() + static_cast<std::ptrdiff_t>(row0) * v.strides()[2], shape, v.strides());
-}
 template <class Dim, class Inputs>
 struct packable;
 template <class Dim, class... I>
@@ -159,7 +152,7 @@ struct input_named<Name, detail::type_list<I...>> {
 template <class Dim, class Inputs, fixed_string Name, class View>
 binding<Name, View> sequence_binding(binding<Name, View> const& b, sequences const& seqs, std::size_t s) {
   if constexpr (cut_input<Dim, typename detail::input_named<Name, Inputs>::type>)
-    return {detail::rows_of_view(b.view, seqs.begin(s), seqs.length(s))};
+    return {b.view.rows(seqs.begin(s), seqs.length(s))};
   else
     return b;
 }

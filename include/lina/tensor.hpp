@@ -23,6 +23,22 @@ namespace lina {
 using shape4 = std::array<std::size_t, 4>;
 using strides4 = std::array<std::ptrdiff_t, 4>;
 
+namespace detail {
+// Rows [first, first + count) of every (batch, head) of a view with data(),
+// shape(), strides() and the (data, shape, strides) constructor: tensor_view,
+// cuda::device_view. Past the view's rows: std::out_of_range, no view made.
+template <class View>
+View row_block(View const& v, std::size_t first, std::size_t count) {
+  std::size_t const n = v.shape()[2];
+  if (first > n || count > n - first)
+    throw std::out_of_range("lina: rows [" + std::to_string(first) + ", " + std::to_string(first) + " + " +
+                            std::to_string(count) + ") of a view of " + std::to_string(n) + " rows");
+  shape4 s = v.shape();
+  s[2] = count;
+  return View(v.data() + static_cast<std::ptrdiff_t>(first) * v.strides()[2], s, v.strides());
+}
+}  // namespace detail
+
 template <class T>
 class tensor_view {
  public:
@@ -35,6 +51,10 @@ class tensor_view {
   T* data() const noexcept { return data_; }
   shape4 const& shape() const noexcept { return shape_; }
   strides4 const& strides() const noexcept { return strides_; }
+  // Rows [first, first + count) of every (batch, head), in place: a block of a
+  // sequence, as chained evaluation and recurrent steps take it
+  // (std::out_of_range past the rows).
+  tensor_view rows(std::size_t first, std::size_t count) const { return detail::row_block(*this, first, count); }
   T& operator()(std::size_t b, std::size_t h, std::size_t n, std::size_t d) const noexcept {
     return data_[static_cast<std::ptrdiff_t>(b) * strides_[0] + static_cast<std::ptrdiff_t>(h) * strides_[1] +
                  static_cast<std::ptrdiff_t>(n) * strides_[2] + static_cast<std::ptrdiff_t>(d) * strides_[3]];
@@ -112,6 +132,9 @@ class tensor {
   }
   tensor_view<T> view() noexcept { return {data_.data(), shape_, strides_}; }
   tensor_view<T const> view() const noexcept { return {data_.data(), shape_, strides_}; }
+  // Rows [first, first + count) of every (batch, head), as a view (tensor_view::rows).
+  tensor_view<T> rows(std::size_t first, std::size_t count) { return view().rows(first, count); }
+  tensor_view<T const> rows(std::size_t first, std::size_t count) const { return view().rows(first, count); }
   operator tensor_view<T>() noexcept { return view(); }
   operator tensor_view<T const>() const noexcept { return view(); }
 

@@ -204,7 +204,7 @@ struct trial {
         if constexpr (!std::is_same_v<typename In::rows, Seq>)
           return v;
         else
-          return lina::detail::rows_of_view(v, first, n);
+          return v.rows(first, n);
       };
       return f(make_binding<I::name>(rows.template operator()<I>())...);
     }(inputs{});
@@ -354,14 +354,14 @@ report recurrent(E const& e, Key key, options const& o = {}) {
     auto rnn = cpu::recurrent<double>(plan, t.batch, t.heads);
     for (std::size_t i = 0; i < n; ++i)
       t.template bound_rows<Key>(i, 1, [&](auto const&... b) {
-        rnn.step_into(lina::detail::rows_of_view(steps.view(), i, 1), b...);
+        rnn.step_into(steps.rows(i, 1), b...);
       });
     cpu::state<double> st, between;
     std::size_t const cut = g.in(0, n);
     for (int block = 0; block < 2; ++block) {
       std::size_t const first = block == 0 ? 0 : cut, count = block == 0 ? cut : n - cut;
       t.template bound_rows<Key>(first, count, [&](auto const&... b) {
-        cpu::evaluate_into(plan, lina::detail::rows_of_view(blocks.view(), first, count), st, b...);
+        cpu::evaluate_into(plan, blocks.rows(first, count), st, b...);
       });
       if (block == 0) between = st;
     }
@@ -374,10 +374,10 @@ report recurrent(E const& e, Key key, options const& o = {}) {
     cpu::state<double> const none;
     auto const whole = t.bound([&](auto const&... b) { return cpu::gradient(e, t.dout, b...); });
     auto const second = t.template bound_rows<Key>(cut, n - cut, [&](auto const&... b) {
-      return cpu::gradient(plan, lina::detail::rows_of_view(t.dout.view(), cut, n - cut), between, none, b...);
+      return cpu::gradient(plan, t.dout.rows(cut, n - cut), between, none, b...);
     });
     auto const first = t.template bound_rows<Key>(0, cut, [&](auto const&... b) {
-      return cpu::gradient(plan, lina::detail::rows_of_view(t.dout.view(), 0, cut), none, second.second, b...);
+      return cpu::gradient(plan, t.dout.rows(0, cut), none, second.second, b...);
     });
     std::size_t k = 2;
     [&]<class... I>(lina::detail::type_list<I...>) {

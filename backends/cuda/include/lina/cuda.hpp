@@ -571,6 +571,8 @@ class device_view {
   E* data() const noexcept { return data_; }
   shape4 const& shape() const noexcept { return shape_; }
   strides4 const& strides() const noexcept { return strides_; }
+  // Rows [first, first + count) of every (batch, head), as tensor_view::rows.
+  device_view rows(std::size_t first, std::size_t count) const { return lina::detail::row_block(*this, first, count); }
   operator device_view<E const>() const
     requires(!std::is_const_v<E>)
   {
@@ -616,6 +618,8 @@ class tensor {
   T const* data() const noexcept { return static_cast<T const*>(buffer_.get()); }
   device_view<T> view() noexcept { return {data(), shape_}; }
   device_view<T const> view() const noexcept { return {data(), shape_}; }
+  device_view<T> rows(std::size_t first, std::size_t count) { return view().rows(first, count); }
+  device_view<T const> rows(std::size_t first, std::size_t count) const { return view().rows(first, count); }
 
  private:
   static std::size_t count(shape4 const& s) { return s[0] * s[1] * s[2] * s[3]; }
@@ -1376,7 +1380,7 @@ auto check_sequences(Out const& out, sequences const& seqs, B const&... bindings
 template <class Plan, class Out, class Each, class... B>
 void for_sequences(Out const& out, sequences const& seqs, Each const& each, B const&... bindings) {
   for (std::size_t s = 0; s < seqs.count(); ++s)
-    each(s, lina::detail::rows_of_view(out, seqs.begin(s), seqs.length(s)),
+    each(s, out.rows(seqs.begin(s), seqs.length(s)),
          sequence_binding<packed_dim<Plan>, inputs_of<Plan>>(bindings, seqs, s)...);
 }
 // Does one launch serve the pack? Its programs must be packable, and the pack
@@ -1898,8 +1902,8 @@ void packed_into(gradients<View, In...>& into, Dout const& dout, sequences const
     if (!cut[i]) mine.all()[i] = share(into.all()[i].shape()), zero(into.all()[i]);
   for (std::size_t s = 0; s < seqs.count(); ++s) {
     for (std::size_t i = 0; i < sizeof...(In); ++i)
-      if (cut[i]) mine.all()[i] = lina::detail::rows_of_view(into.all()[i], seqs.begin(s), seqs.length(s));
-    grad_into(mine, lina::detail::rows_of_view(view_of(dout), seqs.begin(s), seqs.length(s)),
+      if (cut[i]) mine.all()[i] = into.all()[i].rows(seqs.begin(s), seqs.length(s));
+    grad_into(mine, view_of(dout).rows(seqs.begin(s), seqs.length(s)),
               sequence_binding<N, inputs_of<Plan>>(bindings, seqs, s)...);
     for (std::size_t i = 0; i < sizeof...(In); ++i)
       if (!cut[i]) add(into.all()[i], mine.all()[i]);
@@ -2128,10 +2132,10 @@ void packed_gradients(gradients<Tensor, In...>& g, Dout const& dout, sequences c
                       Add const& add, B const&... bindings) {
   using N = packed_dim<Plan>;
   for (std::size_t s = 0; s < seqs.count(); ++s) {
-    auto gs = grad(lina::detail::rows_of_view(view_of(dout), seqs.begin(s), seqs.length(s)),
+    auto gs = grad(view_of(dout).rows(seqs.begin(s), seqs.length(s)),
                    sequence_binding<N, inputs_of<Plan>>(bindings, seqs, s)...);
     std::size_t i = 0;
-    ((add(cut_input<N, In> ? lina::detail::rows_of_view(g.all()[i].view(), seqs.begin(s), seqs.length(s))
+    ((add(cut_input<N, In> ? g.all()[i].view().rows(seqs.begin(s), seqs.length(s))
                            : g.all()[i].view(),
           std::as_const(gs.all()[i]).view()),
       ++i),

@@ -87,7 +87,7 @@ void evaluate_into(Plan const& plan, tensor_view<T> out, sequences const& seqs, 
   check_packed<N>(in, seqs);
   check_result_shape<Plan>(out.shape(), in);
   detail::for_each_sequence(seqs, in, [&](std::size_t s) {
-    evaluate_into(plan, lina::detail::rows_of_view(out, seqs.begin(s), seqs.length(s)),
+    evaluate_into(plan, out.rows(seqs.begin(s), seqs.length(s)),
                   sequence_binding<N, inputs_of<Plan>>(bindings, seqs, s)...);
   });
 }
@@ -123,7 +123,7 @@ void evaluate_into(Plan const& plan, tensor_view<T> out, state<T>& st, sequences
   detail::for_each_sequence(seqs, in, [&](std::size_t s) {
     auto one = bind<L>(sequence_binding<N, inputs_of<L>>(bindings, seqs, s)...);
     state<T> mine = detail::state_row(st, s, linear, one);  // sequence s's rows of st, as a batch of one
-    detail::evaluate_bound(linear, mine, one, lina::detail::rows_of_view(out, seqs.begin(s), seqs.length(s)));
+    detail::evaluate_bound(linear, mine, one, out.rows(seqs.begin(s), seqs.length(s)));
     detail::set_state_row(st, s, mine);
   });
 }
@@ -161,13 +161,13 @@ void packed_backward(P const& plan, gradients<tensor_view<T>, In...>& into, D co
     auto mine = into;
     for (std::size_t i = 0; i < count; ++i) {
       if (cut[i]) {
-        mine.all()[i] = lina::detail::rows_of_view(into.all()[i], seqs.begin(s), seqs.length(s));
+        mine.all()[i] = into.all()[i].rows(seqs.begin(s), seqs.length(s));
       } else {
         shares[s][i] = tensor<T>(into.all()[i].shape());
         mine.all()[i] = shares[s][i].view();
       }
     }
-    one(s, mine, lina::detail::rows_of_view(view_of(dout), seqs.begin(s), seqs.length(s)),
+    one(s, mine, view_of(dout).rows(seqs.begin(s), seqs.length(s)),
         sequence_binding<N, inputs_of<Forward>>(bindings, seqs, s)...);
   });
   for (std::size_t i = 0; i < count; ++i) {
