@@ -400,32 +400,30 @@ report recurrent(E const& e, Key key, options const& o = {}) {
 }
 
 // The same, the sequence dimension told by the expression's structure.
+namespace detail {
+template <class E, class F>
+report with_sequence_dim(F&& check) {
+  using Key = sequence_dim<E>;
+  if constexpr (diagnose::check_sequence_dimension<!std::is_void_v<Key>>::ok)
+    return check(Key{});
+  else
+    return {};
+}
+}  // namespace detail
 template <class E>
   requires is_node<E>
 report gradients(E const& e, options const& o = {}) {
-  using Key = sequence_dim<E>;
-  if constexpr (diagnose::check_sequence_dimension<!std::is_void_v<Key>>::ok)
-    return gradients(e, Key{}, o);
-  else
-    return {};
+  return detail::with_sequence_dim<E>([&](auto key) { return gradients(e, key, o); });
 }
 template <class E>
   requires is_node<E>
 report orderings(E const& e, options const& o = {}) {
-  using Key = sequence_dim<E>;
-  if constexpr (diagnose::check_sequence_dimension<!std::is_void_v<Key>>::ok)
-    return orderings(e, Key{}, o);
-  else
-    return {};
+  return detail::with_sequence_dim<E>([&](auto key) { return orderings(e, key, o); });
 }
 template <class E>
   requires is_node<E>
 report recurrent(E const& e, options const& o = {}) {
-  using Key = sequence_dim<E>;
-  if constexpr (diagnose::check_sequence_dimension<!std::is_void_v<Key>>::ok)
-    return recurrent(e, Key{}, o);
-  else
-    return {};
+  return detail::with_sequence_dim<E>([&](auto key) { return recurrent(e, key, o); });
 }
 
 }  // namespace lina::check
