@@ -48,7 +48,6 @@
 #include "lina/cpu.hpp"
 #include "lina/dims.hpp"
 #include "lina/node.hpp"
-#include "lina/sequences.hpp"
 #include "lina/tensor.hpp"
 
 namespace lina::check {
