@@ -49,6 +49,7 @@ constexpr auto causal_attn = normalize(causal(phi<Map>(Q) * transpose(phi<Map>(K
 template <class Map>
 constexpr auto full_attn = normalize(phi<Map>(Q) * transpose(phi<Map>(K))) * V;
 constexpr auto favor_attn = normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V;
+constexpr auto decayed_attn = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.97})) * V;
 
 struct options {
   bool quick = false;
@@ -131,6 +132,12 @@ void feature_maps(report& rep) {
     auto w = broadcast(projection, 1, 8);
     measure<float>(rep, compile<order::linear>(favor_attn), "favor256", "causal", 8, n, d, m, false, W = w);
   }
+  // a decayed mask against the plain one, in the same run (one multiply more per state element and row)
+  for (bool backward : {false, true})
+    for (std::size_t n : {1024u, 4096u}) {
+      measure<float>(rep, compile<order::linear>(causal_attn<elu_plus_one>), "elu+1", "causal", 8, n, d, d, backward);
+      measure<float>(rep, compile<order::linear>(decayed_attn), "elu+1", "causal, decay 0.97", 8, n, d, d, backward);
+    }
 }
 
 // Both orders of the causal forward against N (float, B·H = 8, D = M = 64).

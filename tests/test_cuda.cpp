@@ -156,6 +156,8 @@ TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
                     normalize(causal(phi<test::softplus>(Q) * transpose(phi<test::softplus>(K)))) * V))>);
   static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // … without them
                     normalize(causal(phi<host_only>(Q) * transpose(phi<host_only>(K)))) * V))>);
+  static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // a decayed mask: no kernel decays its state yet
+                    normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V))>);
 
   auto s = cuda::spec_of(causal_plan);
   CHECK(s.causal);

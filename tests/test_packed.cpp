@@ -27,6 +27,7 @@ constexpr auto V = input<"V">(N, M);
 constexpr auto W = input<"W">(D, F);
 constexpr auto causal_attn = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
 constexpr auto full_attn = normalize(phi<relu>(Q) * transpose(phi<relu>(K))) * V;
+constexpr auto decayed_attn = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V;
 constexpr auto favor_attn = normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V;
 
 // Random lengths, some 0 and 1, summing to the packed rows.
@@ -111,11 +112,14 @@ TEST_CASE_TEMPLATE("packed sequences: each evaluates as it would alone, in eithe
     auto yc = cpu::evaluate(causal_plan, seqs, Q = q, K = k, V = v);
     auto yf = tensor<T>::like(v.view());  // into caller memory of the inputs' layout
     cpu::evaluate_into(full_plan, yf.view(), seqs, Q = q, K = k, V = v);
+    auto const decayed_plan = compile(decayed_attn);  // each sequence's state starts undecayed from zero
+    auto yd = cpu::evaluate(decayed_plan, seqs, Q = q, K = k, V = v);
     for (std::size_t s = 0; s < seqs.count(); ++s) {
       CAPTURE(s);
       auto qs = copy_rows<T>(q, seqs, s), ks = copy_rows<T>(k, seqs, s), vs = copy_rows<T>(v, seqs, s);
       CHECK(rows_equal(yc, cpu::evaluate(causal_plan, Q = qs, K = ks, V = vs), seqs, s));
       CHECK(rows_equal(yf, cpu::evaluate(full_plan, Q = qs, K = ks, V = vs), seqs, s));
+      CHECK(rows_equal(yd, cpu::evaluate(decayed_plan, Q = qs, K = ks, V = vs), seqs, s));
       // and against attention from its definition (double), so that the
       // cutting is checked by something that does not cut
       auto ref = test::reference_attention(qs, ks, vs, [](double x) { return elu_plus_one::value(x); }, true, true);

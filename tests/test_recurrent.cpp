@@ -101,6 +101,9 @@ TEST_CASE_TEMPLATE("recurrent steps and chained blocks equal the parallel plan",
   check_recurrent<T>(causal_attn<softplus>, 2);
   check_recurrent<T>(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 3);
   check_recurrent<T>(causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V, 4);
+  // a decayed mask: steps, blocks and one pass decay the state by one rounded multiply per row alike
+  check_recurrent<T>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.95})) * V, 5);
+  check_recurrent<T>(causal(Q * transpose(K), decay{0.5}) * V, 6);
 }
 
 // Chained blocks' backward: blocks cut at a random point, differentiated last
@@ -181,6 +184,9 @@ TEST_CASE_TEMPLATE("chained blocks differentiated last first, handing back ∂st
   check_chained_gradient<T>(causal_attn<elu_plus_one>, 11, false);
   check_chained_gradient<T>(causal(Q * transpose(K)) * V, 12, true);
   check_chained_gradient<T>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 13, false);
+  // decayed masks: the ∂state handed back is checked against finite differences (double)
+  check_chained_gradient<T>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V, 14, false);
+  check_chained_gradient<T>(causal(Q * transpose(K), decay{0.7}) * V, 15, false);
   // a state of another plan, or of another batch, is refused
   auto q = tensor<T>::random({2, 1, 6, 4}, 1), v = tensor<T>::random({2, 1, 6, 3}, 2);
   constexpr auto plan = compile(causal_attn<elu_plus_one>);

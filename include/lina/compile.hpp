@@ -59,7 +59,7 @@ inline constexpr auto canonical_rules = hana::make_tuple(
     rule(s_ * (t_ * x_), merge_scales),                      //
     rule((s_ * x_) * y_, s_ * (x_ * y_)),                    //
     rule(x_ * (s_ * y_), s_ * (x_ * y_)),                    //
-    rule(causal(s_ * x_), s_ * causal(x_)),                  //
+    rule(causal_(s_ * x_), s_ * causal_(x_)),                //
     rule(normalize_(x_) * y_, one_pass_normalize));
 
 // ---- 2. product chains ------------------------------------------------------
@@ -78,19 +78,21 @@ inline constexpr auto make_chain = [](auto const& b) {
 inline constexpr auto flatten_rules = hana::make_tuple(rule(x_ * y_, make_chain));
 
 // ---- 3. ordering ------------------------------------------------------------
-// causal(A * B) * C as a prefix scan: row i is A_i^T sum_{j<=i} B^T_j C_j^T.
-template <class A, class B, class C>
-constexpr auto prefix_contract(A const& a, B const& b, C const& c) {
+// causal(A * B) * C as a prefix scan: row i is A_i^T sum_{j<=i} g^(i-j) B^T_j C_j^T
+// (g the mask's decay).
+template <class A, class B, class C, class D>
+constexpr auto prefix_contract(A const& a, B const& b, C const& c, D decay) {
   auto bt = rewrite::rewrite(canonical_rules, transpose(b));
-  return build::contract(a, build::prefix(build::outer(bt, c)));
+  return build::contract(a, build::prefix(build::outer(bt, c), decay));
 }
 
 // The ways to multiply two bracketed operands.
 template <class L, class R>
 constexpr auto combine(L const& l, R const& r) {
-  auto m = match(causal(x_ * y_), l);
+  auto m = match(causal_(x_ * y_), l);
   if constexpr (decltype(hana::is_just(m))::value)
-    return hana::make_tuple(make_node(op::product{}, l, r), prefix_contract(get<0>(m.value()), get<1>(m.value()), r));
+    return hana::make_tuple(make_node(op::product{}, l, r),
+                            prefix_contract(get<0>(m.value()), get<1>(m.value()), r, decay_of(get<14>(m.value()))));
   else
     return hana::make_tuple(make_node(op::product{}, l, r));
 }
@@ -255,8 +257,8 @@ struct sequence_evidence {
   using similarity = type_list<>;
   using summed = type_list<>;
 };
-template <class K>
-struct sequence_evidence<node<op::causal, K>> {
+template <class D, class K>
+struct sequence_evidence<node<op::causal_t<D>, K>> {
   using causal = type_list<typename K::shape::rows>;
   using similarity = type_list<>;
   using summed = type_list<>;

@@ -5,6 +5,8 @@
 // builds a node. Nothing here evaluates anything.
 #pragma once
 
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "lina/dims.hpp"
@@ -108,12 +110,32 @@ constexpr auto operator*(A const& a, B const& b) {
   return make_node(op::product{}, a, b);
 }
 
-// causal(S): keep S_ij for j <= i, zero elsewhere.
+// The decay of a causal mask: token j's weight in row i is gamma^(i-j), so
+// the running state forgets geometrically (RetNet's retention; gamma = 1 is
+// the plain mask). gamma outside [0, 1] (or NaN) is refused: above 1 the
+// state grows without bound. In a constant expression the refusal is a
+// compile error at the throw.
+struct decay {
+  double gamma;
+  constexpr explicit decay(double g) : gamma(g) {
+    if (!(g >= 0 && g <= 1))
+      throw std::invalid_argument("lina::decay: gamma must be in [0, 1] (1 is no decay), got " + std::to_string(g));
+  }
+};
+
+// causal(S): keep S_ij for j <= i, zero elsewhere; causal(S, decay{g}):
+// keep g^(i-j) S_ij. Either becomes a prefix scan in linear order.
 template <class X>
   requires is_node<X>
 constexpr auto causal(X const& x) {
   static_assert(diagnose::causal_needs_square<typename X::shape::rows, typename X::shape::cols>::ok || true);
   return make_node(op::causal{}, x);
+}
+template <class X>
+  requires is_node<X>
+constexpr auto causal(X const& x, decay d) {
+  static_assert(diagnose::causal_needs_square<typename X::shape::rows, typename X::shape::cols>::ok || true);
+  return make_node(op::causal_t<op::decay_by>{{d.gamma}}, x);
 }
 
 // normalize(S): each row divided by its sum plus eps, so that

@@ -89,8 +89,8 @@ inline constexpr auto adjoint_rules = hana::make_tuple(
     rule(transpose(x_ * y_), transpose(y_) * transpose(x_)),                              //
     rule(transpose(s_ * x_), s_ * transpose(x_)),                                        //
     rule(build::rows_transpose(build::rows_transpose(x_)), x_),                          //
-    rule(build::rows_transpose(build::prefix(x_)), build::prefix(build::rows_transpose(x_))),  //
-    rule(build::rows_transpose(build::suffix(x_)), build::suffix(build::rows_transpose(x_))),  //
+    rule(build::rows_transpose(prefix_(x_)), prefix_(build::rows_transpose(x_))),  //
+    rule(build::rows_transpose(suffix_(x_)), suffix_(build::rows_transpose(x_))),  //
     rule(build::rows_transpose(build::outer(x_, y_)), build::outer(y_, x_)));
 }  // namespace rules
 

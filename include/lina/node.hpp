@@ -67,11 +67,24 @@ struct product {
   template <class A, class B>
   using shape_of = matrix_shape<rows_of<A>, cols_of<B>>;
 };
-// Lower-triangular mask (keep j <= i) of a square matrix.
-struct causal {
+// The decay of a mask or a scan: none (the plain mask, an empty op, so the
+// schedule merges equal subtrees by their type alone) or a run-time factor.
+struct no_decay {
+  static constexpr double decay = 1;
+  friend constexpr bool operator==(no_decay, no_decay) { return true; }
+};
+struct decay_by {
+  double decay = 1;
+  friend constexpr bool operator==(decay_by const&, decay_by const&) = default;
+};
+// Lower-triangular mask of a square matrix: keep decay^(i-j) S_ij for j <= i,
+// zero above (decay = 1: the plain mask; < 1: RetNet-style decay of the past).
+template <class Decay = no_decay>
+struct causal_t : Decay {
   template <class X>
   using shape_of = X;
 };
+using causal = causal_t<>;
 // Row normalisation: S_ij / (sum_k S_ik + eps).
 struct normalize {
   double eps = 1e-6;
@@ -119,15 +132,24 @@ struct outer_rows {
   template <class B, class C>
   using shape_of = row_seq_shape<rows_of<B>, cols_of<B>, cols_of<C>>;
 };
-// Running sums over rows: S_i = sum_{j<=i} X_j (prefix) or sum_{j>=i} X_j (suffix).
-struct prefix_scan {
+// Running sums over rows: S_i = sum_{j<=i} decay^(i-j) X_j (prefix) or
+// sum_{j>=i} decay^(j-i) X_j (suffix). With a carried state the two differ at
+// the boundary, as a map and its adjoint: a prefix scan decays the state it
+// enters with before row 0 (S_i = decay S_{i-1} + X_i), a suffix scan adds
+// it undecayed to its first row and leaves decay S_first (the gradient of
+// the prefix scan's entering state).
+template <class Decay = no_decay>
+struct prefix_scan_t : Decay {
   template <class X>
   using shape_of = X;
 };
-struct suffix_scan {
+template <class Decay = no_decay>
+struct suffix_scan_t : Decay {
   template <class X>
   using shape_of = X;
 };
+using prefix_scan = prefix_scan_t<>;
+using suffix_scan = suffix_scan_t<>;
 // Transpose each per-row matrix.
 struct transpose_rows {
   template <class X>
@@ -246,6 +268,23 @@ constexpr bool same_value(node<Op, K...> const& a, node<Op, K...> const& b) {
   }(std::index_sequence_for<K...>{});
 }
 
+// The decay of a mask's or scan's op (op::no_decay or op::decay_by).
+template <template <class> class Op, class D>
+constexpr D const& decay_of(Op<D> const& o) {
+  return o;
+}
+// One operation whatever its decay: what a rewrite pattern's op variable matches.
+template <class A, class B>
+inline constexpr bool same_op_family = std::is_same_v<A, B>;
+template <class D1, class D2>
+inline constexpr bool same_op_family<op::causal_t<D1>, op::causal_t<D2>> = true;
+template <class D1, class D2>
+inline constexpr bool same_op_family<op::prefix_scan_t<D1>, op::prefix_scan_t<D2>> = true;
+template <class D1, class D2>
+inline constexpr bool same_op_family<op::suffix_scan_t<D1>, op::suffix_scan_t<D2>> = true;
+template <class Op>
+inline constexpr bool is_causal_op = same_op_family<Op, op::causal>;
+
 template <class T>
 inline constexpr bool is_node = false;
 template <class Op, class... K>
@@ -263,13 +302,13 @@ template <class B, class C>
 constexpr auto outer(B const& b, C const& c) {
   return make_node(op::outer_rows{}, b, c);
 }
-template <class X>
-constexpr auto prefix(X const& x) {
-  return make_node(op::prefix_scan{}, x);
+template <class X, class D = op::no_decay>
+constexpr auto prefix(X const& x, D decay = {}) {
+  return make_node(op::prefix_scan_t<D>{decay}, x);
 }
-template <class X>
-constexpr auto suffix(X const& x) {
-  return make_node(op::suffix_scan{}, x);
+template <class X, class D = op::no_decay>
+constexpr auto suffix(X const& x, D decay = {}) {
+  return make_node(op::suffix_scan_t<D>{decay}, x);
 }
 template <class X>
 constexpr auto rows_transpose(X const& x) {
@@ -402,13 +441,13 @@ template <class N>
 struct fused_scan_parts {
   static constexpr bool fused = false;
 };
-template <class A, class B, class C>
-struct fused_scan_parts<node<op::contract_rows, A, node<op::prefix_scan, node<op::outer_rows, B, C>>>> {
+template <class A, class D, class B, class C>
+struct fused_scan_parts<node<op::contract_rows, A, node<op::prefix_scan_t<D>, node<op::outer_rows, B, C>>>> {
   static constexpr bool fused = true;
   static constexpr bool reverse = false;
 };
-template <class A, class B, class C>
-struct fused_scan_parts<node<op::contract_rows, A, node<op::suffix_scan, node<op::outer_rows, B, C>>>> {
+template <class A, class D, class B, class C>
+struct fused_scan_parts<node<op::contract_rows, A, node<op::suffix_scan_t<D>, node<op::outer_rows, B, C>>>> {
   static constexpr bool fused = true;
   static constexpr bool reverse = true;
 };

@@ -97,6 +97,14 @@ struct eps_call_notation : named<Name> {
     p.call(Name.view(), n, eps_suffix(n.op.eps));
   }
 };
+// name(kid; decay=…) when the decay is not 1 (masks and scans).
+template <fixed_string Name>
+struct decay_call_notation : named<Name> {
+  template <class N, class P>
+  static void print(N const& n, P& p) {
+    p.call(Name.view(), n, n.op.decay == 1 ? std::string() : fmt::format("; decay={}", n.op.decay));
+  }
+};
 // Ops printed as kid SYMBOL kid.
 template <fixed_string Name, fixed_string Symbol, prec Prec = prec::product>
 struct infix_notation : named<Name, Prec> {
@@ -193,12 +201,12 @@ struct op_traits<op::product> : detail::infix_notation<"product", "·"> {
                             make_node(op::product{}, make_node(op::transpose{}, kid<0>(n)), g));
   }
 };
-template <>
-struct op_traits<op::causal> : detail::call_notation<"causal">, detail::free_cost {  // zeroes in place
-  static constexpr bool differentiable = true;  // causal(S) -> causal(G)
+template <class D>
+struct op_traits<op::causal_t<D>> : detail::decay_call_notation<"causal">, detail::free_cost {  // zeroes in place
+  static constexpr bool differentiable = true;  // causal(S) -> causal(G), the same decay
   template <class N, class G>
-  static constexpr auto adjoint(N const&, G const& g) {
-    return hana::make_tuple(make_node(op::causal{}, g));
+  static constexpr auto adjoint(N const& n, G const& g) {
+    return hana::make_tuple(make_node(n.op, g));
   }
 };
 template <>
@@ -297,20 +305,20 @@ struct scan_cost {  // one add per state entry and row; the state itself
   }
 };
 }  // namespace detail
-template <>
-struct op_traits<op::prefix_scan> : detail::call_notation<"prefix">, detail::scan_cost {
-  static constexpr bool differentiable = true;  // prefix(S) -> suffix(G)
+template <class D>
+struct op_traits<op::prefix_scan_t<D>> : detail::decay_call_notation<"prefix">, detail::scan_cost {
+  static constexpr bool differentiable = true;  // prefix(S) -> suffix(G), the same decay
   template <class N, class G>
-  static constexpr auto adjoint(N const&, G const& g) {
-    return hana::make_tuple(build::suffix(g));
+  static constexpr auto adjoint(N const& n, G const& g) {
+    return hana::make_tuple(build::suffix(g, decay_of(n.op)));
   }
 };
-template <>
-struct op_traits<op::suffix_scan> : detail::call_notation<"suffix">, detail::scan_cost {
-  static constexpr bool differentiable = true;  // suffix(S) -> prefix(G)
+template <class D>
+struct op_traits<op::suffix_scan_t<D>> : detail::decay_call_notation<"suffix">, detail::scan_cost {
+  static constexpr bool differentiable = true;  // suffix(S) -> prefix(G), the same decay
   template <class N, class G>
-  static constexpr auto adjoint(N const&, G const& g) {
-    return hana::make_tuple(build::prefix(g));
+  static constexpr auto adjoint(N const& n, G const& g) {
+    return hana::make_tuple(build::prefix(g, decay_of(n.op)));
   }
 };
 template <>

@@ -6,7 +6,7 @@
 //
 //   rule(transpose(transpose(x_)), x_)
 //   rule(transpose(x_ * y_),       transpose(y_) * transpose(x_))
-//   rule(causal(s_ * x_),          s_ * causal(x_))
+//   rule(causal_(s_ * x_),         s_ * causal_(x_))
 //
 // Matching is decided on types alone (Hana's optional: just/nothing are
 // distinct types), so which rule fires is known at compile time; the values
@@ -105,6 +105,20 @@ template <class X>
 constexpr auto normalize_(X const& x) {
   return make_node(op_var<12, op::normalize>{}, x);
 }
+// causal_(x_) matches a causal mask of any decay (same_op_family), binding the op to 14;
+// prefix_(x_), suffix_(x_) a scan of any decay, binding it to 15.
+template <class X>
+constexpr auto causal_(X const& x) {
+  return make_node(op_var<14, op::causal>{}, x);
+}
+template <class X>
+constexpr auto prefix_(X const& x) {
+  return make_node(op_var<15, op::prefix_scan>{}, x);
+}
+template <class X>
+constexpr auto suffix_(X const& x) {
+  return make_node(op_var<15, op::suffix_scan>{}, x);
+}
 // any_node<Op>: matches any node of kind Op, bound to 13.
 template <class Op>
 inline constexpr node<kind<13, Op>> any_node{};
@@ -131,7 +145,8 @@ template <bool ValueFree>
 struct pattern_op_value {
   static_assert(ValueFree,
                 "lina::rewrite: a pattern node carries a value (a scale factor, an eps) that matching would ignore; "
-                "match the op with an op variable (s_ * x_, normalize_(x_)) and use its value in the replacement");
+                "match the op with an op variable (s_ * x_, normalize_(x_), causal_(x_)) and use its value in the "
+                "replacement");
   static constexpr bool ok = ValueFree;
 };
 }  // namespace diagnose
@@ -195,7 +210,7 @@ constexpr auto match(P const& p, E const& e) {
   } else if constexpr (P::arity != E::arity) {
     return hana::nothing;
   } else if constexpr (is_op_var<POp>) {
-    if constexpr (std::is_same_v<typename POp::op, EOp>)
+    if constexpr (same_op_family<typename POp::op, EOp>)
       return match_kids<0, P::arity>(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e.op)), p.kids,
                                      e.kids);
     else

@@ -101,7 +101,7 @@ constexpr bool row_wise() {
     return false;  // (a parametric φ also reads its projection)
   else
     return requires { typename Op::map; } || std::is_same_v<Op, op::scale> || std::is_same_v<Op, op::exp> ||
-           std::is_same_v<Op, op::causal> || std::is_same_v<Op, op::normalize> ||
+           is_causal_op<Op> || std::is_same_v<Op, op::normalize> ||
            std::is_same_v<Op, op::append_ones> || std::is_same_v<Op, op::row_divide>;
 }
 

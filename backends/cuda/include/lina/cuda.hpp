@@ -101,7 +101,8 @@ struct cuda_plan {
                 "poly2} or none, an element-wise map of yours that gives cuda_apply and cuda_derivative "
                 "(docs/dsl.md), or φ(X; W) ∈ {favor, random_fourier} with one W for Q and K or one each; "
                 "softmax [causal(]exp(s·[causal(]Q·Kᵀ[)])[)]·V, normalised or not; K and V over one sequence "
-                "dimension (Q over another: non-causal only); a select only between two such forms of one attention");
+                "dimension (Q over another: non-causal only); a select only between two such forms of one attention; "
+                "a causal mask without decay (causal(S, decay{g}) runs on the CPU backend only)");
   static constexpr bool ok = Supported;
 };
 template <bool Supported>

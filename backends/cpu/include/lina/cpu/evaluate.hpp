@@ -104,11 +104,13 @@ struct row<op::exp> {
     for (index j = 0; j < cols; ++j) out[j] = std::exp(in[j]);
   }
 };
-template <>
-struct row<op::causal> {  // keep j <= i
+template <class D>
+struct row<op::causal_t<D>> {  // keep decay^(i-j) S_ij for j <= i (as written: a power per element)
   template <class N, class T>
-  static void run(N const&, index i, T const* in, index cols, T* out) {
-    for (index j = 0; j < cols; ++j) out[j] = j <= i ? in[j] : T(0);
+  static void run(N const& n, index i, T const* in, index cols, T* out) {
+    double g = n.op.decay;
+    for (index j = 0; j < cols; ++j)
+      out[j] = j > i ? T(0) : g == 1 ? in[j] : static_cast<T>(std::pow(g, static_cast<double>(i - j))) * in[j];
   }
 };
 template <>
@@ -556,15 +558,18 @@ class program {
     };
     lease sums_space;
     T* sums = sums_of.template operator()<J>(sums_space, static_cast<std::size_t>(bs.cols() * c.cols()));
-    // one scan, as written (the simple path), split over threads, or in one pass (with a second output)
+    // one scan, as written (the simple path), split over threads (not a
+    // decayed one: the parts' sums would need powers of the decay), or in one
+    // pass (with a second output)
+    T const decay = static_cast<T>(kid<1>(S::template node_at<J>(plan_)).op.decay);
     auto scan = [&](auto const& a_, auto const& b_, auto const& c_, auto const& sink, T* sums_, auto const& sec) {
       if (simple_) {
-        simple_scan(a_, b_, c_, sink, rows, sums_, reverse, w);
-      } else if (int parts = sequence_parts(rows); parts > 1 && per_thread_) {
+        simple_scan(a_, b_, c_, sink, rows, sums_, reverse, decay, w);
+      } else if (int parts = sequence_parts(rows); parts > 1 && per_thread_ && decay == T(1)) {
         kernels::scan_rows_split(a_.rows(), b_.rows(), c_.rows(), sink, rows, sums_, reverse, parts, sec);
       } else {
         lease space(*this, w, kernels::scan_scratch_size<T>(rows, a_.rows(), b_.rows(), c_.rows(), sink, sec));
-        kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec);
+        kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec, decay);
       }
     };
     with_sink<J>(slot, direct, w, c.cols(), [&](auto const& sink) {
@@ -575,7 +580,8 @@ class program {
         auto x = source<D, lina::detail::type_at_t<0, opsd>>(slot, w);
         with_sink<D>(slot, direct, w, bs.cols(), [&](auto const& sink2) {
           bool paired = same_operand<lina::detail::type_at_t<1, opsd>, lina::detail::type_at_t<2, ops>>() &&
-                        same_operand<lina::detail::type_at_t<2, opsd>, lina::detail::type_at_t<1, ops>>();
+                        same_operand<lina::detail::type_at_t<2, opsd>, lina::detail::type_at_t<1, ops>>() &&
+                        kid<1>(S::template node_at<D>(plan_)).op.decay == kid<1>(S::template node_at<J>(plan_)).op.decay;
           if (simple_ || !paired) {  // the two scans one after the other
             scan(a, bs, c, sink, sums, kernels::no_second{});
             auto b2 = source<D, lina::detail::type_at_t<1, opsd>>(slot, w);
@@ -623,17 +629,17 @@ class program {
   // into a matrix first), the plain row-by-row scan into a full result, which
   // then goes through the group it would emit into.
   template <class A, class B, class C, class Out>
-  void simple_scan(A const& a, B const& b, C const& c, Out const& sink, index rows, T* sums, bool reverse,
+  void simple_scan(A const& a, B const& b, C const& c, Out const& sink, index rows, T* sums, bool reverse, T decay,
                    turn& w) const {
     std::array<lease, 4> mem;
     auto whole = [&](auto const& x, lease& m) { return x.whole(rows, m, *this, w); };
     matrix<T> am = whole(a, mem[0]), bm = whole(b, mem[1]), cm = whole(c, mem[2]);
     if constexpr (std::is_same_v<Out, kernels::matrix_sink<T>>) {
-      kernels::scan_simple(am, bm, cm, sink.m, sums, reverse);
+      kernels::scan_simple(am, bm, cm, sink.m, sums, reverse, decay);
     } else {
       mem[3] = lease(*this, w, static_cast<std::size_t>(rows * cm.cols));
       matrix<T> out = view<T>(mem[3].p, rows, cm.cols, cm.cols, 1);
-      kernels::scan_simple(am, bm, cm, out, sums, reverse);
+      kernels::scan_simple(am, bm, cm, out, sums, reverse, decay);
       lease work(*this, w, sink.work());
       sink.take(0, rows, false, mem[3].p, cm.cols, work.p);
     }

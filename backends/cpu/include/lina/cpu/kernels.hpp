@@ -67,6 +67,13 @@ struct scan_tile_shape {
 // row), for two scans whose states are transposes of each other (∂K's and
 // ∂V's in a backward): one state update serves both.
 enum class sums { one_level, two_level };
+// A decayed scan (op::prefix_scan's decay g) multiplies its state by g once
+// per row: a forward scan before the row's update (S = g S + b cᵀ, the product
+// added by one explicit fused multiply-add onto the rounded g S, the same in
+// the tile, one-row and column kernels, so steps and blocks give the same
+// bits), a reverse scan after the row's outputs (docs/gradients.md). Decayed
+// scans sum in one level.
+enum class fade { none, before, after };
 template <class T>
 struct second_output {
   T const* x = nullptr;
@@ -75,13 +82,16 @@ struct second_output {
   index ldo = 0;
   second_output at(index p0, index q0) const { return {x + q0, ldx, o + p0, ldo}; }
 };
-template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level, bool Dual = false, class T>
+template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level, bool Dual = false,
+          fade F = fade::none, class T>
 inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const* __restrict b, index ldab,
                       T const* __restrict c, index ldc, T* __restrict o, index ldo, index n,
-                      second_output<T> d = {}) {
+                      second_output<T> d = {}, T g = 1) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   constexpr bool two = Sums == sums::two_level;
   static_assert(Out || !Dual);
+  static_assert(!two || F == fade::none);
+  Vec const gv = simd::broadcast<Vec>(g);
   Vec acc[P][V];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
@@ -103,7 +113,14 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
     for (int p = 0; p < P; ++p) {
       Vec bp = simd::broadcast<Vec>(bi[p]);
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[p][v] += bp * cv[v];
+      for (int v = 0; v < V; ++v) {
+        if constexpr (F == fade::before)
+          acc[p][v] = simd::madd(bp, cv[v], acc[p][v] * gv);
+        else if constexpr (F == fade::after)
+          acc[p][v] = simd::madd(bp, cv[v], acc[p][v]);
+        else
+          acc[p][v] += bp * cv[v];
+      }
       if constexpr (Out) {
         Vec ap = simd::broadcast<Vec>(ai[p]);
 #pragma GCC unroll 4
@@ -113,6 +130,10 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
           ov[v] += ap * sv;
           if constexpr (Dual) u[p] = v == 0 ? sv * xv[0] : u[p] + sv * xv[v];
         }
+      }
+      if constexpr (F == fade::after) {
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[p][v] = acc[p][v] * gv;
       }
     }
     if constexpr (Out) {
@@ -133,18 +154,19 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
 // goes through a zeroed copy (the packed rows are zero there, so it stays
 // zero).
 // (Dual: o2's rows are at least whole tiles wide; the zero rows add zeros.)
-template <int P, int V, class Vec, bool Out, sums Sums, bool Dual, class T>
+template <int P, int V, class Vec, bool Out, sums Sums, bool Dual, fade F, class T>
 void scan_strip(T* state, index da, index db, index q0, T const* a, T const* b, index ldab, T const* c, index ldc,
-                T* o, index ldo, index n, second_output<T> d) {
+                T* o, index ldo, index n, second_output<T> d, T g) {
   constexpr int W = V * static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
   for (; p0 + P <= da; p0 += P)
-    scan_tile<P, V, Vec, Out, Sums, Dual>(state + p0 * db + q0, db, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo,
-                                          n, d.at(p0, q0));
+    scan_tile<P, V, Vec, Out, Sums, Dual, F>(state + p0 * db + q0, db, a + p0, b + p0, ldab, c + q0, ldc, o + q0,
+                                             ldo, n, d.at(p0, q0), g);
   if (p0 == da) return;
   alignas(64) T tile[P * W] = {};
   for (index p = 0; p < da - p0; ++p) std::copy_n(state + (p0 + p) * db + q0, W, tile + p * W);
-  scan_tile<P, V, Vec, Out, Sums, Dual>(tile, W, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n, d.at(p0, q0));
+  scan_tile<P, V, Vec, Out, Sums, Dual, F>(tile, W, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n, d.at(p0, q0),
+                                           g);
   for (index p = 0; p < da - p0; ++p) std::copy_n(tile + p * W, W, state + (p0 + p) * db + q0);
 }
 
@@ -153,15 +175,17 @@ void scan_strip(T* state, index da, index db, index q0, T const* a, T const* b, 
 // rows, and each output element adds its dot product with a_i as a sum of
 // lanes. Rows of `a` and `b` are zero from da up to whole vectors (and o2's
 // rows, Dual, at least that wide: the second output is a vector along them).
-template <int K, class Vec, bool Out, sums Sums, bool Dual, class T>
+template <int K, class Vec, bool Out, sums Sums, bool Dual, fade F, class T>
 inline void scan_column_block(T* state, index da, index db, index q, index p0, T const* __restrict a,
                               T const* __restrict b, index ldab, T const* __restrict c, index ldc, T* __restrict o,
-                              index ldo, index n, second_output<T> d) {
+                              index ldo, index n, second_output<T> d, T g) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   alignas(64) T col[K * L] = {};
   index pn = std::min<index>(K * L, da - p0);
   for (index p = 0; p < pn; ++p) col[p] = state[(p0 + p) * db + q];
   constexpr bool two = Sums == sums::two_level;
+  static_assert(!two || F == fade::none);
+  Vec const gv = simd::broadcast<Vec>(g);
   Vec s[K];
 #pragma GCC unroll 8
   for (int k = 0; k < K; ++k) s[k] = two ? Vec{} : simd::load<Vec>(col + k * L);
@@ -174,7 +198,12 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
     if constexpr (Dual) xq = simd::broadcast<Vec>(d.x[i * d.ldx + q]);
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
-      s[k] += simd::load<Vec>(bi + k * L) * cq;
+      if constexpr (F == fade::before)
+        s[k] = simd::madd(simd::load<Vec>(bi + k * L), cq, s[k] * gv);
+      else if constexpr (F == fade::after)
+        s[k] = simd::madd(simd::load<Vec>(bi + k * L), cq, s[k]);
+      else
+        s[k] += simd::load<Vec>(bi + k * L) * cq;
       if constexpr (Out) {
         Vec sv = s[k];
         if constexpr (two) sv += simd::load<Vec>(col + k * L);
@@ -184,6 +213,7 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
           simd::store(o2, simd::load<Vec>(o2) + sv * xq);
         }
       }
+      if constexpr (F == fade::after) s[k] = s[k] * gv;
     }
     if constexpr (Out) o[i * ldo + q] += simd::lane_sum<Vec, T>(ov);
   }
@@ -192,13 +222,13 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
   for (index p = 0; p < pn; ++p) state[(p0 + p) * db + q] = col[p];
 }
 
-template <class Vec, bool Out, sums Sums, bool Dual, class T>
+template <class Vec, bool Out, sums Sums, bool Dual, fade F, class T>
 void scan_column(T* state, index da, index db, index q, T const* a, T const* b, index ldab, T const* c, index ldc,
-                 T* o, index ldo, index n, second_output<T> d) {
+                 T* o, index ldo, index n, second_output<T> d, T g) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
   auto block = [&]<int K>() {
-    scan_column_block<K, Vec, Out, Sums, Dual>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n, d);
+    scan_column_block<K, Vec, Out, Sums, Dual, F>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n, d, g);
     p0 += K * L;
   };
   while (p0 + 4 * L <= da) block.template operator()<4>();
@@ -214,10 +244,11 @@ void scan_column(T* state, index da, index db, index q, T const* a, T const* b, 
 // row inside a chunk; but the state is read and written in its own row order,
 // not in 8-row tiles - 28% faster for a step at C = 64, M + 1 = 65 (measured:
 // 3.06 -> 2.20 us for 8 heads, the state in L2).
-template <int W, class Vec, class T>
+template <int W, class Vec, fade F, class T>
 inline void scan_one_row_block(T* __restrict state, index da, index db, T const* __restrict a,
-                               T const* __restrict b, T const* __restrict c, T* __restrict o) {
+                               T const* __restrict b, T const* __restrict c, T* __restrict o, T g) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  Vec const gv = simd::broadcast<Vec>(g);
   Vec cv[W], ov[W];
 #pragma GCC unroll 4
   for (int v = 0; v < W; ++v) {
@@ -230,20 +261,25 @@ inline void scan_one_row_block(T* __restrict state, index da, index db, T const*
 #pragma GCC unroll 4
     for (int v = 0; v < W; ++v) {
       Vec x = simd::load<Vec>(sp + v * L);
-      x += bp * cv[v];
-      simd::store(sp + v * L, x);
+      if constexpr (F == fade::before)
+        x = simd::madd(bp, cv[v], x * gv);
+      else if constexpr (F == fade::after)
+        x = simd::madd(bp, cv[v], x);
+      else
+        x += bp * cv[v];
+      simd::store(sp + v * L, F == fade::after ? x * gv : x);
       ov[v] += ap * x;
     }
   }
 #pragma GCC unroll 4
   for (int v = 0; v < W; ++v) simd::store(o + v * L, ov[v]);
 }
-template <class Vec, class T>
-void scan_one_row(T* state, index da, index db, index vectors, T const* a, T const* b, T const* c, T* o) {
+template <class Vec, fade F = fade::none, class T>
+void scan_one_row(T* state, index da, index db, index vectors, T const* a, T const* b, T const* c, T* o, T g = 1) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   index v0 = 0;  // (each vector of columns is its own sums: splitting them changes no bits)
   auto block = [&]<int W>() {
-    scan_one_row_block<W, Vec>(state + v0 * L, da, db, a, b, c + v0 * L, o + v0 * L);
+    scan_one_row_block<W, Vec, F>(state + v0 * L, da, db, a, b, c + v0 * L, o + v0 * L, g);
     v0 += W;
   };
   while (v0 + 4 <= vectors) block.template operator()<4>();
@@ -425,9 +461,10 @@ std::size_t scan_scratch_size(matrix<T> const& b, matrix<T> const& c) {  // into
 //
 // With a second (x, out2), a dual scan: out2's row i = S_i x_i as well (S_i's
 // columns contracted with x_i: b's width), from the same state updates.
+// decay != 1: a decayed scan (fade).
 template <bool Outputs = true, class T, class A, class B, class C, class Out, class Second = no_second>
 void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, index hi, T* state, bool reverse,
-               T* scratch, Second const& sec = {}) {
+               T* scratch, Second const& sec = {}, T decay = 1) {
   using shape = detail::scan_tile_shape<T>;
   using vec = typename shape::vec;
   constexpr int P = shape::rows, L = shape::lanes, V = shape::vectors;
@@ -473,22 +510,27 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
         auto [px_rows, ldx] = rows_of(sec.x, first, m, px);
         d = {px_rows, ldx, po2, ldab};
       }
-      auto strips = [&]<detail::sums Sums>() {
+      auto strips = [&]<detail::sums Sums, detail::fade F = detail::fade::none>() {
         index q0 = 0;
         if (Outputs && !Dual && m == 1) {  // a step: whole vectors row by row
           q0 = db / L * L;
-          detail::scan_one_row<vec>(state, da, db, db / L, pa, pb, pc_rows, po);
+          detail::scan_one_row<vec, F>(state, da, db, db / L, pa, pb, pc_rows, po, decay);
         }
         for (; q0 + V * L <= db; q0 += V * L)
-          detail::scan_strip<P, V, vec, Outputs, Sums, Dual>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo,
-                                                             m, d);
+          detail::scan_strip<P, V, vec, Outputs, Sums, Dual, F>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po,
+                                                                ldo, m, d, decay);
         for (; q0 + L <= db; q0 += L)
-          detail::scan_strip<P, 1, vec, Outputs, Sums, Dual>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo,
-                                                             m, d);
+          detail::scan_strip<P, 1, vec, Outputs, Sums, Dual, F>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po,
+                                                                ldo, m, d, decay);
         for (; q0 < db; ++q0)
-          detail::scan_column<vec, Outputs, Sums, Dual>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m, d);
+          detail::scan_column<vec, Outputs, Sums, Dual, F>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m,
+                                                           d, decay);
       };
-      if (n > two_level_rows<T>)
+      if (decay != T(1) && reverse)
+        strips.template operator()<detail::sums::one_level, detail::fade::after>();
+      else if (decay != T(1))
+        strips.template operator()<detail::sums::one_level, detail::fade::before>();
+      else if (n > two_level_rows<T>)
         strips.template operator()<detail::sums::two_level>();
       else
         strips.template operator()<detail::sums::one_level>();
@@ -512,12 +554,23 @@ void scan_contract(matrix<T> const& a, matrix<T> const& b, matrix<T>&& c, matrix
 }
 
 // The scan as written, the fast path's oracle: for each row in scan order,
-// S += b_i c_iᵀ, then out_i = a_iᵀ S (cpu::path::simple).
+// S += b_i c_iᵀ, then out_i = a_iᵀ S (cpu::path::simple). With a decay g
+// (op::prefix_scan): a forward scan first decays the state it holds
+// (S = g S + b_i c_iᵀ), a reverse scan decays it after the row's output, so
+// that the state it leaves is the gradient of the state a forward scan enters
+// with. Each decay is one rounded multiply, so a scan cut into calls anywhere
+// gives the same bits as one call.
 template <class T>
-void scan_simple(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, matrix<T>& out, T* state, bool reverse) {
+void scan_simple(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, matrix<T>& out, T* state, bool reverse,
+                 T decay = 1) {
   index n = b.rows, da = b.cols, db = c.cols;
+  auto forget = [&] {
+    if (decay != T(1))
+      for (index e = 0; e < da * db; ++e) state[e] = decay * state[e];
+  };
   for (index t = 0; t < n; ++t) {
     index i = reverse ? n - 1 - t : t;
+    if (!reverse) forget();
     for (index p = 0; p < da; ++p)
       for (index q = 0; q < db; ++q) state[p * db + q] += b(i, p) * c(i, q);
     T* o = out.row_mut(i);
@@ -526,6 +579,7 @@ void scan_simple(matrix<T> const& a, matrix<T> const& b, matrix<T> const& c, mat
       for (index p = 0; p < da; ++p) sum += a(i, p) * state[p * db + q];
       o[q] = sum;
     }
+    if (reverse) forget();
   }
 }
 

@@ -1,0 +1,126 @@
+// A decayed causal mask, causal(S, decay{g}): token j weighs g^(i-j) in row i
+// (RetNet's retention). Its linear order is a prefix scan that decays its
+// state, its gradient a suffix scan that decays it the other way; both are
+// checked against the mask as written, in every order, with finite
+// differences, and as recurrent steps and chained blocks.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <lina/check.hpp>
+#include <lina/cpu.hpp>
+#include <lina/lina.hpp>
+#include <stdexcept>
+#include <string>
+
+#include "support.hpp"
+
+using namespace lina;
+
+namespace {
+constexpr auto N = dim<"N">;
+constexpr auto D = dim<"D">;
+constexpr auto M = dim<"M">;
+constexpr auto Q = input<"Q">(N, D);
+constexpr auto K = input<"K">(N, D);
+constexpr auto V = input<"V">(N, M);
+
+template <class Map>
+constexpr auto retention(double g) {
+  return normalize(causal(phi<Map>(Q) * transpose(phi<Map>(K)), decay{g})) * V;
+}
+constexpr auto unnormalised = causal(Q * transpose(K), decay{0.5}) * V;  // RetNet's form: no φ, no normaliser
+constexpr auto softmax = normalize(causal(exp(Q * transpose(K) * 0.25), decay{0.8})) * V;
+
+std::string message_of(double g) {
+  try {
+    (void)decay{g};
+  } catch (std::invalid_argument const& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+// The decay is a value of the mask, carried into the scan and its adjoint.
+static_assert(contains_op<decltype(compile<order::linear>(retention<elu_plus_one>(0.9))), op::prefix_scan_t<op::decay_by>>());
+// the plain mask stays an empty op (its subtrees merge by type in a schedule)
+static_assert(std::is_empty_v<op::causal> && std::is_empty_v<op::prefix_scan> && !std::is_empty_v<op::causal_t<op::decay_by>>);
+static_assert(kid<1>(kid<0>(compile<order::linear>(retention<elu_plus_one>(0.9)))).op.decay == 0.9);
+
+TEST_CASE("decay: plans print their decay, the plain mask prints as before") {
+  CHECK(to_string(compile<order::linear>(retention<elu_plus_one>(0.9))).find("; decay=0.9)") != std::string::npos);
+  CHECK(to_string(retention<elu_plus_one>(0.9)).find("causal(") != std::string::npos);
+  CHECK(to_string(compile<order::linear>(retention<elu_plus_one>(1))).find("decay") == std::string::npos);
+  auto back = to_string(gradient(compile<order::linear>(retention<elu_plus_one>(0.75))));
+  INFO(back);
+  CHECK(back.find("suffix(") != std::string::npos);
+  CHECK(back.find("; decay=0.75)") != std::string::npos);
+}
+
+TEST_CASE("decay: every order agrees with the mask as written, and gradients with central differences") {
+  for (auto const& e : {retention<elu_plus_one>(0.9), retention<elu_plus_one>(0.3), retention<elu_plus_one>(0)}) {
+    auto o = check::orderings(e, {.trials = 4});
+    INFO(o);
+    CHECK(o.ok());
+    CHECK(o.findings.size() == 3);  // automatic, quadratic, linear against as written
+    auto g = check::gradients(e, {.trials = 2});
+    INFO(g);
+    CHECK(g.ok());
+  }
+  auto plain = check::gradients(unnormalised, {.trials = 3, .seed = 5});
+  INFO(plain);
+  CHECK(plain.ok());
+  auto sm = check::gradients(softmax, {.trials = 2});
+  INFO(sm);
+  CHECK(sm.ok());
+}
+
+TEST_CASE("decay: recurrent steps and two chained blocks, forward and gradients, equal one pass") {
+  // the chained gradients hand ∂state back through the block boundary: the
+  // suffix scan's decay after its last row is what makes them join
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    auto r = check::recurrent(retention<elu_plus_one>(0.8), {.trials = 1, .seed = seed});
+    INFO(r);
+    CHECK(r.ok());
+    CHECK(r.findings.size() == 5);
+    auto u = check::recurrent(unnormalised, {.trials = 1, .seed = seed});
+    INFO(u);
+    CHECK(u.ok());
+  }
+}
+
+TEST_CASE_TEMPLATE("decay: the scan forgets as the mask says, at longer sequences and signed inputs", T, float, double) {
+  test::rng r{3};
+  for (int trial = 0; trial < 4; ++trial) {
+    std::size_t b = r.in(1, 2), h = r.in(1, 3), n = r.in(1, 300), d = r.in(1, 24), m = r.in(1, 24);
+    double g = trial == 0 ? 1 : 1 - std::ldexp(1.0, -static_cast<int>(r.in(1, 8)));  // RetNet's 1 - 2^-k
+    auto q = tensor<T>::random({b, h, n, d}, r.next()), k = tensor<T>::random({b, h, n, d}, r.next());
+    auto v = tensor<T>::random({b, h, n, m}, r.next());
+    auto e = causal(phi<identity>(Q) * transpose(phi<identity>(K)), decay{g}) * V;
+    auto ref = cpu::evaluate(compile<order::quadratic>(e), Q = q, K = k, V = v);
+    auto lin = cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v);
+    CAPTURE(n); CAPTURE(d); CAPTURE(m); CAPTURE(g);
+    double bound = test::rounding_bound<T>(double(n * d * 4), 1.0) * (1 + test::max_abs(ref));
+    CHECK(max_abs_diff(lin, ref) <= bound);
+    // the plain mask's fast scan and a decay of 1 give the same plan
+    if (g == 1)
+      CHECK(max_abs_diff(lin, cpu::evaluate(compile<order::linear>(causal(Q * transpose(K)) * V), Q = q, K = k, V = v)) == 0);
+  }
+}
+
+TEST_CASE("decay: a decay of 0 keeps only the diagonal, so normalised attention returns V") {
+  auto q = tensor<double>::random({1, 2, 50, 8}, 1), k = tensor<double>::random({1, 2, 50, 8}, 2);
+  auto v = tensor<double>::random({1, 2, 50, 5}, 3);
+  for (auto plan : {compile<order::linear>(retention<elu_plus_one>(0))})
+    CHECK(max_abs_diff(cpu::evaluate(plan, Q = q, K = k, V = v), v) < 1e-5);  // eps / φ(q)·φ(k)
+}
+
+TEST_CASE("decay: a decay outside [0, 1] or NaN is refused, naming the value") {
+  CHECK_THROWS_AS((void)decay{1.5}, std::invalid_argument);
+  CHECK_THROWS_AS((void)decay{-0.25}, std::invalid_argument);
+  CHECK_THROWS_AS((void)decay{std::numeric_limits<double>::quiet_NaN()}, std::invalid_argument);
+  CHECK(message_of(1.5).find("lina::decay: gamma must be in [0, 1]") != std::string::npos);
+  CHECK(message_of(1.5).find("1.5") != std::string::npos);
+  CHECK(message_of(0.5).empty());
+}
