@@ -124,3 +124,27 @@ TEST_CASE("decay: a decay outside [0, 1] or NaN is refused, naming the value") {
   CHECK(message_of(1.5).find("1.5") != std::string::npos);
   CHECK(message_of(0.5).empty());
 }
+
+TEST_CASE("decay: the backward reads the forward's scan three times and runs it once") {
+  // the decayed scans carry a value, so they are not merged by type: the later
+  // two name the first as their twin and share its rows when the decays agree
+  auto const b = as_bundle(gradient(compile<order::linear>(retention<elu_plus_one>(0.9))));
+  using S = schedule_of<std::remove_cvref_t<decltype(b)>>;
+  auto const forward = to_string(compile<order::linear>(retention<elu_plus_one>(0.9))).substr(std::string("rowdiv(").size());
+  std::size_t copies = 0, twins = 0;
+  [&]<std::size_t... J>(std::index_sequence<J...>) {
+    auto one = [&]<std::size_t K>(std::integral_constant<std::size_t, K>) {
+      if constexpr (S::template is_scan<K>) {
+        if (forward.rfind(to_string(S::template node_at<K>(b)), 0) != 0) return;
+        ++copies;
+        if (S::twin[K] != sched::none) {
+          ++twins;
+          CHECK(S::template is_scan<S::twin[K] % S::size>);
+        }
+      }
+    };
+    (one(std::integral_constant<std::size_t, J>{}), ...);
+  }(std::make_index_sequence<S::size>{});
+  CHECK(copies == 3);
+  CHECK(twins == 2);
+}

@@ -318,17 +318,16 @@ struct schedule_of {
   }
 
   // An earlier step of the same type, with values that may or may not equal
-  // J's (compared at run time); none for scans, whose running sums are state.
+  // J's (compared at run time). A scan's twin (a decayed scan the backward
+  // reads three times) has running sums of its own in the state: a backend
+  // that shares the twin's rows hands J's sums the twin's too (they start
+  // equal, as every scan of one state does, and add the same rows).
   template <std::size_t J, std::size_t... K>
   static constexpr std::size_t twin_of(std::index_sequence<K...>) {
-    if constexpr (is_scan<J>) {
-      return sched::none;
-    } else {
-      constexpr std::array<bool, sizeof...(K) + 1> same{std::is_same_v<node_type<K>, node_type<J>>..., true};
-      std::size_t k = 0;
-      while (!same[k]) ++k;
-      return k == sizeof...(K) ? sched::none : k;
-    }
+    constexpr std::array<bool, sizeof...(K) + 1> same{std::is_same_v<node_type<K>, node_type<J>>..., true};
+    std::size_t k = 0;
+    while (!same[k]) ++k;
+    return k == sizeof...(K) ? sched::none : k;
   }
   template <std::size_t... J>
   static constexpr std::array<std::size_t, size + 1> twins(std::index_sequence<J...>) {

@@ -490,6 +490,11 @@ class program {
       if constexpr (S::twin[J] != sched::none) {
         if (share_[J]) {
           slot[J] = alias(slot[S::twin[J]]);
+          if constexpr (S::template is_scan<J>)  // a carried state: J's sums are the twin's
+            if (st_) {
+              auto const& sc = st_->scan(S::scan_index[J]);
+              std::copy_n(st_->at(S::scan_index[S::twin[J]], w.b, w.h), sc.a * sc.b, st_->at(S::scan_index[J], w.b, w.h));
+            }
           release<J>(slot, w);
           return;
         }
