@@ -148,3 +148,30 @@ TEST_CASE("decay: the backward reads the forward's scan three times and runs it 
   CHECK(copies == 3);
   CHECK(twins == 2);
 }
+
+TEST_CASE("decay: heads with decays of their own, one plan per head's view, written in place (docs/dsl.md)") {
+  std::size_t const b = 2, h = 3, n = 70, d = 5, m = 4;
+  double const g[h] = {0.5, 0.9, 0.99};  // RetNet's 1 - 2^-k, one k per head
+  auto q = tensor<double>::random({b, h, n, d}, 1), k = tensor<double>::random({b, h, n, d}, 2);
+  auto v = tensor<double>::random({b, h, n, m}, 3);
+  tensor<double> out({b, h, n, m});
+  auto head = [&](auto& t, std::size_t x) {
+    using T = std::remove_reference_t<decltype(*t.data())>;
+    return tensor_view<T>(t.data() + static_cast<std::ptrdiff_t>(x) * t.strides()[1], {b, 1, n, t.shape()[3]}, t.strides());
+  };
+  for (std::size_t x = 0; x < h; ++x) {
+    auto const plan = compile(causal(Q * transpose(K), decay{g[x]}) * V);  // g at run time
+    cpu::evaluate_into(plan, head(out, x), Q = head(q, x), K = head(k, x), V = head(v, x));
+  }
+  for (std::size_t x = 0; x < h; ++x) {
+    CAPTURE(x);
+    auto const ref = cpu::evaluate(compile<order::quadratic>(causal(Q * transpose(K), decay{g[x]}) * V), Q = head(q, x),
+                                   K = head(k, x), V = head(v, x));
+    CHECK(max_abs_diff(head(out, x), ref) <= 1e-12 * (1 + test::max_abs(ref)));
+    if (x > 0) {  // and the decays differ: another head's g gives other numbers
+      auto const other = cpu::evaluate(compile(causal(Q * transpose(K), decay{g[x - 1]}) * V), Q = head(q, x),
+                                       K = head(k, x), V = head(v, x));
+      CHECK(max_abs_diff(other, ref) > 1e-3);
+    }
+  }
+}
