@@ -568,7 +568,7 @@ class program {
     // one scan, as written (the simple path), split over threads (not a
     // decayed one: the parts' sums would need powers of the decay), or in one
     // pass (with a second output)
-    T const decay = static_cast<T>(kid<1>(S::template node_at<J>(plan_)).op.decay);
+    T const decay = scan_decay<J>();
     auto scan = [&](auto const& a_, auto const& b_, auto const& c_, auto const& sink, T* sums_, auto const& sec) {
       if (simple_) {
         simple_scan(a_, b_, c_, sink, rows, sums_, reverse, decay, w);
@@ -588,7 +588,7 @@ class program {
         with_sink<D>(slot, direct, w, bs.cols(), [&](auto const& sink2) {
           bool paired = same_operand<lina::detail::type_at_t<1, opsd>, lina::detail::type_at_t<2, ops>>() &&
                         same_operand<lina::detail::type_at_t<2, opsd>, lina::detail::type_at_t<1, ops>>() &&
-                        kid<1>(S::template node_at<D>(plan_)).op.decay == kid<1>(S::template node_at<J>(plan_)).op.decay;
+                        scan_decay<D>() == decay;
           if (simple_ || !paired) {  // the two scans one after the other
             scan(a, bs, c, sink, sums, kernels::no_second{});
             auto b2 = source<D, lina::detail::type_at_t<1, opsd>>(slot, w);
@@ -604,6 +604,11 @@ class program {
         });
       }
     });
+  }
+  // The decay of scan step J's running sums (1: none).
+  template <std::size_t J>
+  T scan_decay() const {
+    return static_cast<T>(kid<1>(S::template node_at<J>(plan_)).op.decay);
   }
   // Do two operands hold the same rows: the same, or twins whose values are equal (shared)?
   template <class O1, class O2>

@@ -74,6 +74,24 @@ enum class sums { one_level, two_level };
 // bits), a reverse scan after the row's outputs (docs/gradients.md). Decayed
 // scans sum in one level.
 enum class fade { none, before, after };
+// One state vector x adding row b·c under F, and x leaving the row (decayed
+// after it when F = after): the one place the kernels below spell a decay.
+template <fade F, class Vec>
+inline Vec fade_add(Vec x, Vec b, Vec c, Vec g) {
+  if constexpr (F == fade::before)
+    return simd::madd(b, c, x * g);
+  else if constexpr (F == fade::after)
+    return simd::madd(b, c, x);
+  else
+    return x + b * c;
+}
+template <fade F, class Vec>
+inline Vec fade_out(Vec x, Vec g) {
+  if constexpr (F == fade::after)
+    return x * g;
+  else
+    return x;
+}
 template <class T>
 struct second_output {
   T const* x = nullptr;
@@ -113,14 +131,7 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
     for (int p = 0; p < P; ++p) {
       Vec bp = simd::broadcast<Vec>(bi[p]);
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) {
-        if constexpr (F == fade::before)
-          acc[p][v] = simd::madd(bp, cv[v], acc[p][v] * gv);
-        else if constexpr (F == fade::after)
-          acc[p][v] = simd::madd(bp, cv[v], acc[p][v]);
-        else
-          acc[p][v] += bp * cv[v];
-      }
+      for (int v = 0; v < V; ++v) acc[p][v] = fade_add<F>(acc[p][v], bp, cv[v], gv);
       if constexpr (Out) {
         Vec ap = simd::broadcast<Vec>(ai[p]);
 #pragma GCC unroll 4
@@ -131,10 +142,8 @@ inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const
           if constexpr (Dual) u[p] = v == 0 ? sv * xv[0] : u[p] + sv * xv[v];
         }
       }
-      if constexpr (F == fade::after) {
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) acc[p][v] = acc[p][v] * gv;
-      }
+      for (int v = 0; v < V; ++v) acc[p][v] = fade_out<F>(acc[p][v], gv);
     }
     if constexpr (Out) {
 #pragma GCC unroll 4
@@ -198,12 +207,7 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
     if constexpr (Dual) xq = simd::broadcast<Vec>(d.x[i * d.ldx + q]);
 #pragma GCC unroll 8
     for (int k = 0; k < K; ++k) {
-      if constexpr (F == fade::before)
-        s[k] = simd::madd(simd::load<Vec>(bi + k * L), cq, s[k] * gv);
-      else if constexpr (F == fade::after)
-        s[k] = simd::madd(simd::load<Vec>(bi + k * L), cq, s[k]);
-      else
-        s[k] += simd::load<Vec>(bi + k * L) * cq;
+      s[k] = fade_add<F>(s[k], simd::load<Vec>(bi + k * L), cq, gv);
       if constexpr (Out) {
         Vec sv = s[k];
         if constexpr (two) sv += simd::load<Vec>(col + k * L);
@@ -213,7 +217,7 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
           simd::store(o2, simd::load<Vec>(o2) + sv * xq);
         }
       }
-      if constexpr (F == fade::after) s[k] = s[k] * gv;
+      s[k] = fade_out<F>(s[k], gv);
     }
     if constexpr (Out) o[i * ldo + q] += simd::lane_sum<Vec, T>(ov);
   }
@@ -261,13 +265,8 @@ inline void scan_one_row_block(T* __restrict state, index da, index db, T const*
 #pragma GCC unroll 4
     for (int v = 0; v < W; ++v) {
       Vec x = simd::load<Vec>(sp + v * L);
-      if constexpr (F == fade::before)
-        x = simd::madd(bp, cv[v], x * gv);
-      else if constexpr (F == fade::after)
-        x = simd::madd(bp, cv[v], x);
-      else
-        x += bp * cv[v];
-      simd::store(sp + v * L, F == fade::after ? x * gv : x);
+      x = fade_add<F>(x, bp, cv[v], gv);
+      simd::store(sp + v * L, fade_out<F>(x, gv));
       ov[v] += ap * x;
     }
   }
