@@ -156,8 +156,12 @@ TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
                     normalize(causal(phi<test::softplus>(Q) * transpose(phi<test::softplus>(K)))) * V))>);
   static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // … without them
                     normalize(causal(phi<host_only>(Q) * transpose(phi<host_only>(K)))) * V))>);
-  static_assert(!cuda::lowerable<decltype(compile<order::linear>(  // a decayed mask: no kernel decays its state yet
+  static_assert(cuda::lowerable<decltype(compile<order::linear>(  // a decayed mask (retention), either order
                     normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V))>);
+  static_assert(cuda::lowerable<decltype(compile<order::quadratic>(causal(Q * transpose(K), decay{0.9}) * V))>);
+  static_assert(cuda::lowerable<decltype(compile(causal(Q * transpose(K), decay{0.9}) * V))>);  // (a select)
+  static_assert(!cuda::lowerable<decltype(compile(  // … a decayed softmax: the CPU's
+                    normalize(causal(exp(Q * transpose(K)), decay{0.9})) * V))>);
 
   auto s = cuda::spec_of(causal_plan);
   CHECK(s.causal);
@@ -653,6 +657,7 @@ TEST_CASE("device: small launches (racecheck)") {
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
     launch_vs_emulation(compile<order::linear>(causal_expr), dt, shape{1, 1, 100, 24, 40}, 500);
     launch_vs_emulation(compile<order::linear>(full_expr), dt, shape{1, 1, 70, 16, 12}, 600);
+    launch_vs_emulation(compile<order::linear>(causal(Q * transpose(K), decay{0.97}) * V), dt, shape{1, 1, 100, 24, 40}, 650);
   }
 }
 
@@ -673,14 +678,23 @@ std::vector<cuda::program> cut_programs(cuda::program const& base) {
   return r;
 }
 
+// The chained causal program the per-instruction device test cuts: the plain
+// mask's, or decayed by g (retention's decay_rows and weighed masks).
+cuda::program cut_base(cuda::dtype dt, std::size_t d, std::size_t m, double g) {
+  cuda::attention_spec s = cuda::spec_of(compile<order::linear>(causal_expr), {dt, dt});
+  s.d = d, s.m = m, s.chained = true, s.decay = g;
+  return cuda::program_of(s);
+}
+
 // Without a device: the cut programs emit, compile for sm_80/sm_90 with an
 // empty log, and the last one (everything but the store) emulates to the
 // whole program's result.
 TEST_CASE("cut programs (the per-instruction device test's) compile, and the last one is the whole program") {
-  constexpr auto linear = compile<order::linear>(causal_expr);
+  for (double g : {1.0, 0.9})
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
     CAPTURE(cuda::name_of(dt));
-    cuda::program const base = chained_program(linear, {dt, dt}, 64, 64);
+    CAPTURE(g);
+    cuda::program const base = cut_base(dt, 64, 64, g);
     auto cuts = cut_programs(base);
     REQUIRE(cuts.size() + 1 == base.passes[0].size());
     for (auto const& p : cuts) check_compiles(p);
@@ -696,10 +710,11 @@ TEST_CASE("cut programs (the per-instruction device test's) compile, and the las
 TEST_CASE("device: each tile instruction = its emulation (the program cut after it)") {
   auto dev = cuda::probe_device();
   if (skipped_without(dev)) return;
-  constexpr auto linear = compile<order::linear>(causal_expr);
   std::size_t const b = 1, h = 2, n = 150, d = 64, m = 64;  // every register has ≥ 64 columns: a store of 64 fits
+  for (double g : {1.0, 0.9})
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
-    cuda::program const base = chained_program(linear, {dt, dt}, d, m);
+    CAPTURE(g);
+    cuda::program const base = cut_base(dt, d, m, g);
     auto q = rounded(tensor<float>::random({b, h, n, d}, 700), dt), k = rounded(tensor<float>::random({b, h, n, d}, 701), dt);
     auto v = rounded(tensor<float>::random({b, h, n, m}, 702), dt);
     auto s0 = tensor<float>::random({b, h, d, m + 1}, 703);

@@ -108,6 +108,15 @@ TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, caus
   check_backward(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 82, backward_shapes(82));
   check_backward(causal(Q * transpose(K)) * V, 83, backward_shapes(83));
 }
+// A decayed mask (retention): the forward walk weighs as the forward does, the
+// reverse walk carries the gradient of the state at each chunk's last row.
+TEST_CASE("backward: decayed (retention) = cpu::gradient = the expression's") {
+  check_backward(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V, 91,
+                 backward_shapes(91, true));
+  check_backward(causal(Q * transpose(K), decay{0.97}) * V, 92, backward_shapes(92));
+  check_backward(causal(phi<relu>(Q) * transpose(phi<relu>(K)), decay{0.3}) * V, 93, {{1, 1, 70, 6, 5}, {2, 1, 140, 9, 12}});
+}
+
 TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, non-causal and poly2") {
   check_backward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 84, backward_shapes(84));
   check_backward(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 85, backward_shapes(85));
@@ -474,6 +483,8 @@ TEST_CASE("backward: emulated gradients = finite differences in double, small ca
   check_fd(normalize(causal(exp(Q * transpose(K) * 0.5))) * V, {1, 2, 7, 3, 2}, 94);  // softmax: two launches
   check_fd(normalize(exp(causal(Q * transpose(K)))) * V, {1, 1, 70, 3, 2}, 95);       // the mask before exp, two chunks
   check_fd(exp(Q * transpose(K)) * V, {2, 1, 5, 4, 3}, 96);
+  check_fd(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V, {1, 1, 70, 3, 2}, 97);
+  check_fd(causal(Q * transpose(K), decay{0.8}) * V, {2, 1, 70, 3, 2}, 98);  // decayed, two chunks
 }
 
 // ---- the chunk-parallel backward (splitting N) -----------------------------------------
@@ -641,7 +652,7 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
           CHECK(relative_rms(joined, *w) <= tolerance(dt));
         }
         REQUIRE(d0.shape() == s1.shape());
-        if (!spec.normalized)  // ∂S0 = Σ_i φ(q_i)·dout_iᵀ
+        if (!spec.normalized && !cuda::decayed(spec))  // ∂S0 = Σ_i φ(q_i)·dout_iᵀ
           CHECK(relative_rms(sums_of(d0), test::outer_sums(q, dout)) <= 1e-5);
         // Each block's backward in groups of one chunk (the chunk-parallel form,
         // where the plan has one): the same gradients and states.
@@ -672,6 +683,9 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
   check(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 81, {{1, 2, 70, 256, 256}});
   check(causal(Q * transpose(K)) * V, 82, {{1, 1, 40, 256, 256}});
   check(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 83);
+  // Decayed: ∂S0 is the reverse walk's gradient of the state carried past chunk 0 (D = M = 256: over M's slices).
+  check(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V, 84, {{1, 1, 40, 256, 256}});
+  check(causal(Q * transpose(K), decay{0.95}) * V, 85);
   // States elsewhere than the emulation's memory, or of another plan, are refused.
   constexpr auto plan = compile<order::linear>(causal(Q * transpose(K)) * V);
   auto x = tensor<float>::random({1, 1, 4, 4}, 1);

@@ -277,3 +277,51 @@ TEST_CASE("simt: steps, chained and split forwards, requested schedules as writt
     forward_both_ways(plan, cuda::dtype::bf16, shape{1, 1, 100, 128, 128}, 1200, opt);
   }
 }
+
+// A decayed mask (retention): the powers' table, the decayed masks and the rows
+// weighed by decay_rows, as written in tiles.cuh, in every kind of launch.
+TEST_CASE("simt: decayed kernels (retention) as written = the interpreter") {
+  constexpr auto plan = compile<order::linear>(
+      normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V);
+  constexpr auto retention = compile<order::linear>(causal(Q * transpose(K), decay{0.97}) * V);
+  for (shape s : {shape{2, 3, 40, 16, 8}, shape{1, 2, 150, 64, 64}, shape{1, 1, 70, 128, 128}}) {
+    forward_both_ways(plan, cuda::dtype::f32, s, 1300);
+    forward_both_ways(plan, cuda::dtype::bf16, s, 1310);
+    forward_both_ways(retention, cuda::dtype::bf16, s, 1320);
+    gradient_both_ways(plan, cuda::dtype::f32, s, 1330);
+    gradient_both_ways(plan, cuda::dtype::bf16, s, 1340);
+    gradient_both_ways(retention, cuda::dtype::bf16, s, 1350);
+  }
+  cuda::options tf32{cuda::dtype::f16, cuda::dtype::f32};
+  forward_both_ways(plan, cuda::dtype::f16, shape{1, 2, 150, 48, 40}, 1360, tf32);
+  gradient_both_ways(plan, cuda::dtype::bf16, shape{1, 1, 40, 256, 256}, 1370);  // M's columns in slices
+  for (cuda::tile_request t : {cuda::tile_request{16, 32}, {32, 64, true}}) {  // other chunks: other tables
+    CAPTURE(t.chunk);
+    cuda::options opt{cuda::dtype::bf16, cuda::dtype::bf16};
+    opt.tiles = t;
+    forward_both_ways(plan, cuda::dtype::bf16, shape{1, 2, 177, 64, 64}, 1380, opt);
+    gradient_both_ways(plan, cuda::dtype::bf16, shape{1, 2, 177, 64, 64}, 1390, opt);
+  }
+  // A prompt, then a step per token (the step kernel: T = 16), and the state.
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    shape const s{2, 3, 21, 16, 70};
+    CAPTURE(cuda::name_of(dt));
+    test::rng r{1400};
+    auto inputs = random_inputs(s, dt, r, false);
+    auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
+    auto decode = [&] {
+      auto rnn = cuda::recurrent(plan, s.b, s.h, {dt, dt}, cuda::memory::host);
+      tensor<float> out({s.b, s.h, s.n, s.m});
+      std::size_t const prompt = 8;
+      rnn.prefill_into(rows_of(out, 0, prompt), Q = test::tokens(q, 0, prompt), K = test::tokens(k, 0, prompt),
+                       V = test::tokens(v, 0, prompt));
+      for (std::size_t t = prompt; t < s.n; ++t)
+        rnn.step_into(rows_of(out, t, t + 1), Q = test::tokens(q, t, t + 1), K = test::tokens(k, t, t + 1),
+                      V = test::tokens(v, t, t + 1));
+      return std::pair{out, sums_of(rnn.state())};
+    };
+    auto [got, want] = both_ways(decode);
+    CHECK(relative_rms(got.first, want.first) <= forward_tolerance(dt));
+    CHECK(relative_rms(got.second, want.second) <= 1e-6);
+  }
+}

@@ -110,30 +110,42 @@ TEST_CASE("chained: two emulated blocks = one pass = the CPU's chained result, a
   check_chained(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 44, poly2_shapes(), true);
 }
 
+// A decayed mask (retention): the state carries the decayed sums, as the CPU's does.
+TEST_CASE("chained, decayed: two emulated blocks = one pass = the CPU's chained result, and the same state") {
+  check_chained(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V, 45,
+                chain_shapes(45));
+  check_chained(causal(Q * transpose(K), decay{0.97}) * V, 46, chain_shapes(46));
+}
+
 // The chained backward of two blocks: the emulated kernels' gradients and ∂ of
 // each state = the CPU backend's chained backward (cpu::gradient with states).
 TEST_CASE("chained backward: the emulated blocks' gradients and ∂state = the CPU's") {
-  constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
-  std::size_t const b = 2, h = 2, n = 150, d = 16, m = 12, cut = 70;
-  auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2),
-       v = tensor<float>::random({b, h, n, m}, 3), dout = tensor<float>::random({b, h, n, m}, 4);
-  auto first = [&](tensor<float> const& x) { return test::tokens(x, 0, cut); };
-  auto second = [&](tensor<float> const& x) { return test::tokens(x, cut, n); };
-  cpu::state<float> c1, cnone;
-  (void)cpu::evaluate(plan, c1, Q = first(q), K = first(k), V = first(v));
-  auto [c2g, cd1] = cpu::gradient(plan, second(dout), c1, cnone, Q = second(q), K = second(k), V = second(v));
-  auto [c1g, cd0] = cpu::gradient(plan, first(dout), cnone, cd1, Q = first(q), K = first(k), V = first(v));
-  cuda::state e1(plan, b, h, cuda::memory::host), none(cuda::memory::host);
-  (void)cuda::emulate(plan, {}, e1, Q = first(q), K = first(k), V = first(v));
-  auto [e2g, ed1] = cuda::emulate_gradient(plan, {}, second(dout), e1, none, Q = second(q), K = second(k), V = second(v));
-  auto [e1g, ed0] = cuda::emulate_gradient(plan, {}, first(dout), none, ed1, Q = first(q), K = first(k), V = first(v));
-  CHECK(relative_rms(sums_of(ed1), sums_of(cd1)) <= 1e-5);
-  CHECK(relative_rms(sums_of(ed0), sums_of(cd0)) <= 1e-5);
-  for (auto [e, c] : {std::pair{&e1g, &c1g}, std::pair{&e2g, &c2g}}) {
-    CHECK(relative_rms((*e)[Q], (*c)[Q]) <= 1e-5);
-    CHECK(relative_rms((*e)[K], (*c)[K]) <= 1e-5);
-    CHECK(relative_rms((*e)[V], (*c)[V]) <= 1e-5);
-  }
+  auto check = [](auto const& plan) {
+    CAPTURE(cuda::spec_of(plan).description);
+    std::size_t const b = 2, h = 2, n = 150, d = 16, m = 12, cut = 70;
+    auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2),
+         v = tensor<float>::random({b, h, n, m}, 3), dout = tensor<float>::random({b, h, n, m}, 4);
+    auto first = [&](tensor<float> const& x) { return test::tokens(x, 0, cut); };
+    auto second = [&](tensor<float> const& x) { return test::tokens(x, cut, n); };
+    cpu::state<float> c1, cnone;
+    (void)cpu::evaluate(plan, c1, Q = first(q), K = first(k), V = first(v));
+    auto [c2g, cd1] = cpu::gradient(plan, second(dout), c1, cnone, Q = second(q), K = second(k), V = second(v));
+    auto [c1g, cd0] = cpu::gradient(plan, first(dout), cnone, cd1, Q = first(q), K = first(k), V = first(v));
+    cuda::state e1(plan, b, h, cuda::memory::host), none(cuda::memory::host);
+    (void)cuda::emulate(plan, {}, e1, Q = first(q), K = first(k), V = first(v));
+    auto [e2g, ed1] = cuda::emulate_gradient(plan, {}, second(dout), e1, none, Q = second(q), K = second(k), V = second(v));
+    auto [e1g, ed0] = cuda::emulate_gradient(plan, {}, first(dout), none, ed1, Q = first(q), K = first(k), V = first(v));
+    CHECK(relative_rms(sums_of(ed1), sums_of(cd1)) <= 1e-5);
+    CHECK(relative_rms(sums_of(ed0), sums_of(cd0)) <= 1e-5);
+    for (auto [e, c] : {std::pair{&e1g, &c1g}, std::pair{&e2g, &c2g}}) {
+      CHECK(relative_rms((*e)[Q], (*c)[Q]) <= 1e-5);
+      CHECK(relative_rms((*e)[K], (*c)[K]) <= 1e-5);
+      CHECK(relative_rms((*e)[V], (*c)[V]) <= 1e-5);
+    }
+  };
+  check(compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V));
+  check(compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V));  // retention's ∂S
+  check(compile(causal(Q * transpose(K), decay{0.8}) * V));
 }
 
 // favor's state has C = F rows (the random features), and W comes with every
@@ -337,6 +349,9 @@ TEST_CASE("recurrent: emulated prompt + steps = one pass = the CPU backend, and 
   check_steps(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 61, cases);
   check_steps(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 62, cases);
   check_steps(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 63, {{1, 2, 9, 6, 5}, {2, 1, 17, 12, 70}}, true);
+  // Decayed (retention): each step carries the state past its token, g·S + φ(k)vᵀ.
+  check_steps(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V, 64, cases);
+  check_steps(causal(Q * transpose(K), decay{0.97}) * V, 65, cases);
 }
 
 TEST_CASE("recurrent: bad input is refused before anything runs, and the state survives") {

@@ -76,9 +76,10 @@ struct emitter {
   }
   // A product that computes only the triangle the mask after it keeps
   // (program.cpp, skip_masked_tiles) and that mask: one tl::product whose
-  // stores zero the masked elements (tl::tri_causal, tl::tri_anticausal).
+  // stores zero the masked elements (tl::tri_causal, tl::tri_anticausal) —
+  // unless the mask is decayed (it weighs what it keeps: a pass of its own).
   static bool masks_fusable(cuda::instruction const& product, cuda::instruction const& mask) {
-    return product.op == opcode::product && mask.dst == product.dst &&
+    return product.op == opcode::product && mask.dst == product.dst && mask.b < 0 &&
            ((mask.op == opcode::mask_causal && product.tri_t == triangle::lower) ||
             (mask.op == opcode::mask_anticausal && product.tri_t == triangle::upper));
   }
@@ -209,7 +210,26 @@ struct emitter {
         line(ind, "tl::ones_column<{}, {}, {}>({}, rows);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
         break;
       case opcode::product: product(ind, i, false); break;
-      case opcode::mask_causal: line(ind, "tl::mask_causal<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t); break;
+      case opcode::mask_causal:
+      case opcode::mask_anticausal:
+        line(ind, "tl::{}<{}, {}, {}>({}{}{});{}", name_of(i.op), rows(i.dst), cols(i.dst), pitch(i.dst), t,
+             i.b >= 0 ? ", " : "", i.b >= 0 ? name(i.b) : "", i.b >= 0 ? "  // decayed" : "");
+        break;
+      case opcode::powers: {  // the decay's powers as lina computed them (program.hpp: decay_powers)
+        std::vector<float> const g = decay_powers(p.spec, p.registers.at(static_cast<std::size_t>(i.dst)).cols);
+        std::string values;
+        for (float x : g) values += fmt::format("{}{:#.9g}f", values.empty() ? "" : ", ", x);
+        line(ind, "{{");
+        line(ind + 2, "const float values[] = {{{}}};  // g^0 … g^{}, g = {}", values, g.size() - 1, p.spec.decay);
+        line(ind + 2, "tl::powers<{}, {}, {}>({}, values);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
+        line(ind, "}}");
+        break;
+      }
+      case opcode::decay_rows:
+        line(ind, "tl::decay_rows<{}, {}, {}, {}>({}, {}, rows);  // ·= g^{}", rows(i.dst), cols(i.dst), pitch(i.dst),
+             static_cast<int>(i.power), t, name(i.b),
+             i.power == decay_power::row_plus_one ? "(row + 1)" : i.power == decay_power::to_chunk_end ? "(rows − 1 − row)" : "rows");
+        break;
       case opcode::row_divide:
         if (i.b >= 0)
           line(ind, "tl::row_divide<{}, {}, {}, {}>({}, eps, {});", rows(i.dst), cols(i.dst), pitch(i.dst), pitch(i.b), t,
@@ -250,9 +270,6 @@ struct emitter {
                i.accumulate ? "  // added to what is there" : "");
         break;
       }
-      case opcode::mask_anticausal:
-        line(ind, "tl::mask_anticausal<{}, {}, {}>({});", rows(i.dst), cols(i.dst), pitch(i.dst), t);
-        break;
       case opcode::param_grad: {
         memory const m = source(i.slot);
         line(ind, "tl::param_grad<{}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {}, {}, {:#.9g}f, r0, rows);", m.type,
@@ -337,6 +354,7 @@ struct emitter {
     switch (i.op) {
       case opcode::prefetch: break;  // a hint: touches no tile and writes nothing
       case opcode::zero:
+      case opcode::powers:
       case opcode::load_state:
       case opcode::ones_column: w(i.dst); break;
       case opcode::load:
@@ -623,9 +641,10 @@ struct emitter {
       own_rows(p.prologue);
     } else {
       for (auto const& i : p.prologue) {
-        if (i.op != opcode::zero && i.op != opcode::load_state && i.op != opcode::add_partials && !i.whole)
+        if (i.op != opcode::zero && i.op != opcode::load_state && i.op != opcode::add_partials && i.op != opcode::powers &&
+            !i.whole)
           throw std::logic_error(
-              "lina::cuda::emit: a prologue holds only zero, load_state, add_partials and whole loads (W)");
+              "lina::cuda::emit: a prologue holds only zero, load_state, add_partials, powers and whole loads (W)");
         single(2, i);
       }
     }

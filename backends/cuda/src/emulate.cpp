@@ -317,8 +317,28 @@ struct block {
       }
       case opcode::mask_anticausal:
         for (int r = 0; r < t.rows; ++r)
-          for (int c = 0; c < r && c < t.cols; ++c) t.at(r, c) = 0.0f;
+          for (int c = 0; c < t.cols; ++c)
+            if (c < r)
+              t.at(r, c) = 0.0f;
+            else if (i.b >= 0)  // decayed: weighed by g^(c − r)
+              t.at(r, c) = t.at(r, c) * reg[static_cast<std::size_t>(i.b)].at(0, c - r);
         break;
+      case opcode::powers: {
+        std::vector<float> const g = decay_powers(p.spec, t.cols);
+        std::copy(g.begin(), g.end(), t.v.begin());
+        break;
+      }
+      case opcode::decay_rows: {
+        tile& g = reg[static_cast<std::size_t>(i.b)];
+        int const upto = i.power == decay_power::chunk ? t.rows : rows;
+        for (int r = 0; r < upto; ++r) {
+          float const f = g.at(0, i.power == decay_power::row_plus_one   ? r + 1
+                                  : i.power == decay_power::to_chunk_end ? rows - 1 - r
+                                                                         : rows);
+          for (int c = 0; c < t.cols; ++c) t.at(r, c) = t.at(r, c) * f;
+        }
+        break;
+      }
       case opcode::map:
         if (i.b >= 0) {  // a parametric map, out of place: from x (i.a) and z = x·W (i.b)
           tile& x = reg[static_cast<std::size_t>(i.a)];
@@ -382,7 +402,11 @@ struct block {
       }
       case opcode::mask_causal:
         for (int r = 0; r < t.rows; ++r)
-          for (int c = r + 1; c < t.cols; ++c) t.at(r, c) = 0.0f;
+          for (int c = 0; c < t.cols; ++c)
+            if (c > r)
+              t.at(r, c) = 0.0f;
+            else if (i.b >= 0)  // decayed: weighed by g^(r − c)
+              t.at(r, c) = t.at(r, c) * reg[static_cast<std::size_t>(i.b)].at(0, r - c);
         break;
       case opcode::row_divide:
         for (int r = 0; r < t.rows; ++r) {

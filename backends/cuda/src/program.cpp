@@ -3,9 +3,11 @@
 
 #include <fmt/format.h>
 
+#include <bit>
 #include <cctype>
 #include <cmath>
 #include <algorithm>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <cstring>
@@ -68,6 +70,8 @@ std::string_view name_of(opcode o) {
     case opcode::square_rows: return "square_rows";
     case opcode::square_grad: return "square_grad";
     case opcode::prefetch: return "prefetch";
+    case opcode::powers: return "powers";
+    case opcode::decay_rows: return "decay_rows";
   }
   return "?";
 }
@@ -102,6 +106,15 @@ float round_operand(precision p, float x) {
     }
   }
   return x;
+}
+std::vector<float> decay_powers(attention_spec const& s, int count) {
+  std::vector<float> r(static_cast<std::size_t>(std::max(count, 0)));
+  for (int k = 0; k < count; ++k) {
+    double const x = std::pow(s.decay, k);
+    // (no subnormal: a weight below fp32's smallest normal is 0 — a literal the compilers take as it is)
+    r[static_cast<std::size_t>(k)] = x < std::numeric_limits<float>::min() ? 0.0f : static_cast<float>(x);
+  }
+  return r;
 }
 precision precision_of(attention_spec const& s) { return s.exact_products ? precision::fma_f32 : precision_for(s.in); }
 int pitch_of(int cols, int bytes) {
@@ -151,7 +164,7 @@ void for_each_list(program& p, F&& f) {
 // result: in a program whose products round their operands to bf16 as they
 // read them (mma_bf16), a register qualifies when such products read it and
 // every other instruction naming it only writes it — zero, ones_column, a
-// mask (zeros by position), a product that does not accumulate, a load of
+// plain mask (zeros by position; a decayed one reads what it weighs), a product that does not accumulate, a load of
 // one of the plan's inputs (bf16, so exact), a map out of place, or in place
 // right after the load it maps (reading the exact values loaded). Every read
 // of it then sees what the product would have rounded anyway, and it takes
@@ -177,8 +190,8 @@ void narrow_registers(program& p) {
         continue;
       }
       bool const writes_only =
-          i.op == opcode::zero || i.op == opcode::ones_column || i.op == opcode::mask_causal ||
-          i.op == opcode::mask_anticausal || exact_load(i) ||
+          i.op == opcode::zero || i.op == opcode::ones_column ||
+          ((i.op == opcode::mask_causal || i.op == opcode::mask_anticausal) && i.b < 0) || exact_load(i) ||
           (i.op == opcode::map && (i.a >= 0 || (x > 0 && exact_load(list[x - 1]) && list[x - 1].dst == i.dst)));
       if (!writes_only) use(i.dst, other_use);
       use(i.a, other_use);
@@ -264,6 +277,10 @@ std::string map_id(attention_spec const& s, feature_map m) {
   return r;
 }
 // φ(K)'s part of a kernel name: its map, and "w2" when it reads a W of its own.
+// A decayed spec's kernels say so, with the decay's exact value (its double's bits).
+std::string decay_id(attention_spec const& s) {
+  return decayed(s) ? fmt::format("_decay{:016x}", std::bit_cast<std::uint64_t>(s.decay)) : std::string();
+}
 std::string k_id_of(attention_spec const& s) {
   return fmt::format("{}{}", map_id(s, s.map_k), s.w_k_name.empty() ? "" : "w2");
 }
@@ -326,7 +343,42 @@ struct builder {
     return {.op = opcode::product, .dst = t, .a = a, .b = b, .transpose_a = ta, .transpose_b = tb, .accumulate = acc,
             .prec = prec};
   }
-  static instruction mask(int t) { return {.op = opcode::mask_causal, .dst = t}; }
+  // A decayed scan's weights (attention_spec::decay): the register of the
+  // decay's powers g^0 … g^T, filled once by the prologue; -1 without decay.
+  int pw = -1;
+  void decay_register(attention_spec const& s, int t) {
+    if (!decayed(s)) return;
+    pw = reg("pw", 1, t + 1, fmt::format("the decay's powers g^0 … g^T, g = {}, fp32 (1, T+1)", s.decay));
+    p.prologue.push_back({.op = opcode::powers, .dst = pw});
+  }
+  // t's rows weighed by the decay's power `power` (nothing without decay).
+  void decay(std::vector<instruction>& body, int t, decay_power power) const {
+    if (pw >= 0) body.push_back({.op = opcode::decay_rows, .dst = t, .b = pw, .power = power});
+  }
+  // The masks, decayed by pw when the scan is.
+  instruction mask(int t) const { return {.op = opcode::mask_causal, .dst = t, .b = pw}; }
+  instruction mask_upper(int t) const { return {.op = opcode::mask_anticausal, .dst = t, .b = pw}; }
+  // t = a·op(x) + c·op(y): a chunk's own terms (a: its masked scores) and the
+  // carried state's (y: the state). Without decay the state's product adds to
+  // the chunk's; decayed, it comes first, its rows weighed by `power`
+  // (decay_rows), and the chunk's — weighed in its mask — add to them.
+  void chunk_and_state(std::vector<instruction>& body, int t, int a, int x, int c, int y, bool ty, decay_power power) const {
+    if (pw < 0) {
+      body.push_back(product(t, a, false, x, false, false));
+      body.push_back(product(t, c, false, y, ty, true));
+      return;
+    }
+    body.push_back(product(t, c, false, y, ty, false));
+    decay(body, t, power);
+    body.push_back(product(t, a, false, x, false, true));
+  }
+  // state += xᵀ·y over a chunk's rows; decayed, the state is first carried past
+  // the chunk (g^rows) and x's rows weighed by their power `power` (x changes).
+  void add_to_state(std::vector<instruction>& body, int st, int x, int y, decay_power power) const {
+    decay(body, st, decay_power::chunk);
+    decay(body, x, power);
+    body.push_back(product(st, x, true, y, false, true));
+  }
   // φ(X) into dst, from input slot `slot` (1: K, which reads its own W if it has one).
   void load_mapped(std::vector<instruction>& body, int dst, int slot, feature_map m) const {
     if (parametric(m)) {
@@ -343,7 +395,6 @@ struct builder {
       if (m != feature_map::identity) body.push_back(map(dst, m));
     }
   }
-  static instruction mask_upper(int t) { return {.op = opcode::mask_anticausal, .dst = t}; }
   static instruction map_grad(int t, feature_map m, int slot, int from = -1) {
     return {.op = opcode::map_grad, .dst = t, .a = from, .slot = slot, .map = m};
   }
@@ -398,7 +449,8 @@ namespace {
 // only Q's and K's D columns, not the C = D(D+1)/2 features. A chained or step
 // spec needs the state, which has C rows: not for those.
 bool kernel_trick(attention_spec const& s) {
-  return !s.softmax && s.map_q == feature_map::poly2 && s.map_k == feature_map::poly2 && !s.chained && !s.step;
+  return !s.softmax && s.map_q == feature_map::poly2 && s.map_k == feature_map::poly2 && !s.chained && !s.step &&
+         !decayed(s);  // (the quadratic program masks without decay)
 }
 
 // The quadratic program of a softmax spec (program.hpp: exp_rows): one block
@@ -487,9 +539,9 @@ program lay_out_linear(attention_spec const& s, tile_config tiles) {
   int const c = static_cast<int>(features(s.map_q, s.d, s.f));
   bool const row_map = s.map_q == feature_map::poly2 || parametric(s.map_q);  // C features, not D
   int const w = tm + (s.normalized ? 1 : 0);
-  p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}{}", s.causal ? "causal" : "full",
+  p.kernel_name = fmt::format("lina_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}{}{}", s.causal ? "causal" : "full",
                               map_id(s, s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
-                              s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "",
+                              s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "", decay_id(s),
                               b.prec != precision_for(s.in) ? "_exact" : "");
   p.description = fmt::format("{} linear attention, forward{}{}: {}", s.causal ? "causal" : "non-causal",
                               s.normalized ? "" : " (unnormalized)",
@@ -504,6 +556,7 @@ program lay_out_linear(attention_spec const& s, tile_config tiles) {
   int const v = b.reg("v", t, w, v1 + " chunk, this block's columns (T, W)");
   int const st = b.reg("state", c, w, "Σ φ(K)ᵀ" + v1 + " over the chunks so far, fp32 (" + cdim + ", W)");
   int const o = b.reg("o", t, w, "output rows (T, W)");
+  b.decay_register(s, t);
   float const eps = static_cast<float>(s.eps);
 
   auto load_q = [&](std::vector<instruction>& body) { b.load_mapped(body, q, 0, s.map_q); };
@@ -522,15 +575,17 @@ program lay_out_linear(attention_spec const& s, tile_config tiles) {
   if (s.chained) p.epilogue.push_back(builder::store_state(st, tm, s.normalized));
   if (s.causal) {
     // One pass: within a chunk the masked similarity, across chunks the state.
+    // Decayed (state S before the chunk, row i of `rows`): o_i = Σ_{j≤i}
+    // g^(i−j)·(φq_i·φk_j)·[v|1]_j + g^(i+1)·φq_i·S, and the state leaves as
+    // g^rows·S + Σ_j g^(rows−1−j)·φk_jᵀ[v|1]_j.
     int const a = b.reg("a", t, t, "causal(φ(Q)·φ(K)ᵀ) of the chunk (T, T)");
     std::vector<instruction> body;
     load_q(body);
     load_kv(body);
     body.push_back(b.product(a, q, false, k, true, false));  // a = φQ·φKᵀ
-    body.push_back(builder::mask(a));                               // j ≤ i
-    body.push_back(b.product(o, a, false, v, false, false)); // o = a·[V|1]
-    body.push_back(b.product(o, q, false, st, false, true)); // o += φQ·state (earlier chunks)
-    body.push_back(b.product(st, k, true, v, false, true));  // state += φKᵀ·[V|1]
+    body.push_back(b.mask(a));                                // j ≤ i
+    b.chunk_and_state(body, o, a, v, q, st, false, decay_power::row_plus_one);  // o = a·[V|1] + φQ·state
+    b.add_to_state(body, st, k, v, decay_power::to_chunk_end);                   // state += φKᵀ·[V|1]
     finish(body);
     p.passes.push_back(std::move(body));
   } else {
@@ -574,8 +629,13 @@ program lay_out(attention_spec const& s, tile_config tiles) {
 }  // namespace
 
 namespace {
-// What every program needs of a spec's feature maps.
+// What every program needs of a spec's feature maps and its mask's decay.
 void check_maps(attention_spec const& s) {
+  if (decayed(s) && !(s.decay >= 0 && s.decay <= 1))
+    throw std::invalid_argument(fmt::format("lina::cuda: a decay of {} was given; it is in [0, 1]", s.decay));
+  if (decayed(s) && (!s.causal || s.softmax))
+    throw std::invalid_argument("lina::cuda: a decay weighs a causal linear attention's past (causal(S, decay{g})); "
+                                "softmax and non-causal attention have none");
   if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   for (feature_map m : {s.map_q, s.map_k})
@@ -614,9 +674,9 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   // ∂ through a row map (also at D = 1), or through x·W
   bool const row_map = s.map_q == feature_map::poly2 || s.map_k == feature_map::poly2 || param;
   int const w = m + (s.normalized ? 1 : 0);
-  p.kernel_name = fmt::format("lina_{}_backward_{}_{}_d{}_m{}_t{}_{}_{}{}{}{}", s.causal ? "causal" : "full", map_id(s, s.map_q),
+  p.kernel_name = fmt::format("lina_{}_backward_{}_{}_d{}_m{}_t{}_{}_{}{}{}{}{}", s.causal ? "causal" : "full", map_id(s, s.map_q),
                               map_id(s, s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
-                              s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "",
+                              s.normalized ? "" : "_unnormalized", s.chained ? "_state" : "", decay_id(s),
                               b.prec != precision_for(s.in) ? "_exact" : "");
   p.description = fmt::format("{} linear attention, backward{}{}: ∂{}, ∂{}, ∂{} of {}", s.causal ? "causal" : "non-causal",
                               s.normalized ? "" : " (unnormalized)",
@@ -698,6 +758,8 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   int const dx = b.reg("dx", t, c, "∂φ(Q) or ∂φ(K) rows (T, " + cdim + ")");
   int const gx = row_map ? b.reg("gx", t, d, "∂Q or ∂K rows through the row map or x·W (T, D)") : -1;
   int const st = b.reg("state", c, w, "S = Σ φ(K)ᵀ" + v1 + " (forward), then R = Σ φ(Q)ᵀĝ (reverse), fp32 (" + cdim + ", W)");
+  if (split && decayed(s)) throw std::logic_error("lina::cuda: a decayed backward has no chunk-parallel form");
+  b.decay_register(s, t);
   float const eps = static_cast<float>(s.eps);
 
   // ĝ: ∂out, through rowdiv's adjoint when normalised (o holds the rows), kept in scratch.
@@ -778,12 +840,11 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   std::vector<instruction> reverse_start{builder::zero(st)};
   if (s.chained) reverse_start[0] = builder::load_state(st, m, s.normalized), reverse_start[0].slot = d_final;
   if (split) reverse_start.push_back(group_sums(opcode::add_partials, true, true));
-  // The rows again: o = causal(φQ·φKᵀ)·[V|1] + φQ·S.
+  // The rows again: o = causal(φQ·φKᵀ)·[V|1] + φQ·S (decayed as the forward weighs them).
   auto rows_again = [&](std::vector<instruction>& body) {
     body.push_back(b.product(a, q, false, k, true, false));
-    body.push_back(builder::mask(a));
-    body.push_back(b.product(o, a, false, v, false, false));
-    body.push_back(b.product(o, q, false, st, false, true));
+    body.push_back(b.mask(a));
+    b.chunk_and_state(body, o, a, v, q, st, false, decay_power::row_plus_one);
   };
   if (s.causal && part == backward_part::sums) {  // the group's Σ φKᵀ·[V|1]
     std::vector<instruction> sum;
@@ -822,27 +883,29 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
       if (s.normalized) rows_again(fwd);
       adjoint_rows(fwd);
     }
+    // Decayed, every term as the forward weighs it: ∂φq_i = Σ_{j≤i}
+    // g^(i−j)·(ĝ_i·[v|1]_j)·φk_j + g^(i+1)·ĝ_i·Sᵀ, and S advances as there.
     fwd.push_back(b.product(a, g, false, v, true, false));   // a = ĝ·[V|1]ᵀ
-    fwd.push_back(builder::mask(a));                          // j ≤ i
-    fwd.push_back(b.product(dx, a, false, k, false, false)); // ∂φQ = a·φK
-    fwd.push_back(b.product(dx, g, false, st, true, true));  //      + ĝ·Sᵀ (earlier chunks)
-    fwd.push_back(b.product(st, k, true, v, false, true));   // S += φKᵀ·[V|1]
+    fwd.push_back(b.mask(a));                                 // j ≤ i
+    b.chunk_and_state(fwd, dx, a, k, g, st, true, decay_power::row_plus_one);  // ∂φQ = a·φK + ĝ·Sᵀ (earlier chunks)
+    b.add_to_state(fwd, st, k, v, decay_power::to_chunk_end);                   // S += φKᵀ·[V|1]
     b.finish_grad(fwd, dx, gx, 0, s.map_q, -1);
 
     b.load_mapped(rev, q, 0, s.map_q);
     b.load_mapped(rev, k, 1, s.map_k);
     b.load_values(rev, v, m, false);
     reload_adjoint(rev);
+    // Decayed, R is the gradient of the state at the chunk's last row: row j
+    // of the chunk reads it weighed by g^(rows−1−j), and it leaves as
+    // g^rows·R + Σ_i g^(i+1)·φq_iᵀĝ_i — after chunk 0, the gradient of S0.
     rev.push_back(b.product(a, v, false, g, true, false));   // a[j][i] = [v|1]_j·ĝ_i
-    rev.push_back(builder::mask_upper(a));                    // i ≥ j
-    rev.push_back(b.product(dx, a, false, q, false, false)); // ∂φK = a·φQ
-    rev.push_back(b.product(dx, v, false, st, true, true));  //      + [V|1]·Rᵀ (later chunks)
+    rev.push_back(b.mask_upper(a));                           // i ≥ j
+    b.chunk_and_state(rev, dx, a, q, v, st, true, decay_power::to_chunk_end);  // ∂φK = a·φQ + [V|1]·Rᵀ (later chunks)
     rev.push_back(b.product(a, k, false, q, true, false));   // a[j][i] = φk_j·φq_i
-    rev.push_back(builder::mask_upper(a));
-    rev.push_back(b.product(o, a, false, g, false, false));  // ∂[V|1] = a·ĝ
-    rev.push_back(b.product(o, k, false, st, false, true));  //         + φK·R
+    rev.push_back(b.mask_upper(a));
+    b.chunk_and_state(rev, o, a, g, k, st, false, decay_power::to_chunk_end);  // ∂[V|1] = a·ĝ + φK·R
     rev.push_back(builder::store_to(o, 1, m));
-    rev.push_back(b.product(st, q, true, g, false, true));   // R += φQᵀ·ĝ
+    b.add_to_state(rev, st, q, g, decay_power::row_plus_one);                   // R += φQᵀ·ĝ
     b.finish_grad(rev, dx, gx, 1, s.map_k, 0);
     p.passes.emplace_back(std::move(fwd));
     p.passes.emplace_back(std::move(rev), true, std::move(reverse_start));
@@ -1272,7 +1335,7 @@ void drop_unused_registers(program& p) {
 
 static std::vector<program> build_split_backward_programs(attention_spec const& s) {
   bool const param = parametric(s.map_q) || parametric(s.map_k);
-  if (s.softmax || s.step || s.d == 0 || s.m == 0) return {};
+  if (s.softmax || s.step || decayed(s) || s.d == 0 || s.m == 0) return {};
   check_maps(s);
   std::optional<program> const whole = fitting_backward(s, false);
   if (!whole) return {};  // (split over M's columns instead)
@@ -1347,8 +1410,13 @@ program backward_program_of(attention_spec const& s) {
   throw std::invalid_argument(too_large(s, " (backward_programs_of splits M's columns over launches)"));
 }
 
+bool splits(attention_spec const& s) { return !decayed(s) && !quadratic_form(s); }
+
 static split_programs build_split_programs(attention_spec const& s) {
   if (quadratic_form(s)) throw std::invalid_argument("lina::cuda: the chunk-parallel form is for linear forwards");
+  if (decayed(s))
+    throw std::invalid_argument("lina::cuda: a decayed scan has no chunk-parallel form yet (its groups' sums would "
+                                "reach later groups weighed by the decay to the rows between): it runs in one pass");
   if (s.chained && !s.causal)
     throw std::invalid_argument("lina::cuda: only a causal attention carries a state, so only its split form takes one");
   // The partials never see the state: a chained spec's are the unchained one's (one kernel for both).
@@ -1570,7 +1638,8 @@ std::string plan_text(attention_spec const& s) {
     if (!s.normalized) return core;
     return s.eps == 1e-6 ? fmt::format("rowdiv({})", core) : fmt::format("rowdiv({}; eps={})", core, s.eps);
   }
-  std::string core = s.causal ? fmt::format("contract({}, prefix({}⊗{}))", q, k, v) : fmt::format("{}·({}ᵀ·{})", q, k, v);
+  std::string const decay = decayed(s) ? fmt::format("; decay={}", s.decay) : "";
+  std::string core = s.causal ? fmt::format("contract({}, prefix({}⊗{}{}))", q, k, v, decay) : fmt::format("{}·({}ᵀ·{})", q, k, v);
   if (!s.normalized) return core;
   return s.eps == 1e-6 ? fmt::format("rowdiv({})", core) : fmt::format("rowdiv({}; eps={})", core, s.eps);
 }
@@ -1611,6 +1680,16 @@ std::string listing(program const& p) {
                            i.tri_t == triangle::none ? "" : fmt::format(", {}'s {} tiles alone", nm(i.dst), tri(i.tri_t)),
                            i.tri_a == triangle::none ? "" : fmt::format(", {}'s {} tiles alone", nm(i.a), tri(i.tri_a)));
       }
+      case opcode::mask_causal:
+      case opcode::mask_anticausal:
+        return i.b >= 0 ? fmt::format("{} {}, weighed by {}", name_of(i.op), nm(i.dst), nm(i.b))
+                        : fmt::format("{} {}", name_of(i.op), nm(i.dst));
+      case opcode::powers: return fmt::format("powers {} = g^k, g = {}", nm(i.dst), p.spec.decay);
+      case opcode::decay_rows:
+        return fmt::format("decay_rows {} ·= {}[{}]", nm(i.dst), nm(i.b),
+                           i.power == decay_power::row_plus_one   ? "row + 1"
+                           : i.power == decay_power::to_chunk_end ? "rows − 1 − row"
+                                                                  : "rows (every row)");
       case opcode::row_divide:
         return i.b >= 0 ? fmt::format("row_divide {} eps={}·exp(−{})", nm(i.dst), i.eps, nm(i.b))
                         : fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);

@@ -102,7 +102,7 @@ struct cuda_plan {
                 "(docs/dsl.md), or φ(X; W) ∈ {favor, random_fourier} with one W for Q and K or one each; "
                 "softmax [causal(]exp(s·[causal(]Q·Kᵀ[)])[)]·V, normalised or not; K and V over one sequence "
                 "dimension (Q over another: non-causal only); a select only between two such forms of one attention; "
-                "a causal mask without decay (causal(S, decay{g}) runs on the CPU backend only)");
+                "a decayed mask causal(S, decay{g}) on linear attention only (a decayed softmax runs on the CPU backend)");
   static constexpr bool ok = Supported;
 };
 template <bool Supported>
@@ -281,6 +281,11 @@ struct core_parts {
   static constexpr bool causal = Causal;
   static constexpr bool softmax = Softmax;
   static constexpr bool mask_scores = false;  // softmax_parts: exp(causal(S))
+  static constexpr bool decayed = false;      // a decayed mask or scan (causal(S, decay{g})): decay(core) is g
+  template <class N>
+  static constexpr double decay(N const&) {
+    return 1;
+  }
   static constexpr bool parametric = !std::is_void_v<typename q::param>;  // favor, random_fourier: W
   // φ(K) reads a W of its own (input slot 4), not φ(Q)'s
   static constexpr bool own_k_w = !std::is_void_v<typename k::param> && !std::is_same_v<typename q::param, typename k::param>;
@@ -312,13 +317,24 @@ struct core {
   static constexpr bool own_k_w = false;
   static constexpr bool stacked = false;
 };
-// contract(φQ, prefix(φK⊗V))
-template <class A, class B, class C>
-struct core<node<op::contract_rows, A, node<op::prefix_scan, node<op::outer_rows, B, C>>>> : core_parts<A, B, C, true> {};
-// causal(φQ·φKᵀ)·V
-template <class A, class B, class C>
-struct core<node<op::product, node<op::causal, node<op::product, A, node<op::transpose, B>>>, C>>
-    : core_parts<A, B, C, true> {};
+// contract(φQ, prefix(φK⊗V)), the scan decayed or not
+template <class A, class B, class C, class D>
+struct core<node<op::contract_rows, A, node<op::prefix_scan_t<D>, node<op::outer_rows, B, C>>>>
+    : core_parts<A, B, C, true> {
+  static constexpr bool decayed = !std::is_same_v<D, op::no_decay>;
+  static constexpr double decay(node<op::contract_rows, A, node<op::prefix_scan_t<D>, node<op::outer_rows, B, C>>> const& n) {
+    return decay_of(kid<1>(n).op).decay;
+  }
+};
+// causal(φQ·φKᵀ)·V, the mask decayed or not
+template <class A, class B, class C, class D>
+struct core<node<op::product, node<op::causal_t<D>, node<op::product, A, node<op::transpose, B>>>, C>>
+    : core_parts<A, B, C, true> {
+  static constexpr bool decayed = !std::is_same_v<D, op::no_decay>;
+  static constexpr double decay(node<op::product, node<op::causal_t<D>, node<op::product, A, node<op::transpose, B>>>, C> const& n) {
+    return decay_of(kid<0>(n).op).decay;
+  }
+};
 // φQ·(φKᵀ·V)
 template <class A, class B, class C>
 struct core<node<op::product, A, node<op::product, node<op::transpose, B>, C>>> : core_parts<A, B, C, false> {};
@@ -378,6 +394,7 @@ template <class X, class Y>
 constexpr bool same_attention() {
   if constexpr (X::ok && Y::ok)
     return X::causal == Y::causal && X::softmax == Y::softmax && X::mask_scores == Y::mask_scores &&
+           X::decayed == Y::decayed &&
            X::q::map == Y::q::map && X::k::map == Y::k::map && X::v::ones == Y::v::ones &&
            std::is_same_v<typename X::q::map_type, typename Y::q::map_type> &&
            std::is_same_v<typename X::k::map_type, typename Y::k::map_type> &&
@@ -394,6 +411,8 @@ constexpr bool same_attention() {
 template <class Key, std::size_t T, class S, class L>
 struct core<node<op::select<Key, T>, S, L>> : core<L> {
   static constexpr bool ok = same_attention<core<S>, core<L>>();
+  // (both forms are of one attention, compile()'s: one decay)
+  static constexpr double decay(node<op::select<Key, T>, S, L> const& n) { return core<L>::decay(kid<1>(n)); }
 };
 
 // The whole plan: rowdiv(core with [V|1]) or a core with plain V.
@@ -408,6 +427,7 @@ struct forward_plan : core<N> {
   }();
   static constexpr double eps(N const&) { return 0; }
   static constexpr double scores_scale(N const& n) { return core<N>::scale(n); }
+  static constexpr double mask_decay(N const& n) { return core<N>::decay(n); }
 };
 template <class X>
 struct forward_plan<node<op::row_divide, X>> : core<X> {
@@ -420,6 +440,7 @@ struct forward_plan<node<op::row_divide, X>> : core<X> {
   }();
   static constexpr double eps(node<op::row_divide, X> const& n) { return n.op.eps; }
   static constexpr double scores_scale(node<op::row_divide, X> const& n) { return core<X>::scale(kid<0>(n)); }
+  static constexpr double mask_decay(node<op::row_divide, X> const& n) { return core<X>::decay(kid<0>(n)); }
 };
 
 template <class Dim, class... E>
@@ -473,6 +494,7 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
       s.user[1] = detail::user_map_of<typename F::k::map_type>();
     }
     s.eps = F::eps(plan);
+    s.decay = F::mask_decay(plan);
     s.d = QI::cols::is_static ? QI::cols::static_extent : 0;
     s.m = VI::cols::is_static ? VI::cols::static_extent : 0;
     if constexpr (!std::is_void_v<typename F::q::param>) {
@@ -998,7 +1020,7 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
     // options::split_rows rows, else as the schedule asks (tile_request::groups).
     std::int64_t const rows =
         opt.split_rows > 0 ? opt.split_rows : split_rows(opt.tiles, blocks_of(p, a), a.n, p.tiles.chunk, 0);
-    if (rows > 0 && a.n > 0 && keys_of(a) > 0 && !p.quadratic && !w.step && !w.packed) {
+    if (rows > 0 && a.n > 0 && keys_of(a) > 0 && splits(s) && !w.step && !w.packed) {
       split_programs const sp = split_programs_of(s);
       a.group_rows = rows;
       std::int64_t const groups = groups_of(sp.partials, a);
@@ -1240,7 +1262,7 @@ void launch_bound(Plan const& plan, device_view<O> out, Bound const& in, void* s
       launch(p, a, stream);
       return;
     }
-    std::int64_t const rows = !p.quadratic && keys_of(a) > 0 ? split_rows(tiles, blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
+    std::int64_t const rows = splits(s) && keys_of(a) > 0 ? split_rows(tiles, blocks_of(p, a), a.n, p.tiles.chunk, dev.sms) : 0;
     if (rows > 0)  // too few (batch, head, M tile) blocks for the device: split N too
       launch_split(split_programs_of(s), a, rows, stream);
     else
@@ -1404,8 +1426,9 @@ bool one_launch(Plan const& plan, options opt, Bound const& in, sequences const&
     for (std::size_t k = 0; k < seqs.count(); ++k) longest = std::max(longest, seqs.length(k));
     program const& p = ps.front();
     std::int64_t const blocks = static_cast<std::int64_t>(seqs.count() * in.heads) * p.m_tiles;
-    return std::all_of(ps.begin(), ps.end(), [](program const& x) { return packable(x); }) && opt.split_rows == 0 &&
-           split_rows(opt.tiles, blocks, static_cast<std::int64_t>(longest), p.tiles.chunk, sms) == 0;
+    return std::all_of(ps.begin(), ps.end(), [](program const& x) { return packable(x); }) &&
+           (!splits(s) || (opt.split_rows == 0 &&
+                           split_rows(opt.tiles, blocks, static_cast<std::int64_t>(longest), p.tiles.chunk, sms) == 0));
   }
 }
 // A chained packed evaluation (L: the linear form, chainable): the state

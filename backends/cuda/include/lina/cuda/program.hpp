@@ -83,7 +83,8 @@
 //                          tri_a lower (upper): the terms k ≥ s + 16 (k < s) of
 //                          row i are skipped — the zero tiles of a masked op(a),
 //                          so a NaN or ∞ of b there does not reach row i
-//   mask_causal t          t[i][j] = 0 for j > i
+//   mask_causal t          t[i][j] = 0 for j > i; decayed (b ≥ 0, the powers
+//                          register): t[i][j] = t[i][j] · b[0][i − j] for j ≤ i
 //   row_divide t, eps      t[i][j] = t[i][j] · (1/d) for j < cols-1, d = t[i][cols-1]
 //                          + eps, 1/d rounded to fp32 (one reciprocal a row, as the
 //                          CPU backend's rowdiv). With a register m (b ≥ 0: softmax
@@ -136,7 +137,17 @@
 //                          cols(state) − 1 when `z_column`, else cols(state);
 //                          z_column: t[i][t.cols − 1] = state_in(i, cols(state) − 1),
 //                          the normaliser z; 0 elsewhere. fp32, exact.
-//   mask_anticausal t      t[i][j] = 0 for j < i (the transposed mask: backward passes)
+//   mask_anticausal t      t[i][j] = 0 for j < i (the transposed mask: backward passes);
+//                          decayed (b ≥ 0): t[i][j] = t[i][j] · b[0][j − i] for j ≥ i
+//   powers t               t[0][k] = g^k for k < t.cols, g = the spec's decay: computed
+//                          in double, rounded to fp32, 0 below fp32's smallest normal
+//                          (decay_powers: the same table on both sides)
+//   decay_rows t, b, p     a decayed scan's weights (b: the powers register):
+//                          t[i][j] = t[i][j] · b[0][e] for i < rows, with e = i + 1
+//                          (p = row_plus_one: a row's weight of the state before the
+//                          chunk), rows − 1 − i (to_chunk_end: a row's weight at the
+//                          chunk's last row); p = chunk: every row of t, e = rows (the
+//                          state carried past the whole chunk)
 //   map_grad t, φ, in[s]   element-wise φ: t[i][j] = t[i][j] · φ′(x) with x = in[s](r0 + i, j)
 //                          (read as for load) for i < rows, j < t.cols; φ′ of elu+1 is
 //                          1 for x > 0, else exp(x); of relu 1 for x > 0, else 0; of
@@ -272,6 +283,7 @@ struct attention_spec {
   std::size_t f = 0;        // parametric maps: columns of W (random features), read from input slot 3
   dtype in = dtype::f32, out = dtype::f32;
   bool chained = false;     // causal only: the scan starts from state_in and leaves its sums in state_out
+  double decay = 1;         // causal linear only: key j weighs decay^(i−j) in row i (causal(S, decay{g})); 1: plain
   bool step = false;        // sized for a token or a few per launch (cuda::recurrent): the short chunk, T = 16
   bool exact_products = false;  // fp32 FMA products even for 16-bit inputs (else precision_for(in))
   bool softmax = false;     // exp(scale·φQ·φKᵀ) (causal: masked after exp), then ·V: quadratic, no state
@@ -353,8 +365,14 @@ enum class triangle : std::uint8_t { none, lower, upper };
 enum class opcode : std::uint8_t {
   zero, load, map, ones_column, product, mask_causal, row_divide, store, load_state, store_state,
   mask_anticausal, map_grad, rowdiv_grad, store_partial, add_partials, exp_rows, param_grad, exp_grad, square_rows,
-  square_grad, prefetch
+  square_grad, prefetch, powers, decay_rows
 };
+// The power of the decay a decay_rows instruction weighs row i by (see above).
+enum class decay_power : std::uint8_t { row_plus_one, to_chunk_end, chunk };
+// Is the spec's mask decayed (causal(S, decay{g}), g < 1)?
+inline bool decayed(attention_spec const& s) { return s.decay != 1; }
+// The powers register's values g^0 … g^(count−1), g = s.decay (opcode::powers).
+std::vector<float> decay_powers(attention_spec const& s, int count);
 std::string_view name_of(opcode o);
 
 struct instruction {
@@ -362,7 +380,8 @@ struct instruction {
   int dst = -1;                 // the register written (read too, by in-place ops)
   int a = -1, b = -1;           // product operands; map, map_grad: the source of a row map (else -1);
                                 // rowdiv_grad: a = o, b = m (-1: no shift); row_divide: b = m (-1: no shift);
-                                // exp_rows: a = o (-1: the shift m is fixed), b = m (-1: unshifted); exp_grad: a = E
+                                // exp_rows: a = o (-1: the shift m is fixed), b = m (-1: unshifted); exp_grad: a = E;
+                                // decay_rows and a decayed mask: b = the powers register (-1: a plain mask)
   bool transpose_a = false, transpose_b = false, accumulate = false;  // product; store: add to what is there;
                                 // store_state: the z column is added to what is there (a slice of M's columns after the first)
   int slot = -1;                // load, map_grad: input slot (≥ max_inputs: an extra buffer); store: -1 out, else extra[slot];
@@ -382,6 +401,7 @@ struct instruction {
   precision prec = precision::fma_f32;  // product
   triangle tri_t = triangle::none;      // product: t's tiles past the triangle a mask keeps are 0, not computed
   triangle tri_a = triangle::none;      // product: op(a) is a masked triangle; the terms of its zero tiles are skipped
+  decay_power power = decay_power::row_plus_one;  // decay_rows (b: the powers register; masks: decayed by b when b ≥ 0)
 
   bool operator==(instruction const&) const = default;
 };
@@ -557,9 +577,16 @@ std::vector<program> backward_programs_of(attention_spec const& s);
 // and `scan` starts every group of Q's rows from all of them, then computes
 // its rows. Same tiles as program_of(s); the results equal it up to the order
 // of the state's sums.
+// Decayed specs have no such form yet (a group's sums would enter later
+// groups weighed by g to the rows between): split_programs_of throws
+// std::invalid_argument, split_backward_programs_of returns none, and
+// launches run them in one pass (splits: false).
 struct split_programs {
   program partials, scan;
 };
+// Does a launch of the spec's forward have a chunk-parallel form to choose?
+// (A linear spec without decay.)
+bool splits(attention_spec const& s);
 split_programs split_programs_of(attention_spec const& s);
 
 // The chunk-parallel form of a linear backward (splitting N when the B·H
@@ -585,8 +612,8 @@ split_programs split_programs_of(attention_spec const& s);
 // φ(K)'s own); a fourth launch, a block per (batch, head), adds them in a
 // fixed order (the groups', Q's before K's). Every gradient row is summed by
 // one block; launches in order on one stream. Returns no programs where the
-// backward has no such form: softmax or step specs, poly2 through its kernel
-// and specs split over M's columns. The results equal backward_programs_of(s)'s
+// backward has no such form: softmax, step or decayed specs, poly2 through its
+// kernel and specs split over M's columns. The results equal backward_programs_of(s)'s
 // up to the order of the state's sums.
 std::vector<program> split_backward_programs_of(attention_spec const& s);
 

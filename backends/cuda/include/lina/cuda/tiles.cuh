@@ -828,6 +828,44 @@ __device__ void mask_anticausal(S* t) {
     if (e % C < e / C) put(t, (e / C) * P + e % C, 0.0f);
 }
 
+// ---- a decayed scan (causal(S, decay{g})): the decay's powers g^k in a row
+// register pw, filled once from the kernel's table (the emitter writes the
+// values lina computed, so host and device weigh by the same floats).
+template <int R, int C, int P>
+__device__ void powers(float* pw, const float* values) {
+  static_assert(R == 1, "lina::tile::powers: one row of powers");
+  for (int k = threadIdx.x; k < C; k += blockDim.x) pw[k] = values[k];
+}
+// The masks, decayed: t[i][j] weighed by g^(i−j) where the causal one keeps
+// it (j ≤ i), by g^(j−i) where the anticausal one does (j ≥ i); 0 elsewhere.
+template <int R, int C, int P, class S>
+__device__ void mask_causal(S* t, const float* pw) {
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    put(t, i * P + j, j > i ? 0.0f : get(t, i * P + j) * pw[i - j]);
+  }
+}
+template <int R, int C, int P, class S>
+__device__ void mask_anticausal(S* t, const float* pw) {
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    put(t, i * P + j, j < i ? 0.0f : get(t, i * P + j) * pw[j - i]);
+  }
+}
+// Rows weighed by a power of the decay (program.hpp, decay_rows): row i < rows
+// by g^(i+1) (Power 0: its weight of the state before the chunk) or
+// g^(rows−1−i) (1: its weight at the chunk's last row); every row by g^rows
+// (2: the state carried past the chunk).
+template <int R, int C, int P, int Power, class S>
+__device__ void decay_rows(S* t, const float* pw, int rows) {
+  const int n = Power == 2 ? R : rows;
+  for (int e = threadIdx.x; e < n * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    const float f = pw[Power == 0 ? i + 1 : Power == 1 ? rows - 1 - i : rows];
+    put(t, i * P + j, get(t, i * P + j) * f);
+  }
+}
+
 // Element-wise φ: t[i][j] *= φ′(in(r0 + i, j)) for i < rows (the input as
 // stored, type E). Where the input's rows are contiguous and aligned (checked
 // once, as load_map does), a thread takes a 16-byte group of a row: one load,

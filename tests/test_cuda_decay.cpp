@@ -1,0 +1,199 @@
+// The decayed mask causal(S, decay{g}) — RetNet's retention, decayed linear
+// attention — on the CUDA backend without a GPU: its tile programs (the
+// decay's powers in a register, masks that weigh a chunk's scores by g^(i−j),
+// rows and state weighed by the powers that carry them across chunks) in the
+// host emulation against the CPU backend and the expression as written, in
+// double; the kernels compile with NVRTC. Gradients, chained blocks and
+// decoding steps of decayed plans are in test_cuda_backward.cpp and
+// test_cuda_state.cpp beside the plain mask's; the kernels as written in
+// test_cuda_simt.cpp.
+#include "cuda_support.hpp"
+
+namespace {
+constexpr auto retention = causal(Q * transpose(K), decay{0.97}) * V;  // RetNet's form: no φ, no normaliser
+constexpr auto decayed_linear = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V;
+
+cuda::attention_spec spec_at(cuda::attention_spec s, std::size_t d, std::size_t m) {
+  s.d = d, s.m = m;
+  return s;
+}
+}  // namespace
+
+TEST_CASE("decayed forward (retention) = CPU backend = as written") {
+  check_forward(decayed_linear, 101);
+  check_forward(retention, 102);
+  // A fast decay: powers past a chunk underflow fp32 (0 in the kernel's table).
+  check_forward(causal(phi<relu>(Q) * transpose(phi<relu>(K)), decay{0.05}) * V, 103,
+                {{1, 1, 70, 8, 5}, {2, 1, 130, 16, 9}, {1, 2, 1, 3, 4}});
+  check_forward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)), decay{0.8})) * V, 104, poly2_shapes(), true);
+}
+
+TEST_CASE("decayed forward: either order is one kernel, and the kernel says its decay") {
+  auto const linear = cuda::spec_of(compile<order::linear>(retention));
+  auto const quadratic = cuda::spec_of(compile<order::quadratic>(retention));
+  CHECK(linear.decay == 0.97);
+  CHECK(quadratic.decay == 0.97);
+  CHECK(cuda::spec_of(compile(retention)).decay == 0.97);  // (a select between the two)
+  auto const a = cuda::program_of(spec_at(linear, 16, 8)), b = cuda::program_of(spec_at(quadratic, 16, 8));
+  CHECK(a.kernel_name == b.kernel_name);
+  CHECK(cuda::emit(a) == cuda::emit(b));
+  CHECK(a.kernel_name.find("_decay") != std::string::npos);
+  CHECK(a.description.find("decay=0.97") != std::string::npos);
+  CHECK(cuda::plan_text(linear) == fmt::format("{}", compile<order::linear>(retention)));  // printed as the plan
+  std::string const src = cuda::emit(a), text = cuda::listing(a);
+  CHECK(src.find("tl::decay_rows<") != std::string::npos);
+  CHECK(src.find(fmt::format("{:#.9g}f", 0.97f)) != std::string::npos);  // g^1, as lina rounded it
+  CHECK(text.find("powers pw") != std::string::npos);
+  CHECK(text.find("mask_causal a, weighed by pw") != std::string::npos);
+  // Another decay is another kernel; decay{1} is the plain mask's kernel.
+  auto other = cuda::spec_of(compile<order::linear>(causal(Q * transpose(K), decay{0.5}) * V));
+  CHECK(cuda::program_of(spec_at(other, 16, 8)).kernel_name != a.kernel_name);
+  auto one = cuda::spec_of(compile<order::linear>(causal(Q * transpose(K), decay{1.0}) * V));
+  auto plain = cuda::spec_of(compile<order::linear>(causal(Q * transpose(K)) * V));
+  CHECK(cuda::emit(cuda::program_of(spec_at(one, 16, 8))) == cuda::emit(cuda::program_of(spec_at(plain, 16, 8))));
+  // The powers are g^k rounded once from double, subnormal ones 0.
+  auto tiny = linear;
+  tiny.decay = 0.2;
+  std::vector<float> const g = cuda::decay_powers(tiny, 65);
+  CHECK(g[0] == 1.0f);
+  CHECK(g[1] == 0.2f);
+  for (int x = 0; x <= 54; ++x) {  // (0.2^54 ≈ 1.8e-38: fp32's last normal power)
+    CAPTURE(x);
+    CHECK(std::abs(g[static_cast<std::size_t>(x)] - std::pow(0.2, x)) <= std::ldexp(std::pow(0.2, x), -24));
+  }
+  CHECK(g[64] == 0.0f);  // 0.2^64 ≈ 1.8e-45: below fp32's normals
+}
+
+TEST_CASE("decayed forward: decay 0 keeps each row's own token, and NaN reaches every later row") {
+  constexpr auto own = causal(Q * transpose(K), decay{0.0}) * V;
+  constexpr auto plan = compile<order::linear>(own);
+  std::size_t const b = 2, h = 1, n = 70, d = 5, m = 3;
+  auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2),
+       v = tensor<float>::random({b, h, n, m}, 3);
+  auto got = cuda::emulate(plan, {}, Q = q, K = k, V = v);
+  double worst = 0;
+  for (std::size_t i = 0; i < b; ++i)
+    for (std::size_t t = 0; t < n; ++t) {
+      double s = 0;
+      for (std::size_t c = 0; c < d; ++c) s += double(q(i, 0, t, c)) * k(i, 0, t, c);
+      for (std::size_t c = 0; c < m; ++c) worst = std::max(worst, std::abs(got(i, 0, t, c) - s * v(i, 0, t, c)));
+    }
+  CHECK(worst <= 1e-5);
+  // A NaN in V at row 37 of batch 0: every row from it on reads it, however
+  // small its weight there, as on the CPU. The kernel's products skip a masked
+  // chunk's zero tiles by 16-row stripes, so the rows of stripes before it
+  // (and the other batch) stay finite; within its stripe the masked zeros
+  // meet it in the product (0·NaN), as with the plain mask.
+  v(0, 0, 37, 1) = NAN;
+  auto decayed_plan = compile<order::linear>(causal(Q * transpose(K), decay{0.5}) * V);
+  auto with_nan = cuda::emulate(decayed_plan, {}, Q = q, K = k, V = v);
+  auto on_cpu = cpu::evaluate(decayed_plan, Q = q, K = k, V = v);
+  for (std::size_t t = 0; t < n; ++t) {
+    CAPTURE(t);
+    if (t >= 37 || t < 32) CHECK(std::isnan(with_nan(0, 0, t, 1)) == (t >= 37));
+    CHECK(std::isnan(on_cpu(0, 0, t, 1)) == (t >= 37));
+    CHECK(!std::isnan(with_nan(1, 0, t, 1)));
+  }
+}
+
+TEST_CASE("decayed plans run in one pass: no chunk-parallel form yet, and bad specs are refused") {
+  auto spec = spec_at(cuda::spec_of(compile<order::linear>(decayed_linear)), 8, 4);
+  CHECK_FALSE(cuda::splits(spec));
+  CHECK_THROWS_WITH_AS(cuda::split_programs_of(spec), doctest::Contains("no chunk-parallel form"), std::invalid_argument);
+  CHECK(cuda::split_backward_programs_of(spec).empty());
+  // What a program compiles ahead of time: forward and backward, chained both again, and the decoding step.
+  auto const all = cuda::kernels_of(spec);
+  CHECK(all.size() == 5);
+  for (auto const& p : all) {
+    CAPTURE(p.kernel_name);
+    CHECK(p.kernel_name.find("_decay") != std::string::npos);
+    CHECK(p.kernel_name.find("_split") == std::string::npos);
+  }
+  // Asked to split (options::split_rows, or groups in the schedule), the emulation runs the one pass: the same bits.
+  constexpr auto plan = compile<order::linear>(decayed_linear);
+  auto q = tensor<float>::random({1, 2, 200, 8}, 4), k = tensor<float>::random({1, 2, 200, 8}, 5),
+       v = tensor<float>::random({1, 2, 200, 4}, 6), dout = tensor<float>::random({1, 2, 200, 4}, 7);
+  auto once = cuda::emulate(plan, {}, Q = q, K = k, V = v);
+  cuda::options split;
+  split.split_rows = 64;
+  CHECK(max_abs_diff(cuda::emulate(plan, split, Q = q, K = k, V = v), once) == 0);
+  cuda::options groups;
+  groups.tiles.groups = 3;
+  CHECK(max_abs_diff(cuda::emulate(plan, groups, Q = q, K = k, V = v), once) == 0);
+  auto g_once = cuda::emulate_gradient(plan, {}, dout, Q = q, K = k, V = v);
+  auto g_split = cuda::emulate_gradient(plan, split, dout, Q = q, K = k, V = v);
+  CHECK(max_abs_diff(g_split[Q], g_once[Q]) == 0);
+  CHECK(max_abs_diff(g_split[K], g_once[K]) == 0);
+  CHECK(max_abs_diff(g_split[V], g_once[V]) == 0);
+  // Specs built by hand: a decay outside [0, 1], or on an attention without a causal linear scan.
+  for (double g : {1.5, -0.1, static_cast<double>(NAN)}) {
+    CAPTURE(g);
+    auto bad = spec;
+    bad.decay = g;
+    CHECK_THROWS_WITH_AS(cuda::program_of(bad), doctest::Contains("it is in [0, 1]"), std::invalid_argument);
+    CHECK_THROWS_AS(cuda::backward_programs_of(bad), std::invalid_argument);
+  }
+  auto full = spec;
+  full.causal = false;
+  CHECK_THROWS_WITH_AS(cuda::program_of(full), doctest::Contains("causal linear"), std::invalid_argument);
+  auto soft = spec;
+  soft.softmax = true;
+  CHECK_THROWS_WITH_AS(cuda::program_of(soft), doctest::Contains("causal linear"), std::invalid_argument);
+  CHECK_THROWS_AS(cuda::backward_programs_of(soft), std::invalid_argument);
+}
+
+// On a device: decayed forwards, gradients and decoding steps against their
+// emulation — with B·H = 2 and N = 1000, where a plain plan would split N, a
+// decayed one runs its one pass. (The per-instruction test in test_cuda.cpp
+// cuts the decayed program too.)
+TEST_CASE("device: decayed kernels = their emulation") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  constexpr auto plan = compile<order::linear>(decayed_linear);
+  constexpr auto ret = compile<order::linear>(retention);
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16})
+    for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{1, 2, 1000, 128, 128}}) {
+      launch_vs_emulation(plan, dt, s, 1500);
+      launch_vs_emulation(ret, dt, s, 1510);
+    }
+  auto gradient = [&]<class E>(auto const& p, shape s, std::uint64_t seed) {
+    cuda::dtype const dt = cuda::dtype_of<E>;
+    CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    test::rng r{seed};
+    auto inputs = random_inputs(s, dt, r, false);
+    auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+    auto want = cuda::emulate_gradient(p, {dt, dt}, dout, Q = inputs.q, K = inputs.k, V = inputs.v);
+    auto got = cuda::gradient(p, cuda::to_device<E>(dout), nullptr, Q = cuda::to_device<E>(inputs.q),
+                              K = cuda::to_device<E>(inputs.k), V = cuda::to_device<E>(inputs.v));
+    CHECK(relative_rms(cuda::to_host(got[Q]), want[Q]) <= gradient_tolerance(dt));
+    CHECK(relative_rms(cuda::to_host(got[K]), want[K]) <= gradient_tolerance(dt));
+    CHECK(relative_rms(cuda::to_host(got[V]), want[V]) <= gradient_tolerance(dt));
+  };
+  for (shape s : {shape{2, 3, 40, 16, 8}, shape{1, 2, 1000, 64, 64}, shape{1, 1, 70, 128, 128}, shape{1, 1, 40, 256, 256}}) {
+    gradient.template operator()<float>(plan, s, 1520);
+    gradient.template operator()<cuda::bf16>(plan, s, 1530);
+    gradient.template operator()<cuda::bf16>(ret, s, 1540);
+  }
+  // A prompt, then steps, on a device state, against the same in the emulation: outputs and state.
+  std::size_t const b = 4, h = 3, n = 40, d = 64, m = 64, prompt = 17;
+  auto q = tensor<float>::random({b, h, n, d}, 1550), k = tensor<float>::random({b, h, n, d}, 1551),
+       v = tensor<float>::random({b, h, n, m}, 1552);
+  auto gpu = cuda::recurrent(plan, b, h, {});
+  auto host = cuda::recurrent(plan, b, h, {}, cuda::memory::host);
+  cuda::tensor<float> out({b, h, n, m});
+  tensor<float> want({b, h, n, m});
+  for (std::size_t t = 0; t < n; t = t == 0 ? prompt : t + 1) {
+    std::size_t const to = t == 0 ? prompt : t + 1;
+    auto dq = cuda::to_device(test::tokens(q, t, to)), dk = cuda::to_device(test::tokens(k, t, to)),
+         dv = cuda::to_device(test::tokens(v, t, to));
+    if (t == 0) {
+      gpu.prefill_into(out.rows(t, to - t), nullptr, Q = dq, K = dk, V = dv);
+      host.prefill_into(rows_of(want, t, to), Q = test::tokens(q, t, to), K = test::tokens(k, t, to), V = test::tokens(v, t, to));
+    } else {
+      gpu.step_into(out.rows(t, 1), nullptr, Q = dq, K = dk, V = dv);
+      host.step_into(rows_of(want, t, to), Q = test::tokens(q, t, to), K = test::tokens(k, t, to), V = test::tokens(v, t, to));
+    }
+  }
+  CHECK(relative_rms(cuda::to_host(out), want) <= forward_tolerance(cuda::dtype::f32));
+  CHECK(relative_rms(sums_of(cuda::to_host(gpu.state())), sums_of(host.state())) <= 1e-6);
+}
