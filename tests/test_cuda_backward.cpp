@@ -548,6 +548,11 @@ TEST_CASE("backward, split: the chunk-parallel form (groups of rows, three launc
   check_split_backward(causal(Q * transpose(K)) * V, 112, {{2, 1, 300, 16, 8}, {1, 1, 130, 128, 128}}, false, true);
   check_split_backward(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 113, {{1, 2, 150, 9, 70}});
   check_split_backward(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 114, {{1, 2, 150, 6, 5}}, true);
+  // Decayed: a group's adjoint sums are a reverse walk's; each walk adds the earlier groups' sums and, from
+  // the last group down, the later groups' by Horner's rule (g near 1, so that they weigh).
+  check_split_backward(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.99})) * V, 117,
+                       {{1, 2, 1, 7, 4}, {2, 1, 300, 16, 8}, {1, 2, 257, 24, 100}}, false, true);
+  check_split_backward(causal(Q * transpose(K), decay{0.995}) * V, 118, {{2, 1, 300, 16, 8}, {1, 1, 130, 128, 128}}, false, true);
   // Non-causal: the sums over groups of K's rows; each group of Q's rows its
   // rows, ĝ, ∂Q and Σ φ(Q)ᵀĝ from all of them; each group of K's rows ∂K, ∂V.
   check_split_backward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 115,

@@ -302,6 +302,13 @@ TEST_CASE("simt: decayed kernels (retention) as written = the interpreter") {
     forward_both_ways(plan, cuda::dtype::bf16, shape{1, 2, 177, 64, 64}, 1380, opt);
     gradient_both_ways(plan, cuda::dtype::bf16, shape{1, 2, 177, 64, 64}, 1390, opt);
   }
+  // N in groups of rows: the forward's two launches, the backward's three (Horner's rule over the groups).
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    cuda::options opt{dt, dt};
+    opt.split_rows = 64;
+    forward_both_ways(plan, dt, shape{1, 2, 300, 64, 64}, 1395, opt);
+    gradient_both_ways(plan, dt, shape{1, 2, 300, 64, 64}, 1396, opt);
+  }
   // A prompt, then a step per token (the step kernel: T = 16), and the state.
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
     shape const s{2, 3, 21, 16, 70};

@@ -489,6 +489,9 @@ TEST_CASE("split: the chunk-parallel form (groups of rows, two launches) = one p
   check_split(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V, 71, cases);
   check_split(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V, 72, {{2, 1, 300, 16, 8}, {1, 2, 150, 9, 70}});
   check_split(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V, 73, {{1, 2, 150, 6, 5}}, true);
+  // Decayed: each group from the earlier groups' sums by Horner's rule (g near 1, so that they weigh).
+  check_split(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.99})) * V, 76, cases);
+  check_split(causal(Q * transpose(K), decay{0.995}) * V, 77, {{2, 1, 300, 16, 8}, {1, 2, 257, 24, 100}});
   // Non-causal: the partials over groups of K's rows, every group of Q's rows starting from all of them.
   check_split(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 78, cases);
   check_split(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 79, {{2, 1, 300, 16, 8}});
@@ -545,6 +548,9 @@ TEST_CASE("split: a chained block (groups of rows from the state in) = one pass,
   };
   check(compile<order::linear>(causal_expr), {2, 1, 300, 16, 8}, 74);
   check(compile<order::linear>(causal(phi<relu>(Q) * transpose(phi<relu>(K))) * V), {1, 2, 331, 24, 100}, 75);
+  // Decayed: the state in weighs g^(rows before the group), the state out is the last group's.
+  check(compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.99})) * V),
+        {2, 1, 300, 16, 8}, 76);
 }
 
 // Launches that split N (too few (batch, head) blocks for the device) = the

@@ -319,6 +319,14 @@ struct emitter {
         break;
       case opcode::add_partials:  // the sums of the groups before this one (non-causal: of every group of K's rows;
                                   // later: of the groups after it)
+        if (i.b >= 0) {  // decayed (causal, split): Horner's rule, the last group of its own rows
+          line(ind,
+               "tl::add_partials_decayed<{}, {}, {}, {}, {}, chunk>({}, args.extra[{}], extra{}_base, {} * args.extra[{}].stride[2], "
+               "{}, m0, {}, {}, args.group_rows, args.n - (groups - 1) * args.group_rows);  // by Horner's rule",
+               rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), yes(i.later), t, i.slot, i.slot, rows(i.dst), i.slot,
+               i.later ? "group + 1, groups" : "0, group", width(i), name(i.b));
+          break;
+        }
         line(ind, "tl::add_partials<{}, {}, {}, {}>({}, args.extra[{}], extra{}_base, {} * args.extra[{}].stride[2], {}, m0, {});",
              rows(i.dst), cols(i.dst), pitch(i.dst), yes(i.z_column), t, i.slot, i.slot, rows(i.dst), i.slot,
              i.later         ? std::string("group + 1, groups")

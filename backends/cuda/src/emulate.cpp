@@ -303,14 +303,29 @@ struct block {
         std::int64_t const from = i.later ? group + 1 : 0;
         std::int64_t const side = p.extras.at(static_cast<std::size_t>(i.slot)).keys ? keys_of(a) : a.n;  // its groups' rows
         std::int64_t const upto = i.later ? groups : i.causal ? group : (side + a.group_rows - 1) / a.group_rows;
-        for (std::int64_t g = from; g < upto; ++g) {
+        // Decayed: Horner's rule, t = fma(t, w, sums) per group — causal in increasing g, later from the last
+        // group (whose rows may be fewer) down; w = g^(its rows), as tl::decay_over builds it.
+        bool const decayed = i.b >= 0;
+        auto decay_over = [&](std::int64_t rows) {
+          tile& pw = reg[static_cast<std::size_t>(i.b)];
+          int const chunk = p.tiles.chunk;
+          float x = 1.0f;
+          for (std::int64_t c = 0; c < rows / chunk; ++c) x = x * pw.at(0, chunk);
+          return x * pw.at(0, static_cast<int>(rows % chunk));
+        };
+        float const full = decayed ? decay_over(a.group_rows) : 1.0f;
+        float const last = decayed ? decay_over(side - (groups - 1) * a.group_rows) : 1.0f;
+        for (std::int64_t x = from; x < upto; ++x) {
+          std::int64_t const g = decayed && i.later ? upto - 1 - (x - from) : x;
+          float const w = g == groups - 1 ? last : full;
           std::int64_t const base = slice_offset(s) + g * t.rows * s.stride[2];
+          auto add = [&](float& to, float sums) { to = decayed ? std::fma(to, w, sums) : to + sums; };
           for (int r = 0; r < t.rows; ++r)
             for (int c = 0; c < t.cols; ++c) {
               if (i.z_column && c == t.cols - 1)
-                t.at(r, c) += data[base + r * s.stride[2] + (s.cols - 1) * s.stride[3]];
+                add(t.at(r, c), data[base + r * s.stride[2] + (s.cols - 1) * s.stride[3]]);
               else if (c < i.width && c0 + c < m_cols)
-                t.at(r, c) += data[base + r * s.stride[2] + (c0 + c) * s.stride[3]];
+                add(t.at(r, c), data[base + r * s.stride[2] + (c0 + c) * s.stride[3]]);
             }
         }
         break;

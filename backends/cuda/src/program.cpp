@@ -758,7 +758,6 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   int const dx = b.reg("dx", t, c, "∂φ(Q) or ∂φ(K) rows (T, " + cdim + ")");
   int const gx = row_map ? b.reg("gx", t, d, "∂Q or ∂K rows through the row map or x·W (T, D)") : -1;
   int const st = b.reg("state", c, w, "S = Σ φ(K)ᵀ" + v1 + " (forward), then R = Σ φ(Q)ᵀĝ (reverse), fp32 (" + cdim + ", W)");
-  if (split && decayed(s)) throw std::logic_error("lina::cuda: a decayed backward has no chunk-parallel form");
   b.decay_register(s, t);
   float const eps = static_cast<float>(s.eps);
 
@@ -780,9 +779,10 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
   // A split part's groups' sums: S ("partials") or R ("∂ partials"); causal,
   // of the groups before this block's, or after it (later: a reverse walk's
   // suffix); non-causal, of all of them.
+  // Decayed, the groups' sums are added by Horner's rule (add_partials with the powers register).
   auto group_sums = [&](opcode op, bool r, bool later = false) {
-    return instruction{.op = op, .dst = st, .slot = sums_at + (r ? 1 : 0), .width = m, .by_m_tile = true,
-                       .z_column = s.normalized, .causal = s.causal, .later = later};
+    return instruction{.op = op, .dst = st, .b = op == opcode::add_partials ? b.pw : -1, .slot = sums_at + (r ? 1 : 0),
+                       .width = m, .by_m_tile = true, .z_column = s.normalized, .causal = s.causal, .later = later};
   };
   // The sums S: the whole backward reads them; causal, the walks and a
   // normalised plan's adjoint sums (its rows), non-causal the adjoint sums
@@ -846,11 +846,11 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
     body.push_back(b.mask(a));
     b.chunk_and_state(body, o, a, v, q, st, false, decay_power::row_plus_one);
   };
-  if (s.causal && part == backward_part::sums) {  // the group's Σ φKᵀ·[V|1]
+  if (s.causal && part == backward_part::sums) {  // the group's Σ φKᵀ·[V|1] (decayed: to its last row)
     std::vector<instruction> sum;
     b.load_mapped(sum, k, 1, s.map_k);
     b.load_values(sum, v, m, false);
-    sum.push_back(b.product(st, k, true, v, false, true));
+    b.add_to_state(sum, st, k, v, decay_power::to_chunk_end);
     p.passes.emplace_back(std::move(sum));
     p.epilogue.push_back(group_sums(opcode::store_partial, false));
   } else if (s.causal && part == backward_part::adjoint_sums) {  // the group's Σ φQᵀ·ĝ
@@ -861,14 +861,16 @@ program lay_out_backward(attention_spec const& s, int t, backward_part part = ba
       b.load_values(rows, v, m, false);
       rows_again(rows);
       adjoint_rows(rows);
-      rows.push_back(b.product(st, k, true, v, false, true));
+      b.add_to_state(rows, st, k, v, decay_power::to_chunk_end);
       p.passes.emplace_back(std::move(rows));
     }
+    // Decayed, the group's Σ g^(i+1)·φq_iᵀĝ_i (i from its first row: the gradient of the state
+    // before it) is a reverse walk's, as the whole backward's.
     std::vector<instruction> adj;
     b.load_mapped(adj, q, 0, s.map_q);
     reload_adjoint(adj);
-    adj.push_back(b.product(st, q, true, g, false, true));
-    p.passes.emplace_back(std::move(adj), false,
+    b.add_to_state(adj, st, q, g, decay_power::row_plus_one);
+    p.passes.emplace_back(std::move(adj), decayed(s),
                           s.normalized ? std::vector<instruction>{builder::zero(st)} : std::vector<instruction>{});
     p.epilogue.push_back(group_sums(opcode::store_partial, true, true));
   } else if (s.causal) {
@@ -1335,7 +1337,7 @@ void drop_unused_registers(program& p) {
 
 static std::vector<program> build_split_backward_programs(attention_spec const& s) {
   bool const param = parametric(s.map_q) || parametric(s.map_k);
-  if (s.softmax || s.step || decayed(s) || s.d == 0 || s.m == 0) return {};
+  if (s.softmax || s.step || s.d == 0 || s.m == 0) return {};
   check_maps(s);
   std::optional<program> const whole = fitting_backward(s, false);
   if (!whole) return {};  // (split over M's columns instead)
@@ -1410,13 +1412,10 @@ program backward_program_of(attention_spec const& s) {
   throw std::invalid_argument(too_large(s, " (backward_programs_of splits M's columns over launches)"));
 }
 
-bool splits(attention_spec const& s) { return !decayed(s) && !quadratic_form(s); }
+bool splits(attention_spec const& s) { return !quadratic_form(s); }
 
 static split_programs build_split_programs(attention_spec const& s) {
   if (quadratic_form(s)) throw std::invalid_argument("lina::cuda: the chunk-parallel form is for linear forwards");
-  if (decayed(s))
-    throw std::invalid_argument("lina::cuda: a decayed scan has no chunk-parallel form yet (its groups' sums would "
-                                "reach later groups weighed by the decay to the rows between): it runs in one pass");
   if (s.chained && !s.causal)
     throw std::invalid_argument("lina::cuda: only a causal attention carries a state, so only its split form takes one");
   // The partials never see the state: a chained spec's are the unchained one's (one kernel for both).
@@ -1429,13 +1428,14 @@ static split_programs build_split_programs(attention_spec const& s) {
       if (scan.registers[r].name == name) return static_cast<int>(r);
     throw std::logic_error(std::string("lina::cuda: a linear program without a register ") + name);
   };
-  int const st = reg("state"), k = reg("k");
+  int const st = reg("state"), k = reg("k"), pw = decayed(s) ? reg("pw") : -1;
   instruction const partial_op{.op = opcode::store_partial, .dst = st, .slot = 0, .width = scan.tiles.tile_m, .by_m_tile = true,
                                .z_column = s.normalized, .causal = s.causal};
-  instruction const add_op{.op = opcode::add_partials, .dst = st, .slot = 0, .width = scan.tiles.tile_m, .by_m_tile = true,
+  instruction const add_op{.op = opcode::add_partials, .dst = st, .b = pw, .slot = 0, .width = scan.tiles.tile_m, .by_m_tile = true,
                            .z_column = s.normalized, .causal = s.causal};
   if (s.causal) {
-    // partials: the group's Σ φ(K)ᵀ[V|1] — the scan's loads of K and V and its state update.
+    // partials: the group's Σ φ(K)ᵀ[V|1] — the scan's loads of K and V and its state update
+    // (decayed: with its weights, so the sums are the group's state at its last row from 0).
     // K's block runs from its load to the instruction that writes φ(K) into k
     // (a load, or a map — after x·W for a parametric map).
     std::vector<instruction> sum;
@@ -1445,7 +1445,9 @@ static split_programs build_split_programs(attention_spec const& s) {
       bool const v = (i.op == opcode::load && i.slot == 2) || i.op == opcode::ones_column ||
                      (i.op == opcode::prefetch && (i.slot == 1 || i.slot == 2));  // (K's too: a hint)
       bool const maps_k = i.op == opcode::map && i.dst == k;  // (an element-wise map after the load of k)
-      if (in_k || v || maps_k || (i.op == opcode::product && i.dst == st)) sum.push_back(i);
+      bool const update = (i.op == opcode::product || i.op == opcode::decay_rows) && i.dst == st;
+      bool const weighs_k = i.op == opcode::decay_rows && i.dst == k;
+      if (in_k || v || maps_k || update || weighs_k) sum.push_back(i);
       if (in_k && (i.op == opcode::load || i.op == opcode::map) && i.dst == k) in_k = false;
     }
     partials.passes = {pass(std::move(sum))};

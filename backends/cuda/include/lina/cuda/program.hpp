@@ -188,7 +188,14 @@
 //                          every group of the rows the buffer was summed over (K's
 //                          or Q's: extra_buffer::keys), g < ⌈rows / group_rows⌉ —
 //                          also in a program that is not split — for the columns
-//                          load_state reads (z column included)
+//                          load_state reads (z column included). Decayed (b ≥ 0, the
+//                          powers register; causal): by Horner's rule, each group's
+//                          sums s added as t = fma(t, w, s) (w = g^(the group's rows),
+//                          built in fp32 as pw[T] once per whole chunk, then ·pw[rows
+//                          mod T]): `causal` in increasing g (full groups), `later` in
+//                          decreasing g from the last, whose rows are n − (groups−1)·
+//                          group_rows — the state a group starts from, the gradient of
+//                          the state a reverse walk starts from
 //   store_state t          state_out(i, c0 + j) = t[i][j] for the same (i, j); the z
 //                          column (z_column) only from the block with m_tile = 0 —
 //                          every block of a (batch, head) holds the same z. In a
@@ -577,15 +584,14 @@ std::vector<program> backward_programs_of(attention_spec const& s);
 // and `scan` starts every group of Q's rows from all of them, then computes
 // its rows. Same tiles as program_of(s); the results equal it up to the order
 // of the state's sums.
-// Decayed specs have no such form yet (a group's sums would enter later
-// groups weighed by g to the rows between): split_programs_of throws
-// std::invalid_argument, split_backward_programs_of returns none, and
-// launches run them in one pass (splits: false).
+// Decayed (causal(S, decay{g})): each group's sums are its state at its last
+// row, started from 0, and a group starts from the earlier ones' by Horner's
+// rule (add_partials) — S0·w^G + Σ_g' w^(G−1−g')·P_g', w = g^group_rows.
 struct split_programs {
   program partials, scan;
 };
 // Does a launch of the spec's forward have a chunk-parallel form to choose?
-// (A linear spec without decay.)
+// (A linear spec.)
 bool splits(attention_spec const& s);
 split_programs split_programs_of(attention_spec const& s);
 
@@ -612,8 +618,10 @@ split_programs split_programs_of(attention_spec const& s);
 // φ(K)'s own); a fourth launch, a block per (batch, head), adds them in a
 // fixed order (the groups', Q's before K's). Every gradient row is summed by
 // one block; launches in order on one stream. Returns no programs where the
-// backward has no such form: softmax, step or decayed specs, poly2 through its
-// kernel and specs split over M's columns. The results equal backward_programs_of(s)'s
+// backward has no such form: softmax or step specs, poly2 through its kernel
+// and specs split over M's columns. Decayed, the adjoint sums are a reverse
+// walk's (the gradient of the state before the group) and the walks add the
+// later groups' by Horner's rule from the last (add_partials). The results equal backward_programs_of(s)'s
 // up to the order of the state's sums.
 std::vector<program> split_backward_programs_of(attention_spec const& s);
 

@@ -1392,6 +1392,43 @@ __device__ void add_partials(float* t, const operand& s, long long base, long lo
   }
 }
 
+// g^rows from a decayed program's powers register (T + 1 of them): pw[T] once per
+// whole chunk, then pw[rows mod T], fp32 products in that order (the emulation's).
+template <int T>
+__device__ __forceinline__ float decay_over(const float* pw, long long rows) {
+  float x = 1.0f;
+  for (long long c = 0; c < rows / T; ++c) x = x * pw[T];
+  return x * pw[rows % T];
+}
+
+// add_partials of a decayed scan (program.hpp): by Horner's rule, t = fma(t, w,
+// sums) per group, w = g^(the group's rows) — in increasing order of the
+// groups before this one, or (Later) from the last group, of last_rows rows,
+// down to the one after it.
+template <int R, int C, int P, bool Z, bool Later, int T>
+__device__ void add_partials_decayed(float* t, const operand& s, long long base, long long rows_apart, long long first,
+                                     long long end, long long c0, int width, const float* pw, long long group_rows,
+                                     long long last_rows) {
+  const float* data = static_cast<const float*>(s.data);
+  const long long m_cols = Z ? s.cols - 1 : s.cols;
+  const float full = decay_over<T>(pw, group_rows), last = decay_over<T>(pw, last_rows);
+  for (int e = threadIdx.x; e < R * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
+    long long col = -1;
+    if (Z && j == C - 1)
+      col = s.cols - 1;
+    else if (j < width && c0 + j < m_cols)
+      col = c0 + j;
+    if (col < 0) continue;
+    float x = t[i * P + j];
+    for (long long n = first; n < end; ++n) {
+      const long long g = Later ? end - 1 - (n - first) : n;
+      x = fmaf(x, Later && g == end - 1 ? last : full, data[base + g * rows_apart + i * s.stride[2] + col * s.stride[3]]);
+    }
+    t[i * P + j] = x;
+  }
+}
+
 #endif  // __CUDACC__ || LINA_TILES_ON_HOST
 
 }  // namespace tile
