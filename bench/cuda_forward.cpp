@@ -8,7 +8,8 @@
 // result is checked against the host emulation on the first rows of one
 // (batch, head), so a fast wrong kernel does not pass for a benchmark.
 //
-//   cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--packed SxLxHxD,…|none] [--no-backward] [--budget seconds]
+//   cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--packed SxLxHxD,…|none] [--retention BxTxHxD,…|none]
+//                [--no-backward] [--budget seconds]
 //                [--tsv file] [--check-rows n]
 //                [--copy-mib m] [--ablate] [--tiles TxTM[p][sG][/N],…] [--compile-only sm_XY [--sms n]]
 //
@@ -40,6 +41,13 @@
 // takes its tensors from PyTorch's caching allocator, not cudaMalloc). Checked:
 // the last sequence's first rows (output and ∂Q of both) of the last head
 // against the emulation. Its tsv rows have B = pS and T = L.
+//
+// --retention BxTxHxD,… (default 1x8192x96x128,8x2048x32x64; "none" skips it)
+// times the decayed mask: RetNet's retention causal(Q·Kᵀ, decay{0.96875})·V
+// (no feature map, no normaliser), forward through evaluate_into and backward
+// as cuda::gradient launches it, checked like the rows above; its tsv rows have
+// B = rB. fla's chunk_simple_gla with g_gamma = log 0.96875 on every head is
+// the same attention (bench/fla_forward.py).
 //
 // --tiles TxTM[p][sG][/N],… (default 64x64p,32x64,64x128,32x128,32x128p,16x128,
 // 64x128/512,64x64s4,64x64s16,32x128s8; "none": no sweep) times the forward again
@@ -104,6 +112,13 @@ constexpr auto Q = input<"Q">(N, D);
 constexpr auto K = input<"K">(N, D);
 constexpr auto V = input<"V">(N, M);
 constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+using elu_plan = std::remove_cvref_t<decltype(plan)>;
+// --retention's plan: RetNet's retention causal(Q·Kᵀ, decay{g})·V (no feature
+// map, no normaliser) at g = 1 − 2⁻⁵, the slowest-decaying head of fla's
+// chunk_retention; fla's chunk_simple_gla with g_gamma = log g on every head
+// is the same attention (bench/fla_forward.py).
+constexpr double retention_decay = 0.96875;
+constexpr auto retention = compile<order::linear>(causal(Q * transpose(K), decay{retention_decay}) * V);
 
 void check(cudaError_t e, char const* what) {
   if (e != cudaSuccess) throw std::runtime_error(fmt::format("{} failed: {} ({})", what, cudaGetErrorName(e), cudaGetErrorString(e)));
@@ -180,9 +195,11 @@ cuda::forward_args args_of(shape const& s, cuda::tensor<cuda::bf16> const& q, cu
 
 cuda::options const bf16{cuda::dtype::bf16, cuda::dtype::bf16};
 
-// The kernel spec of one shape (M = D) at a schedule ({0, 0}: lina's own).
-cuda::attention_spec spec_at(shape const& s, cuda::tile_request tiles = {}) {
-  auto spec = cuda::spec_of(plan, bf16);
+// The kernel spec of one shape (M = D) at a schedule ({0, 0}: lina's own), of
+// the elu+1 plan unless another is given.
+template <class P = elu_plan>
+cuda::attention_spec spec_at(shape const& s, cuda::tile_request tiles = {}, P const& p = plan) {
+  auto spec = cuda::spec_of(p, bf16);
   spec.d = spec.m = s.d;
   spec.tiles = tiles;
   return spec;
@@ -391,16 +408,17 @@ double device_error(cuda::bf16 const* got_on_device, std::size_t n, float const*
 // splits N (too few (batch, head) blocks for the SMs), the three launches of
 // the chunk-parallel form, with the one-pass kernel timed beside them. True
 // when ∂Q's first rows of the last (batch, head) match the emulation at the
-// same tiles.
+// same tiles. Of the elu+1 plan unless another is given.
+template <class P = elu_plan>
 bool time_backward(shape const& s, cuda::tile_request tiles, std::string const& label, std::vector<std::uint16_t> const& hq,
                    std::vector<std::uint16_t> const& hk, std::vector<std::uint16_t> const& hv,
                    cuda::tensor<cuda::bf16> const& q, cuda::tensor<cuda::bf16> const& k, cuda::tensor<cuda::bf16> const& v,
                    double fwd_ms, double copy_bw, double budget, std::size_t check_rows, int sms, cudaStream_t stream,
-                   double* ms_out) {
+                   double* ms_out, P const& attention = plan) {
   std::size_t const m = s.d;
   backward_launch b;
   try {
-    b = backward_launch_of(spec_at(s, tiles), s, sms);
+    b = backward_launch_of(spec_at(s, tiles, attention), s, sms);
   } catch (std::invalid_argument const& e) {
     fmt::print("| {}: not one block's ({}) | | | | | {} | | | | | | |\n", label, e.what(), tiles.chunk);
     return true;
@@ -441,7 +459,7 @@ bool time_backward(shape const& s, cuda::tile_request tiles, std::string const& 
   std::size_t const rows = std::min(check_rows, s.t);
   cuda::options at = bf16;
   at.tiles = tiles;
-  auto want = cuda::emulate_gradient(plan, at, first_rows(hd, s, m, rows), Q = first_rows(hq, s, s.d, rows),
+  auto want = cuda::emulate_gradient(attention, at, first_rows(hd, s, m, rows), Q = first_rows(hq, s, s.d, rows),
                                      K = first_rows(hk, s, s.d, rows), V = first_rows(hv, s, m, rows));
   double const err = device_error(gq.data() + (s.b * s.h - 1) * s.t * s.d, rows * s.d, want[Q].data());
   bool const ok = err <= std::ldexp(1.0, -8);
@@ -629,12 +647,13 @@ bool time_packed(pack const& pk, bool backward, double budget, double copy_bw, s
 
 // The relative RMS error of `o`'s first rows of the last (batch, head)
 // against the emulation at `opt` (causal: those rows depend on the same rows
-// of the inputs alone).
+// of the inputs alone). Of the elu+1 plan unless another is given.
+template <class P = elu_plan>
 double forward_error(shape const& s, std::vector<std::uint16_t> const& hq, std::vector<std::uint16_t> const& hk,
                      std::vector<std::uint16_t> const& hv, cuda::tensor<cuda::bf16> const& o, cuda::options const& opt,
-                     std::size_t check_rows) {
+                     std::size_t check_rows, P const& p = plan) {
   std::size_t const m = s.d, rows = std::min(check_rows, s.t);
-  auto want = cuda::emulate(plan, opt, Q = first_rows(hq, s, s.d, rows), K = first_rows(hk, s, s.d, rows),
+  auto want = cuda::emulate(p, opt, Q = first_rows(hq, s, s.d, rows), K = first_rows(hk, s, s.d, rows),
                             V = first_rows(hv, s, m, rows));
   return device_error(o.data() + (s.b * s.h - 1) * s.t * m, rows * m, want.data());
 }
@@ -724,8 +743,61 @@ std::vector<cuda::tile_request> backward_chunks(shape const& s, std::vector<cuda
 // --compile-only: every kernel a run with these options would launch on a
 // device of architecture `arch` with `sms` SMs, compiled through NVRTC's
 // on-disk cache. No device needed.
+// One shape's inputs (random bf16 in [-1, 1), seeds seed, seed + 1, seed + 2),
+// on the host for the checks and on the device; o for the output.
+struct shape_inputs {
+  std::vector<std::uint16_t> hq, hk, hv;
+  cuda::tensor<cuda::bf16> q, k, v, o;
+};
+shape_inputs random_inputs(shape const& s, std::uint64_t seed) {
+  shape4 const sq{s.b, s.h, s.t, s.d};  // (M = D)
+  std::size_t const n = s.b * s.h * s.t * s.d;
+  shape_inputs in{random_bf16(n, seed), random_bf16(n, seed + 1), random_bf16(n, seed + 2), cuda::tensor<cuda::bf16>(sq),
+            cuda::tensor<cuda::bf16>(sq), cuda::tensor<cuda::bf16>(sq), cuda::tensor<cuda::bf16>(sq)};
+  check(cudaMemcpy(in.q.data(), in.hq.data(), in.q.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
+  check(cudaMemcpy(in.k.data(), in.hk.data(), in.k.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
+  check(cudaMemcpy(in.v.data(), in.hv.data(), in.v.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
+  return in;
+}
+
+// --retention: one shape of the decayed plan, forward through evaluate_into
+// and (unless --no-backward) its backward launched as cuda::gradient would,
+// each checked against the emulation on the first rows of the last (batch,
+// head) like the elu+1 rows; a table row each, and a tsv row keyed rB (fla's
+// chunk_simple_gla writes the same key). True when both checks pass.
+bool time_retention(shape const& s, std::uint64_t seed, bool backward, double budget, double copy_bw,
+                    std::size_t check_rows, int sms, cudaStream_t stream, std::FILE* tsv) {
+  shape_inputs in = random_inputs(s, seed);
+  forward_launch const own = forward_launch_of(spec_at(s, {}, retention), s, sms);  // what evaluate_into launches
+  int reps = 0;
+  double const ms = time_within([&] { cuda::evaluate_into(retention, in.o.view(), stream, Q = in.q, K = in.k, V = in.v); },
+                                budget, 50, stream, &reps);
+  double const flops = 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) * double(s.d);
+  double const gbs = 2.0 * 4.0 * double(s.b) * double(s.h) * double(s.t) * double(s.d) / (ms * 1e-3) / 1e9;
+  double const err = forward_error(s, in.hq, in.hk, in.hv, in.o, bf16, check_rows, retention);
+  bool ok = err <= std::ldexp(1.0, -8);
+  fmt::print("| {} | {} | {} | {} | {}{} | {} | {} | {:.3f} | {:.2f} | {:.0f} | {:.1f} % | {:.1e} {} |\n", s.b, s.t, s.h, s.d,
+             own.rows > 0 ? own.split.front().scan.kernel_name : own.one.kernel_name,
+             own.rows > 0 ? fmt::format(" (split into groups of {} rows)", own.rows) : std::string(), own.one.tiles.chunk,
+             reps, ms, flops / (ms * 1e-3) / 1e12, gbs, 100.0 * gbs / copy_bw, err, ok ? "ok" : "**MISMATCH**");
+  std::fflush(stdout);
+  double bwd_ms = 0;
+  if (backward)
+    ok = time_backward(s, {}, "↳ backward", in.hq, in.hk, in.hv, in.q, in.k, in.v, ms, copy_bw, budget, check_rows, sms,
+                       stream, &bwd_ms, retention) &&
+         ok;
+  if (tsv) {
+    if (backward)
+      std::fprintf(tsv, "r%zu\t%zu\t%zu\t%zu\t%.6f\t%.6f\n", s.b, s.t, s.h, s.d, ms, bwd_ms);
+    else
+      std::fprintf(tsv, "r%zu\t%zu\t%zu\t%zu\t%.6f\n", s.b, s.t, s.h, s.d, ms);
+  }
+  return ok;
+}
+
 int compile_only(std::string const& arch, int sms, std::vector<shape> const& shapes, std::vector<cuda::tile_request> const& tiles,
-                 bool backward, std::string const& decode, bool ablation, std::vector<pack> const& packs) {
+                 bool backward, std::string const& decode, bool ablation, std::vector<pack> const& packs,
+                 std::vector<shape> const& retentions) {
   std::vector<cuda::program> ps;
   auto forward = [&](forward_launch const& f) {
     ps.push_back(f.one);  // (timed beside a split)
@@ -761,6 +833,14 @@ int compile_only(std::string const& arch, int sms, std::vector<shape> const& sha
       shape const s{1, n, pk.h, pk.d};
       forward(forward_launch_of(spec_at(s), s, sms));
       if (backward) backward_at(s, {});
+    }
+  }
+  for (shape const& s : retentions) {
+    forward(forward_launch_of(spec_at(s, {}, retention), s, sms));
+    if (backward) {
+      backward_launch const b = backward_launch_of(spec_at(s, {}, retention), s, sms);
+      ps.push_back(b.one);
+      ps.insert(ps.end(), b.split.begin(), b.split.end());
     }
   }
   if (decode != "none") {  // cuda::recurrent: its prefill (a chained evaluation of the prompt), then its step kernel
@@ -805,7 +885,7 @@ int compile_only(std::string const& arch, int sms, std::vector<shape> const& sha
 }
 
 constexpr char const* usage =
-    "cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--packed SxLxHxD,…|none] [--no-backward] [--budget seconds per shape] [--tsv file] "
+    "cuda_forward [--shapes BxTxHxD,…] [--decode BxHxD|none] [--packed SxLxHxD,…|none] [--retention BxTxHxD,…|none] [--no-backward] [--budget seconds per shape] [--tsv file] "
     "[--check-rows n] [--copy-mib m] [--ablate] [--tiles TxTM[p][sG][/N],…] [--compile-only sm_XY [--sms n]]";
 
 int main(int argc, char** argv) {
@@ -816,6 +896,7 @@ int main(int argc, char** argv) {
   bool ablation = false;
   std::string decode = "64x32x128";
   std::string packed = "512x64x16x64,32x1024x16x128,4x8192x16x128";
+  std::vector<shape> retentions = {{1, 8192, 96, 128}, {8, 2048, 32, 64}};
   bool backward = true;
   std::vector<cuda::tile_request> tiles =
       parse_tiles("64x64p,32x64,64x128,32x128,32x128p,16x128,64x128/512,64x64s4,64x64s16,32x128s8");  // (lina's own at D = 64, 128: 64x64/256)
@@ -838,6 +919,8 @@ int main(int argc, char** argv) {
         decode = value();
       else if (a == "--packed")
         packed = value();
+      else if (a == "--retention")
+        retentions = value() == std::string_view("none") ? std::vector<shape>{} : parse_shapes(argv[i]);
       else if (a == "--no-backward")
         backward = false;
       else if (a == "--budget")
@@ -872,7 +955,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (!compile_arch.empty()) try {
-      return compile_only(compile_arch, sms_given, shapes, tiles, backward, decode, ablation, packs);
+      return compile_only(compile_arch, sms_given, shapes, tiles, backward, decode, ablation, packs, retentions);
     } catch (std::exception const& e) {
       fmt::print(stderr, "cuda_forward --compile-only: {}\n", e.what());
       return 1;
@@ -907,29 +990,13 @@ int main(int argc, char** argv) {
     fmt::print("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     std::FILE* out = tsv.empty() ? nullptr : std::fopen(tsv.c_str(), "w");
     if (!tsv.empty() && !out) throw std::runtime_error("cuda_forward: cannot write " + tsv);
-    // The x-th shape's inputs (random bf16 in [-1, 1)), on the host for the checks and on the device; o for the output.
-    struct inputs {
-      std::vector<std::uint16_t> hq, hk, hv;
-      cuda::tensor<cuda::bf16> q, k, v, o;
-    };
-    auto inputs_of = [&](std::size_t x) {
-      shape const& s = shapes[x];
-      shape4 const sq{s.b, s.h, s.t, s.d};  // (M = D)
-      std::size_t const n = s.b * s.h * s.t * s.d;
-      inputs in{random_bf16(n, 3 * x + 1), random_bf16(n, 3 * x + 2), random_bf16(n, 3 * x + 3),
-                cuda::tensor<cuda::bf16>(sq), cuda::tensor<cuda::bf16>(sq), cuda::tensor<cuda::bf16>(sq),
-                cuda::tensor<cuda::bf16>(sq)};
-      check(cudaMemcpy(in.q.data(), in.hq.data(), in.q.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
-      check(cudaMemcpy(in.k.data(), in.hk.data(), in.k.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
-      check(cudaMemcpy(in.v.data(), in.hv.data(), in.v.bytes(), cudaMemcpyHostToDevice), "cudaMemcpy");
-      return in;
-    };
+    auto inputs_at = [&](std::size_t x) { return random_inputs(shapes[x], 3 * x + 1); };  // the x-th shape's
     int const sms = prop.multiProcessorCount;
     std::vector<double> own_ms(shapes.size()), own_bwd_ms(shapes.size());
     for (std::size_t x = 0; x < shapes.size(); ++x) {
       shape const& s = shapes[x];
       std::size_t const m = s.d, nq = s.b * s.h * s.t * s.d, nv = nq;
-      auto [hq, hk, hv, q, k, v, o] = inputs_of(x);
+      auto [hq, hk, hv, q, k, v, o] = inputs_at(x);
       forward_launch const own = forward_launch_of(spec_at(s), s, sms);  // what evaluate_into launches
       cuda::program const& program = own.one;
       auto launch = [&] { cuda::evaluate_into(plan, o.view(), stream, Q = q, K = k, V = v); };
@@ -990,6 +1057,22 @@ int main(int argc, char** argv) {
           cudaGetLastError();  // (a launch error is sticky only when the context is lost)
         }
     }
+    if (!retentions.empty()) {
+      fmt::print("\n## Retention: causal(Q·Kᵀ, decay{{{}}})·V, bf16 in and out, fp32 state (fla: chunk_simple_gla, the same "
+                 "g_gamma on every head)\n\n",
+                 retention_decay);
+      fmt::print("| B | T | H | D = M | kernel | T chunk | reps | median ms | TFLOP/s | GB/s (q,k,v read, o written) | of copy | "
+                 "check (rel. RMS vs emulation) |\n");
+      fmt::print("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      for (std::size_t x = 0; x < retentions.size(); ++x) try {
+          failures += time_retention(retentions[x], 1000 + 3 * x, backward, budget, copy_bw, check_rows, sms, stream, out) ? 0 : 1;
+        } catch (std::exception const& e) {  // (the schedules' table below still runs)
+          shape const& s = retentions[x];
+          fmt::print("| {} | {} | {} | {} | failed: {} | | | | | | | |\n", s.b, s.t, s.h, s.d, e.what());
+          ++failures;
+          cudaGetLastError();
+        }
+    }
     // --tiles, after what the issues ask for: the same forward (and backward) at
     // other schedules, a sixth of the budget each, against lina's choice above.
     if (!tiles.empty()) {
@@ -999,7 +1082,7 @@ int main(int argc, char** argv) {
       std::size_t const sweep_rows = std::min<std::size_t>(check_rows, 512);
       for (std::size_t x = 0; x < shapes.size(); ++x) {
         shape const& s = shapes[x];
-        auto [hq, hk, hv, q, k, v, o] = inputs_of(x);
+        auto [hq, hk, hv, q, k, v, o] = inputs_at(x);
         fmt::print("| {} | {} | {} | {} | lina's choice: {:.3f} ms{} | | | | | | | |\n", s.b, s.t, s.h, s.d, own_ms[x],
                    backward ? fmt::format(", backward {:.3f} ms", own_bwd_ms[x]) : std::string());
         double best_ms = own_ms[x];

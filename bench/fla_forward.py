@@ -2,8 +2,8 @@
 """flash-linear-attention's chunked linear attention at the shapes of
 bench/cuda_forward.cpp, for scripts/gpu-check to print lina's time next to it.
 
-    fla_forward.py [--shapes BxTxHxD,...] [--decode BxHxD|none] [--packed SxLxHxD,...|none] [--no-backward]
-                   [--budget seconds] [--tsv file]
+    fla_forward.py [--shapes BxTxHxD,...] [--decode BxHxD|none] [--packed SxLxHxD,...|none]
+                   [--retention BxTxHxD,...|none] [--no-backward] [--budget seconds] [--tsv file]
 
 Per shape also forward + backward (unless --no-backward): autograd through
 chunk_linear_attn with the mapped q, k and v as leaves and a random ∂o, timed
@@ -28,6 +28,13 @@ sequences: S sequences of mean length L (sequence i has L//2 + (40503*i mod
 [1, sum, H, D], through chunk_linear_attn(..., cu_seqlens=offsets) (int64), forward
 and forward + backward; its tsv rows have B = pS and T = L.
 
+--retention (default 1x8192x96x128,8x2048x32x64) also times retention, lina's
+causal(Q·Kᵀ, decay{0.96875})·V: fla.ops.simple_gla.chunk_simple_gla(q, k, v,
+g_gamma=log(0.96875) on every head, scale=1) on unmapped bf16 q, k, v — what
+fla's chunk_retention calls, with one decay for all heads instead of RetNet's
+per-head ones (the kernels' work does not depend on the decays) — forward and
+forward + backward; its tsv rows have B = rB, as bench/cuda_forward's.
+
 --warmup calls each op once per shape (forward, forward + backward, the
 decode step) and times nothing: Triton compiles fla's kernels into its cache
 (TRITON_CACHE_DIR), over a minute per shape on a fresh machine, so that a
@@ -47,6 +54,7 @@ def main():
     ap.add_argument("--shapes", default="1x8192x96x128,2x16384x16x128,8x2048x32x64,8x1024x8x64")
     ap.add_argument("--decode", default="64x32x128")
     ap.add_argument("--packed", default="512x64x16x64,32x1024x16x128,4x8192x16x128")
+    ap.add_argument("--retention", default="1x8192x96x128,8x2048x32x64")
     ap.add_argument("--no-backward", dest="backward", action="store_false",
                     help="skip forward + backward (autograd through chunk_linear_attn)")
     ap.add_argument("--budget", type=float, default=6.0, help="seconds of timed calls per shape, at most")
@@ -130,6 +138,11 @@ def main():
             packed(args, tsv, kwargs, chunk_linear_attn, torch, F)
         except Exception as e:  # noqa: BLE001 - the rows above stand; say why the packs have none
             print(f"\nfla packed sequences: failed: {e}")
+    if args.retention != "none":
+        try:
+            retention(args, tsv, torch)
+        except Exception as e:  # noqa: BLE001 - the rows above stand; say why retention has none
+            print(f"\nfla retention: failed: {e}")
     if tsv:
         tsv.close()
     return 0
@@ -173,7 +186,63 @@ def warm(args, kwargs, chunk_linear_attn, torch, F):
             del q, k, v
             torch.cuda.empty_cache()
             print(f"warmed the pack {text}: {time.monotonic() - t0:.0f} s", flush=True)
+    if args.retention != "none":
+        from fla.ops.simple_gla import chunk_simple_gla
+        for text in args.retention.split(","):
+            t0 = time.monotonic()
+            q, k, v, op = retention_inputs(text, chunk_simple_gla, torch)
+            op(q, k, v)
+            if args.backward:
+                ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+                torch.autograd.backward(op(ql, kl, vl)[0], torch.rand_like(v))
+                del ql, kl, vl
+            torch.cuda.synchronize()
+            del q, k, v
+            torch.cuda.empty_cache()
+            print(f"warmed retention {text}: {time.monotonic() - t0:.0f} s", flush=True)
     return 0
+
+
+RETENTION_DECAY = 0.96875  # bench/cuda_forward.cpp's retention_decay
+
+
+def retention_inputs(text, chunk_simple_gla, torch, seed=4):
+    """q, k, v in [B, T, H, D] bf16 (unmapped) and the op: chunk_simple_gla with log(decay) on every head."""
+    import math
+    b, t, h, d = (int(x) for x in text.split("x"))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    def rand(*shape):
+        return torch.rand(*shape, device="cuda", generator=g, dtype=torch.float32).mul_(2).sub_(1).to(torch.bfloat16)
+    gamma = torch.full((h,), math.log(RETENTION_DECAY), device="cuda", dtype=torch.float32)
+    def op(x, y, z):
+        return chunk_simple_gla(x, y, z, g_gamma=gamma, scale=1.0)
+    return rand(b, t, h, d), rand(b, t, h, d), rand(b, t, h, d), op
+
+
+def retention(args, tsv, torch):
+    """--retention: chunk_simple_gla with one decay on every head, forward and forward + backward."""
+    from fla.ops.simple_gla import chunk_simple_gla
+    print()
+    print(f"fla retention: chunk_simple_gla(q, k, v, g_gamma=log({RETENTION_DECAY}) on every head, scale=1.0), "
+          "[B, T, H, D] bf16")
+    print()
+    print("| B | T | H | D = M | reps | median ms (fla) | TFLOP/s |" + (" fwd+bwd ms (fla) |" if args.backward else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if args.backward else ""))
+    for text in args.retention.split(","):
+        b, t, h, d = (int(x) for x in text.split("x"))
+        q, k, v, op = retention_inputs(text, chunk_simple_gla, torch)
+        reps, ms = median_ms(lambda: op(q, k, v), args.budget, torch)
+        both = ""
+        if args.backward:
+            both_ms = backward_ms(op, q, k, v, torch.rand_like(v), args.budget, torch)
+            both = f" {both_ms:.3f} |"
+        flops = 4.0 * b * h * t * d * d
+        print(f"| {b} | {t} | {h} | {d} | {reps} | {ms:.3f} | {flops / (ms * 1e-3) / 1e12:.2f} |{both}", flush=True)
+        if tsv:
+            tsv.write(f"r{b}\t{t}\t{h}\t{d}\t{ms:.6f}" + (f"\t{both_ms:.6f}" if args.backward else "") + "\n")
+            tsv.flush()
+        q = k = v = None
+        torch.cuda.empty_cache()
 
 
 def backward_ms(op, q, k, v, do, budget, torch):
