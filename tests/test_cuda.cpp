@@ -160,8 +160,10 @@ TEST_CASE("plans → tile programs: supported shapes, chunk and tile sizes") {
                     normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V))>);
   static_assert(cuda::lowerable<decltype(compile<order::quadratic>(causal(Q * transpose(K), decay{0.9}) * V))>);
   static_assert(cuda::lowerable<decltype(compile(causal(Q * transpose(K), decay{0.9}) * V))>);  // (a select)
-  static_assert(!cuda::lowerable<decltype(compile(  // … a decayed softmax: the CPU's
+  static_assert(cuda::lowerable<decltype(compile(  // a decayed softmax (ALiBi's bias)
                     normalize(causal(exp(Q * transpose(K)), decay{0.9})) * V))>);
+  static_assert(!cuda::lowerable<decltype(compile(  // … but not a decayed mask inside exp: the CPU's
+                    normalize(exp(causal(Q * transpose(K), decay{0.9}))) * V))>);
 
   auto s = cuda::spec_of(causal_plan);
   CHECK(s.causal);
@@ -658,6 +660,8 @@ TEST_CASE("device: small launches (racecheck)") {
     launch_vs_emulation(compile<order::linear>(causal_expr), dt, shape{1, 1, 100, 24, 40}, 500);
     launch_vs_emulation(compile<order::linear>(full_expr), dt, shape{1, 1, 70, 16, 12}, 600);
     launch_vs_emulation(compile<order::linear>(causal(Q * transpose(K), decay{0.97}) * V), dt, shape{1, 1, 100, 24, 40}, 650);
+    launch_vs_emulation(compile(normalize(causal(exp(Q * transpose(K) * 0.125), decay{0.9})) * V), dt,
+                        shape{1, 1, 100, 24, 40}, 660);
   }
 }
 

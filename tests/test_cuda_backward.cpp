@@ -169,7 +169,8 @@ terms softmax_terms(tensor<float> const& q, tensor<float> const& k, tensor<float
         for (std::size_t j = 0; j < n && (!causal || j <= i); ++j) {
           double x = 0;  // (the mask before exp: a key after the row has score 0)
           for (std::size_t c = 0; c < d && !(mask_scores && j > i); ++c) x += double(q(b, h, i, c)) * k(b, h, j, c);
-          den += e[j] = std::exp(scale * x);
+          double const weight = spec.decay == 1 ? 1.0 : std::pow(spec.decay, static_cast<double>(i - j));  // (causal: j ≤ i)
+          den += e[j] = std::exp(scale * x) * weight;
         }
         double const norm = normalized ? den + 1e-6 : 1.0;
         std::vector<double> y(m, 0.0);
@@ -273,6 +274,9 @@ TEST_CASE("backward: softmax (two quadratic launches) = cpu::gradient = the expr
                          {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}});
   check_softmax_backward(normalize(exp(phi<poly2>(Q) * transpose(phi<poly2>(K)) * 0.05)) * V, 100,
                          {{1, 2, 9, 6, 5}, {1, 1, 70, 8, 20}}, true);
+  // A decayed mask (ALiBi's bias): E recomputed with the same exponents, the rest as above.
+  check_softmax_backward(normalize(causal(exp(Q * transpose(K) * 0.25), decay{0.9})) * V, 101, cases);
+  check_softmax_backward(causal(exp(Q * transpose(K) * 0.125), decay{0.97}) * V, 102, cases);
 }
 
 // A plan that reads one input twice (K as V, Q as K, all three as one): one
@@ -485,6 +489,7 @@ TEST_CASE("backward: emulated gradients = finite differences in double, small ca
   check_fd(exp(Q * transpose(K)) * V, {2, 1, 5, 4, 3}, 96);
   check_fd(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V, {1, 1, 70, 3, 2}, 97);
   check_fd(causal(Q * transpose(K), decay{0.8}) * V, {2, 1, 70, 3, 2}, 98);  // decayed, two chunks
+  check_fd(normalize(causal(exp(Q * transpose(K) * 0.5), decay{0.8})) * V, {1, 1, 70, 3, 2}, 99);  // decayed softmax
 }
 
 // ---- the chunk-parallel backward (splitting N) -----------------------------------------

@@ -3,7 +3,8 @@
 // decay's powers in a register, masks that weigh a chunk's scores by g^(i−j),
 // rows and state weighed by the powers that carry them across chunks) in the
 // host emulation against the CPU backend and the expression as written, in
-// double; the kernels compile with NVRTC. Gradients, chained blocks and
+// double; the kernels compile with NVRTC. Softmax under a decayed mask (ALiBi's
+// bias) runs the quadratic kernel with the bias in its exponents. Gradients, chained blocks and
 // decoding steps of decayed plans are in test_cuda_backward.cpp and
 // test_cuda_state.cpp beside the plain mask's; the kernels as written in
 // test_cuda_simt.cpp.
@@ -12,6 +13,8 @@
 namespace {
 constexpr auto retention = causal(Q * transpose(K), decay{0.97}) * V;  // RetNet's form: no φ, no normaliser
 constexpr auto decayed_linear = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V;
+// Softmax with ALiBi's linear bias, one slope: exp(S_ij)·g^(i−j) = exp(S_ij + (i−j)·ln g).
+constexpr auto alibi = normalize(causal(exp(Q * transpose(K) * 0.25), decay{0.9})) * V;
 
 cuda::attention_spec spec_at(cuda::attention_spec s, std::size_t d, std::size_t m) {
   s.d = d, s.m = m;
@@ -139,11 +142,63 @@ TEST_CASE("decayed plans split along N too (Horner's rule over the groups), and 
   }
   auto full = spec;
   full.causal = false;
-  CHECK_THROWS_WITH_AS(cuda::program_of(full), doctest::Contains("causal linear"), std::invalid_argument);
-  auto soft = spec;
-  soft.softmax = true;
-  CHECK_THROWS_WITH_AS(cuda::program_of(soft), doctest::Contains("causal linear"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(cuda::program_of(full), doctest::Contains("non-causal attention has none"), std::invalid_argument);
+  auto soft = cuda::spec_of(compile(alibi));
+  soft.d = 8, soft.m = 4, soft.causal = false;
+  CHECK_THROWS_WITH_AS(cuda::program_of(soft), doctest::Contains("non-causal attention has none"), std::invalid_argument);
   CHECK_THROWS_AS(cuda::backward_programs_of(soft), std::invalid_argument);
+}
+
+// Softmax under a decayed mask — ALiBi's bias with one slope — is the
+// quadratic kernel with each valid score's exponent x = s·(q·k) + (i−j)·ln g:
+// the running max is over x, so keys the decay has weighed down never set the
+// shift (program.hpp, exp_rows).
+TEST_CASE("decayed softmax (ALiBi's bias) = CPU backend = as written") {
+  check_forward(alibi, 105);
+  check_forward(causal(exp(Q * transpose(K) * 0.125), decay{0.97}) * V, 106);  // unnormalised
+  check_forward(normalize(causal(exp(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)) * 0.03), decay{0.5})) * V, 107,
+                {{1, 2, 9, 6, 5}, {2, 1, 70, 12, 20}});
+  check_forward(normalize(causal(exp(Q * transpose(K) * 0.25), decay{0.0})) * V, 108,  // g = 0: each row's own key
+                {{1, 1, 70, 8, 5}, {2, 1, 130, 16, 9}});
+}
+
+TEST_CASE("decayed softmax: the kernel says its decay, and a far key's large score does not set the shift") {
+  auto spec = spec_at(cuda::spec_of(compile(alibi)), 16, 8);
+  CHECK(spec.softmax);
+  CHECK(spec.decay == 0.9);
+  CHECK(cuda::plan_text(spec) == fmt::format("{}", compile(alibi)));  // printed as the plan
+  auto const p = cuda::program_of(spec);
+  CHECK(p.kernel_name.find("_decay") != std::string::npos);
+  CHECK(cuda::listing(p).find(fmt::format("decayed: + (row − key)·{}", static_cast<float>(std::log(0.9)))) != std::string::npos);
+  CHECK(cuda::emit(p).find(", true>(") != std::string::npos);  // tl::exp_rows<…, Decayed = true>
+  CHECK(cuda::emit(p).find(fmt::format("{:#.9g}f", static_cast<float>(std::log(0.9)))) != std::string::npos);
+  auto plain = cuda::spec_of(compile(normalize(causal(exp(Q * transpose(K) * 0.25))) * V));
+  plain.d = 16, plain.m = 8;
+  CHECK(cuda::program_of(plain).kernel_name.find("_decay") == std::string::npos);
+  for (auto const& b : cuda::backward_programs_of(spec)) {
+    CAPTURE(b.kernel_name);
+    CHECK(b.kernel_name.find("_decay") != std::string::npos);
+    check_compiles(b);
+  }
+  auto zero = spec;
+  zero.decay = 0;
+  CHECK(cuda::log_decay(zero) == -std::numeric_limits<float>::max());  // finite: no 0·∞ on the diagonal
+  CHECK(cuda::log_decay(plain) == 0.0f);
+
+  // Key 0 scores 120 against every query (scale 0.25), the others 0; at g = 0.5
+  // its weight g^i·e^120 falls below theirs after row 173. A shift taken from
+  // the scores alone (120) would leave exp(0 − 120) = 0 in fp32 for the near
+  // keys of the later rows and divide 0 by eps; the decayed exponents keep them.
+  constexpr auto plan = compile(normalize(causal(exp(Q * transpose(K) * 0.25), decay{0.5})) * V);
+  std::size_t const n = 300;
+  tensor<float> q({1, 1, n, 1}), k({1, 1, n, 1});
+  for (std::size_t i = 0; i < n; ++i) q(0, 0, i, 0) = 1, k(0, 0, i, 0) = i == 0 ? 480.0f : 0.0f;
+  auto v = tensor<float>::random({1, 1, n, 3}, 9);
+  auto got = cuda::emulate(plan, {}, Q = q, K = k, V = v);
+  auto want = cpu::evaluate(normalize(causal(exp(Q * transpose(K) * 0.25), decay{0.5})) * V, Q = widened(q),
+                            K = widened(k), V = widened(v));
+  CHECK(relative_rms(got, want) <= tolerance(cuda::dtype::f32));
+  CHECK(std::abs(got(0, 0, n - 1, 0) - want(0, 0, n - 1, 0)) <= 1e-5);  // a late row: its near keys
 }
 
 // On a device: decayed forwards, gradients and decoding steps against their
@@ -159,6 +214,7 @@ TEST_CASE("device: decayed kernels = their emulation") {
     for (shape s : {shape{2, 3, 1, 16, 8}, shape{1, 2, 200, 64, 64}, shape{1, 1, 130, 96, 200}, shape{1, 2, 1000, 128, 128}}) {
       launch_vs_emulation(plan, dt, s, 1500);
       launch_vs_emulation(ret, dt, s, 1510);
+      launch_vs_emulation(compile(alibi), dt, s, 1520);
     }
   auto gradient = [&]<class E>(auto const& p, shape s, std::uint64_t seed) {
     cuda::dtype const dt = cuda::dtype_of<E>;
@@ -177,6 +233,10 @@ TEST_CASE("device: decayed kernels = their emulation") {
     gradient.template operator()<float>(plan, s, 1520);
     gradient.template operator()<cuda::bf16>(plan, s, 1530);
     gradient.template operator()<cuda::bf16>(ret, s, 1540);
+  }
+  for (shape s : {shape{2, 3, 40, 16, 8}, shape{1, 2, 200, 64, 64}}) {  // softmax's two launches, decayed
+    gradient.template operator()<float>(compile(alibi), s, 1545);
+    gradient.template operator()<cuda::bf16>(compile(alibi), s, 1546);
   }
   // A prompt, then steps, on a device state, against the same in the emulation: outputs and state.
   std::size_t const b = 4, h = 3, n = 40, d = 64, m = 64, prompt = 17;

@@ -292,6 +292,13 @@ TEST_CASE("simt: decayed kernels (retention) as written = the interpreter") {
     gradient_both_ways(plan, cuda::dtype::bf16, s, 1340);
     gradient_both_ways(retention, cuda::dtype::bf16, s, 1350);
   }
+  constexpr auto alibi = compile(normalize(causal(exp(Q * transpose(K) * 0.25), decay{0.9})) * V);  // decayed softmax
+  for (shape s : {shape{2, 3, 40, 16, 8}, shape{1, 2, 150, 64, 64}}) {
+    forward_both_ways(alibi, cuda::dtype::f32, s, 1355);
+    forward_both_ways(alibi, cuda::dtype::bf16, s, 1356);
+    gradient_both_ways(alibi, cuda::dtype::f32, s, 1357);
+    gradient_both_ways(alibi, cuda::dtype::bf16, s, 1358);
+  }
   cuda::options tf32{cuda::dtype::f16, cuda::dtype::f32};
   forward_both_ways(plan, cuda::dtype::f16, shape{1, 2, 150, 48, 40}, 1360, tf32);
   gradient_both_ways(plan, cuda::dtype::bf16, shape{1, 1, 40, 256, 256}, 1370);  // M's columns in slices

@@ -239,11 +239,13 @@ struct emitter {
         break;
       case opcode::exp_rows: {  // shift: 0 none, 1 the running max (rescaling o), 2 fixed
         int const shift = i.b < 0 ? 0 : i.a >= 0 ? 1 : 2;
-        line(ind, "tl::exp_rows<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>({}, {}, {}, {:#.9g}f, {}, args.n, keys_n);",
+        bool const biased = i.log_decay != 0;  // decayed (the bias per step of distance: program.hpp)
+        line(ind, "tl::exp_rows<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}{}>({}, {}, {}, {:#.9g}f, {}, args.n, keys_n{});",
              rows(i.dst), cols(i.dst), pitch(i.dst), i.a >= 0 ? cols(i.a) : "1", i.a >= 0 ? pitch(i.a) : "1",
-             i.b >= 0 ? pitch(i.b) : "1", shift, yes(i.causal), yes(i.mask_scores), p.tiles.threads, t,
-             i.a >= 0 ? name(i.a) : "static_cast<float*>(nullptr)", i.b >= 0 ? name(i.b) : "static_cast<float*>(nullptr)",
-             i.scale, scores_at());
+             i.b >= 0 ? pitch(i.b) : "1", shift, yes(i.causal), yes(i.mask_scores), p.tiles.threads,
+             biased ? ", true" : "", t, i.a >= 0 ? name(i.a) : "static_cast<float*>(nullptr)",
+             i.b >= 0 ? name(i.b) : "static_cast<float*>(nullptr)", i.scale, scores_at(),
+             biased ? fmt::format(", {:#.9g}f", i.log_decay) : std::string());
         break;
       }
       case opcode::square_rows:

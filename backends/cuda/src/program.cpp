@@ -107,6 +107,11 @@ float round_operand(precision p, float x) {
   }
   return x;
 }
+float log_decay(attention_spec const& s) {
+  if (!decayed(s)) return 0;
+  return s.decay > 0 ? static_cast<float>(std::log(s.decay)) : -std::numeric_limits<float>::max();
+}
+
 std::vector<float> decay_powers(attention_spec const& s, int count) {
   std::vector<float> r(static_cast<std::size_t>(std::max(count, 0)));
   for (int k = 0; k < count; ++k) {
@@ -475,10 +480,11 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
                                 s.m, t, tm, name_of(s.in), name_of(s.out), s.normalized ? "" : "_unnormalized",
                                 b.prec != precision_for(s.in) ? "_exact" : "");
   else
-    p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}",
+    p.kernel_name = fmt::format("lina_softmax_{}_{}_{}_d{}_m{}_t{}_mt{}_{}_{}{}{}{}",
                                 s.causal ? "causal" : mask_scores ? "masked_scores" : "full",
                                 map_id(s, s.map_q), k_id_of(s), s.d, s.m, t, tm, name_of(s.in), name_of(s.out),
-                                s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
+                                s.normalized ? "" : "_unnormalized", decay_id(s),
+                                b.prec != precision_for(s.in) ? "_exact" : "");
   p.description =
       squared ? fmt::format("{} poly2 attention through its kernel φ(q)·φ(k) = (q·k)² (quadratic: the {} features do "
                             "not fit a block), forward{}: {}",
@@ -516,7 +522,8 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
     keys.push_back({.op = opcode::square_rows, .dst = a, .causal = s.causal});  // a = (q·k)²
   else
     keys.push_back({.op = opcode::exp_rows, .dst = a, .a = o, .b = mx, .scale = static_cast<float>(s.scale),
-                    .causal = s.causal, .mask_scores = mask_scores});  // a = exp(scale·a − shift), o rescaled
+                    .causal = s.causal, .mask_scores = mask_scores,
+                    .log_decay = log_decay(s)});  // a = exp(scale·a [+ (i−j)·ln g] − shift), o rescaled
   keys.push_back(b.product(o, a, false, v, false, true));  // o += a·[V|1]
   p.passes.push_back(std::move(keys));
   p.passes.back().keys = true;
@@ -633,9 +640,9 @@ namespace {
 void check_maps(attention_spec const& s) {
   if (decayed(s) && !(s.decay >= 0 && s.decay <= 1))
     throw std::invalid_argument(fmt::format("lina::cuda: a decay of {} was given; it is in [0, 1]", s.decay));
-  if (decayed(s) && (!s.causal || s.softmax))
-    throw std::invalid_argument("lina::cuda: a decay weighs a causal linear attention's past (causal(S, decay{g})); "
-                                "softmax and non-causal attention have none");
+  if (decayed(s) && !s.causal)
+    throw std::invalid_argument("lina::cuda: a decay weighs a causal attention's past (causal(S, decay{g})); "
+                                "non-causal attention has none");
   if (features(s.map_q, s.d, s.f) != features(s.map_k, s.d, s.f))
     throw std::invalid_argument("lina::cuda: φ(Q) and φ(K) must have as many features");
   for (feature_map m : {s.map_q, s.map_k})
@@ -999,10 +1006,11 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   int const w = m + (s.normalized ? 1 : 0);
   bool const mask_scores = s.mask_scores && !s.causal;
   float const eps = static_cast<float>(s.eps), scale = static_cast<float>(s.scale);
-  p.kernel_name = fmt::format("lina_{}_{}_backward_{}_{}_{}_d{}_m{}_t{}_{}_{}{}{}", squared ? "poly2_quadratic" : "softmax",
+  p.kernel_name = fmt::format("lina_{}_{}_backward_{}_{}_{}_d{}_m{}_t{}_{}_{}{}{}{}", squared ? "poly2_quadratic" : "softmax",
                               s.causal ? "causal" : mask_scores ? "masked_scores" : "full", key_side ? "kv" : "q",
                               map_id(s, s.map_q), map_id(s, s.map_k), s.d, s.m, t, name_of(s.in), name_of(s.out),
-                              s.normalized ? "" : "_unnormalized", b.prec != precision_for(s.in) ? "_exact" : "");
+                              s.normalized ? "" : "_unnormalized", decay_id(s),
+                              b.prec != precision_for(s.in) ? "_exact" : "");
   p.description = fmt::format("{} {} (quadratic), backward{}, {}: {}",
                               s.causal ? "causal" : mask_scores ? "non-causal, scores masked before exp," : "non-causal",
                               squared ? "poly2 attention through its kernel (q·k)²" : "softmax attention",
@@ -1047,7 +1055,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   };
 
   instruction exp_fixed{.op = opcode::exp_rows, .dst = a, .b = mx, .scale = scale, .causal = s.causal,
-                        .mask_scores = mask_scores};  // a = E, with the forward's final shift
+                        .mask_scores = mask_scores, .log_decay = log_decay(s)};  // a = E, with the forward's final shift
   instruction const exp_grad{.op = opcode::exp_grad, .dst = ds, .a = a, .scale = scale, .causal = s.causal,
                              .mask_scores = mask_scores};  // ds = ∂S
   instruction const square{.op = opcode::square_rows, .dst = a, .causal = s.causal};               // a = S²
@@ -1635,7 +1643,7 @@ std::string plan_text(attention_spec const& s) {
     if (s.mask_scores && !s.causal) sc = s.scale != 1 ? fmt::format("{}·causal({}·{}ᵀ)", s.scale, q, k)
                                                        : fmt::format("causal({})", sc);
     sc = fmt::format("exp({})", sc);
-    if (s.causal) sc = fmt::format("causal({})", sc);
+    if (s.causal) sc = fmt::format("causal({}{})", sc, decayed(s) ? fmt::format("; decay={}", s.decay) : "");
     std::string core = fmt::format("{}·{}", sc, v);
     if (!s.normalized) return core;
     return s.eps == 1e-6 ? fmt::format("rowdiv({})", core) : fmt::format("rowdiv({}; eps={})", core, s.eps);
@@ -1696,9 +1704,10 @@ std::string listing(program const& p) {
         return i.b >= 0 ? fmt::format("row_divide {} eps={}·exp(−{})", nm(i.dst), i.eps, nm(i.b))
                         : fmt::format("row_divide {} eps={}", nm(i.dst), i.eps);
       case opcode::exp_rows:
-        return fmt::format("exp_rows {} = exp({}·{} − {}){}{}", nm(i.dst), i.scale, nm(i.dst),
+        return fmt::format("exp_rows {} = exp({}·{} − {}){}{}{}", nm(i.dst), i.scale, nm(i.dst),
                            i.b >= 0 ? nm(i.b) : "0",
                            i.causal ? ", keys after the row masked" : i.mask_scores ? ", scores after the row 0" : "",
+                           i.log_decay != 0 ? fmt::format(", decayed: + (row − key)·{}", i.log_decay) : "",
                            i.b < 0    ? ""
                            : i.a >= 0 ? fmt::format("; {} grows to the row max, {} rescaled", nm(i.b), nm(i.a))
                                       : fmt::format("; {} fixed (the forward's final shift)", nm(i.b)));

@@ -102,7 +102,8 @@ struct cuda_plan {
                 "(docs/dsl.md), or φ(X; W) ∈ {favor, random_fourier} with one W for Q and K or one each; "
                 "softmax [causal(]exp(s·[causal(]Q·Kᵀ[)])[)]·V, normalised or not; K and V over one sequence "
                 "dimension (Q over another: non-causal only); a select only between two such forms of one attention; "
-                "a decayed mask causal(S, decay{g}) on linear attention only (a decayed softmax runs on the CPU backend)");
+                "a decayed mask causal(S, decay{g}) outside exp (a decayed mask inside exp, exp(causal(S, decay{g})), "
+                "runs on the CPU backend)");
   static constexpr bool ok = Supported;
 };
 template <bool Supported>
@@ -382,11 +383,15 @@ struct core<node<op::product, node<op::exp, S>, C>> : softmax_parts<S, C, false>
     return scores<S>::scale(kid<0>(kid<0>(n)));
   }
 };
-// causal(exp(S))·V
-template <class S, class C>
-struct core<node<op::product, node<op::causal, node<op::exp, S>>, C>> : softmax_parts<S, C, true> {
-  static constexpr double scale(node<op::product, node<op::causal, node<op::exp, S>>, C> const& n) {
+// causal(exp(S))·V, the mask decayed or not (ALiBi's bias: exp(S_ij)·g^(i−j))
+template <class S, class C, class D>
+struct core<node<op::product, node<op::causal_t<D>, node<op::exp, S>>, C>> : softmax_parts<S, C, true> {
+  static constexpr bool decayed = !std::is_same_v<D, op::no_decay>;
+  static constexpr double scale(node<op::product, node<op::causal_t<D>, node<op::exp, S>>, C> const& n) {
     return scores<S>::scale(kid<0>(kid<0>(kid<0>(n))));
+  }
+  static constexpr double decay(node<op::product, node<op::causal_t<D>, node<op::exp, S>>, C> const& n) {
+    return decay_of(kid<0>(n).op).decay;
   }
 };
 

@@ -107,6 +107,11 @@
 //                          final m): m' = m[i][0]. Unshifted (b = −1): m' = 0 (the
 //                          unnormalised rows are exp(x) as written). Then
 //                          t[i][j] = exp(scale·t[i][j] − m') if valid, else 0.
+//                          Decayed (log_decay ≠ 0: causal(exp(S), decay{g}),
+//                          ALiBi's linear bias): every valid score is
+//                          x = fma(scale, t[i][j], b), b = fp32(qi − kj) ·
+//                          log_decay (0 on the diagonal), so that exp(x − m')
+//                          is g^(qi−kj)·exp(scale·t − m'); the max runs over x
 //   exp_grad t, e          (quadratic programs) the adjoint of exp_rows with the
 //                          shift held: with t = ∂E and e = E, t[i][j] = scale ·
 //                          (e[i][j]·t[i][j]) where (i, j) is valid and, with
@@ -380,6 +385,9 @@ enum class decay_power : std::uint8_t { row_plus_one, to_chunk_end, chunk };
 inline bool decayed(attention_spec const& s) { return s.decay != 1; }
 // The powers register's values g^0 … g^(count−1), g = s.decay (opcode::powers).
 std::vector<float> decay_powers(attention_spec const& s, int count);
+// A decayed softmax's exp_rows bias per step of distance: ln g rounded to fp32
+// (−FLT_MAX for g = 0, so that every earlier key weighs exactly 0); 0 undecayed.
+float log_decay(attention_spec const& s);
 std::string_view name_of(opcode o);
 
 struct instruction {
@@ -403,6 +411,7 @@ struct instruction {
   bool causal = false;          // exp_rows, exp_grad, square_rows, square_grad: mask keys after the query row;
                                 // store_partial, add_partials: a prefix's sums (the groups before)
   bool mask_scores = false;     // exp_rows, exp_grad: the scores of keys after the query row are 0 (exp(causal(S)))
+  float log_decay = 0;          // exp_rows: ln g of a decayed softmax (−FLT_MAX for g = 0: only the diagonal); 0: none
   bool later = false;           // store_partial, add_partials, store_state in a split program: the sums of the
                                 // groups after this block's (a reverse walk's suffix), not before it
   precision prec = precision::fma_f32;  // product

@@ -1054,9 +1054,13 @@ __device__ void param_grad(float* t, const float* a, const float* b, const opera
 // (pitch PO) are rescaled by exp(m_old − m_new); Shift 2: m is the forward's
 // final shift, read; Shift 0: the shift is 0. G = Threads / R adjacent lanes
 // share a row and reduce its max with warp shuffles.
-template <int R, int C, int P, int W, int PO, int PM, int Shift, bool Causal, bool MaskScores, int Threads>
+// Decayed (causal(exp(S), decay{g})): each valid score's exponent is
+// x = fma(scale, t, (query − key)·log_decay) — ALiBi's linear bias, g^(i−j) —
+// and the max and exp run over x.
+template <int R, int C, int P, int W, int PO, int PM, int Shift, bool Causal, bool MaskScores, int Threads,
+          bool Decayed = false>
 __device__ void exp_rows(float* t, float* o, float* m, float scale, long long q0, long long k0, long long nq,
-                         long long nk) {
+                         long long nk, float log_decay = 0.0f) {
   constexpr int G = Threads / R;
   static_assert(G * R == Threads && G <= 32 && (G & (G - 1)) == 0, "exp_rows: a power-of-two group of lanes per row");
   const int i = threadIdx.x / G, lane = threadIdx.x % G;
@@ -1067,12 +1071,19 @@ __device__ void exp_rows(float* t, float* o, float* m, float scale, long long q0
   if (MaskScores)
     for (int j = lane; j < C; j += G)
       if (k0 + j > query) row[j] = 0.0f;
+  if (Decayed)  // the exponents in place of the scores (the undecayed path keeps its fused fma below)
+    for (int j = lane; j < C; j += G) {
+      const long long key = k0 + j;
+      const float bias = key == query ? 0.0f : __fmul_rn(static_cast<float>(query - key), log_decay);
+      row[j] = fmaf(scale, row[j], bias);
+    }
+  const float factor = Decayed ? 1.0f : scale;
   float shift = 0.0f;
   if (Shift == 1) {
     const float old = m[i * PM];
     float grown = old;
     for (int j = lane; j < C; j += G)
-      if (k0 + j < end) grown = fmaxf(grown, scale * row[j]);  // fmaxf skips a NaN
+      if (k0 + j < end) grown = fmaxf(grown, factor * row[j]);  // fmaxf skips a NaN
     for (int off = G / 2; off > 0; off /= 2) grown = fmaxf(grown, __shfl_xor_sync(0xffffffffu, grown, off, G));
     const float f = expf(old - grown);
     for (int j = lane; j < W; j += G) o[i * PO + j] = o[i * PO + j] * f;
@@ -1081,7 +1092,10 @@ __device__ void exp_rows(float* t, float* o, float* m, float scale, long long q0
   } else if (Shift == 2) {
     shift = m[i * PM];
   }
-  for (int j = lane; j < C; j += G) row[j] = k0 + j < end ? expf(fmaf(scale, row[j], -shift)) : 0.0f;
+  if (Decayed)
+    for (int j = lane; j < C; j += G) row[j] = k0 + j < end ? expf(row[j] - shift) : 0.0f;
+  else
+    for (int j = lane; j < C; j += G) row[j] = k0 + j < end ? expf(fmaf(scale, row[j], -shift)) : 0.0f;
 }
 
 // exp_grad (program.hpp): with t = ∂E and e = E (R × C, pitches P, PE), the
