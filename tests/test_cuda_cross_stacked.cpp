@@ -193,6 +193,85 @@ TEST_CASE("stacked layers: one kernel per layer = CPU backend = the stack as wri
                                    V2 = widened(v2))) <= 1e-5);
 }
 
+// A stack chained through a state: one state per layer (state::layer), each
+// layer's kernel the chained single-layer one. Uneven blocks against one pass
+// of the stack and against the CPU's chained stack (outputs, and layer k's sums
+// = the CPU's scan k); a failed block leaves every layer as it was.
+TEST_CASE("stacked layers chain through a state per layer: blocks = one pass = the CPU's chained stack") {
+  constexpr auto stack = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2;
+  constexpr auto two = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * layer1;
+  constexpr auto three = normalize(causal(phi<relu>(two) * transpose(phi<relu>(K2)))) * V2;
+  test::rng r{76};
+  auto check = [&](auto const& expr, std::size_t layers, shape s) {
+    auto const plan = compile(expr);
+    CAPTURE(layers); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto one = [&](std::size_t cols) { return tensor<float>::random({s.b, s.h, s.n, cols}, r.next()); };
+    auto q = one(s.d), k = one(s.d), v = one(s.d), k2 = one(s.d), v2 = one(s.m);
+    auto once = on_inputs_of(plan, [](auto const& p, auto const&... b) { return cuda::emulate(p, {}, b...); }, Q = q, K = k,
+                             Vd = v, K2 = k2, V2 = v2);
+    cuda::state st(cuda::memory::host);
+    cpu::state<float> cst;
+    tensor<float> got(once.shape()), on_cpu(once.shape());
+    for (std::size_t at = 0; at < s.n;) {
+      std::size_t const to = std::min(s.n, at + r.in(1, 80));
+      auto rows = [&](tensor<float> const& x) { return test::tokens(x, at, to); };
+      on_inputs_of(plan, [&](auto const& p, auto const&... b) { cuda::emulate_into(p, {}, rows_of(got, at, to), st, b...); },
+                   Q = rows(q), K = rows(k), Vd = rows(v), K2 = rows(k2), V2 = rows(v2));
+      auto y = on_inputs_of(plan, [&](auto const& p, auto const&... b) { return cpu::evaluate(p, cst, b...); }, Q = rows(q),
+                            K = rows(k), Vd = rows(v), K2 = rows(k2), V2 = rows(v2));
+      for (std::size_t i = 0; i < s.b; ++i)
+        for (std::size_t j = 0; j < s.h; ++j)
+          for (std::size_t t = at; t < to; ++t)
+            for (std::size_t c = 0; c < s.m; ++c) on_cpu(i, j, t, c) = y(i, j, t - at, c);
+      at = to;
+    }
+    CHECK(relative_rms(got, once) <= tolerance(cuda::dtype::f32));
+    CHECK(relative_rms(got, on_cpu) <= tolerance(cuda::dtype::f32));
+    REQUIRE(st.layers() == layers);
+    REQUIRE(cst.scans() == layers);
+    for (std::size_t x = 0; x < layers; ++x) {
+      CAPTURE(x);
+      REQUIRE(st.layer(x).shape() == cst[x].shape());
+      CHECK(relative_rms(sums_of(st.layer(x)), dense(cst[x])) <= 1e-5);
+    }
+    CHECK_THROWS_WITH_AS(st.sums(), doctest::Contains("layer(k).sums()"), std::invalid_argument);
+    // A copy carries every layer; reset zeroes them.
+    cuda::state copy = cuda::to_host(st);
+    REQUIRE(copy.layers() == layers);
+    CHECK(relative_rms(sums_of(copy.layer(layers - 1)), sums_of(st.layer(layers - 1))) == 0);
+    copy.reset();
+    for (std::size_t x = 0; x < layers; ++x) CHECK(test::max_abs(sums_of(copy.layer(x))) == 0);
+  };
+  check(stack, 2, {2, 2, 150, 12, 9});
+  check(stack, 2, {1, 3, 70, 5, 4});
+  check(three, 3, {1, 2, 130, 8, 5});
+
+  // A block whose top layer's state refuses it (another M than the state's)
+  // runs nothing that stays: the lower layer, which ran, flips back.
+  auto const plan = compile(stack);
+  auto x = [](std::size_t n, std::size_t cols, std::uint64_t seed) { return tensor<float>::random({1, 1, n, cols}, seed); };
+  cuda::state st(cuda::memory::host);
+  tensor<float> out({1, 1, 20, 4}), other({1, 1, 20, 5});
+  cuda::emulate_into(plan, {}, out.view(), st, Q = x(20, 6, 1), K = x(20, 6, 2), Vd = x(20, 6, 3), K2 = x(20, 6, 4),
+                     V2 = x(20, 4, 5));
+  tensor<float> const lower = sums_of(st.layer(0)), upper = sums_of(st.layer(1));
+  CHECK_THROWS_AS(cuda::emulate_into(plan, {}, other.view(), st, Q = x(20, 6, 6), K = x(20, 6, 7), Vd = x(20, 6, 8),
+                                     K2 = x(20, 6, 9), V2 = x(20, 5, 10)),
+                  shape_error);
+  CHECK(relative_rms(sums_of(st.layer(0)), lower) == 0);
+  CHECK(relative_rms(sums_of(st.layer(1)), upper) == 0);
+  // A single layer's state is not a stack's, nor the reverse.
+  cuda::state single(cuda::memory::host);
+  cuda::emulate_into(compile(layer1), {}, tensor<float>({1, 1, 20, 6}).view(), single, Q = x(20, 6, 1), K = x(20, 6, 2),
+                     Vd = x(20, 6, 3));
+  CHECK_THROWS_AS(cuda::emulate_into(plan, {}, out.view(), single, Q = x(20, 6, 1), K = x(20, 6, 2), Vd = x(20, 6, 3),
+                                     K2 = x(20, 6, 4), V2 = x(20, 4, 5)),
+                  state_error);
+  CHECK_THROWS_AS(cuda::emulate_into(compile(layer1), {}, tensor<float>({1, 1, 20, 6}).view(), st, Q = x(20, 6, 1),
+                                     K = x(20, 6, 2), Vd = x(20, 6, 3)),
+                  state_error);
+}
+
 TEST_CASE("emulation reads and writes strided layouts in place: [B,N,H,D] = [B,H,N,D]") {
   constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   std::size_t b = 2, h = 3, n = 77, d = 12, m = 10;
@@ -630,6 +709,40 @@ void check_packed_into(Plan const& plan, G const& g, Dout const& dout, sequences
     CHECK(max_abs_diff(cuda::to_host(mine[i]), cuda::to_host(g.all()[i])) == 0);
 }
 }  // namespace
+
+TEST_CASE("device: a stack chained through device states = its emulation") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  auto const plan = compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2);
+  std::size_t const b = 2, h = 2, n = 300, d = 64, m = 48, cut = 117;
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt));
+    auto one = [&](std::size_t cols, std::uint64_t seed) { return rounded(tensor<float>::random({b, h, n, cols}, seed), dt); };
+    auto q = one(d, 1), k = one(d, 2), v = one(d, 3), k2 = one(d, 4), v2 = one(m, 5);
+    cuda::state host(cuda::memory::host);
+    tensor<float> want({b, h, n, m});
+    auto go = [&]<class E>() {
+      cuda::state st;
+      cuda::tensor<E> out({b, h, n, m});
+      for (auto [from, to] : {std::pair<std::size_t, std::size_t>{0, cut}, {cut, n}}) {
+        auto rows = [&](tensor<float> const& x) { return test::tokens(x, from, to); };
+        cuda::emulate_into(plan, {dt, dt}, rows_of(want, from, to), host, Q = rows(q), K = rows(k), Vd = rows(v),
+                           K2 = rows(k2), V2 = rows(v2));
+        cuda::evaluate_into(plan, out.view().rows(from, to - from), st, nullptr, Q = cuda::to_device<E>(rows(q)),
+                            K = cuda::to_device<E>(rows(k)), Vd = cuda::to_device<E>(rows(v)),
+                            K2 = cuda::to_device<E>(rows(k2)), V2 = cuda::to_device<E>(rows(v2)));
+      }
+      CHECK(relative_rms(cuda::to_host(out), want) <= forward_tolerance(dt));
+      cuda::state const back = cuda::to_host(st);
+      REQUIRE(back.layers() == 2);
+      for (std::size_t x = 0; x < 2; ++x) CHECK(relative_rms(sums_of(back.layer(x)), sums_of(host.layer(x))) <= 1e-5);
+    };
+    if (dt == cuda::dtype::f32)
+      go.template operator()<float>();
+    else
+      go.template operator()<cuda::bf16>();
+  }
+}
 
 TEST_CASE("device: packed sequences = their emulation, forward and backward") {
   auto dev = cuda::probe_device();

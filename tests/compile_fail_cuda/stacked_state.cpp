@@ -1,7 +1,9 @@
-// A stacked plan runs on the CUDA backend one kernel per layer, but not
-// chained through a state yet (it would need one per layer): giving it one is
-// a compile error that says what to use instead.
-// expect: a stacked plan runs one kernel per layer
+// A stacked plan chains through a state on the CUDA backend (one state per
+// layer), but does not decode token by token there yet (its step would run a
+// kernel per layer on each token): cuda::recurrent of a stack is a compile
+// error that says what to use instead.
+// expect: a stacked plan runs one kernel per layer and chains through a state
+// expect: not yet in decoding steps.*cpu::recurrent
 // errors: 1
 #include <lina/cuda.hpp>
 #include <lina/lina.hpp>
@@ -15,12 +17,11 @@ constexpr auto V = input<"V">(N, D);
 constexpr auto K2 = input<"K2">(N, D);
 constexpr auto layer1 = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
 int main() {
-  tensor<float> q({1, 1, 4, 8}), out({1, 1, 4, 8});
-  cuda::state st(cuda::memory::host);
 #ifdef LINA_COMPILE_FAIL
-  cuda::emulate_into(compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V), {},
-                     out.view(), st, Q = q, K = q, V = q, K2 = q);
+  auto rnn = cuda::recurrent(compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V), 1,
+                             1, {}, cuda::memory::host);
 #else
-  cuda::emulate_into(compile(layer1), {}, out.view(), st, Q = q, K = q, V = q);
+  auto rnn = cuda::recurrent(compile(layer1), 1, 1, {}, cuda::memory::host);
 #endif
+  (void)rnn;
 }

@@ -109,8 +109,10 @@ struct cuda_plan {
 template <bool Supported>
 struct cuda_stacked {
   static_assert(Supported,
-                "lina::cuda: a stacked plan runs one kernel per layer, without a state (chaining, decoding, a "
-                "chained gradient) yet: use the CPU backend (cpu::evaluate with a cpu::state, cpu::recurrent)");
+                "lina::cuda: a stacked plan runs one kernel per layer and chains through a state (a state per "
+                "layer: evaluate, evaluate_into, emulate with a cuda::state), but not yet in decoding steps, packed "
+                "sequences with a state or a chained gradient: use the CPU backend (cpu::recurrent, cpu::evaluate "
+                "with a cpu::state)");
   static constexpr bool ok = Supported;
 };
 }  // namespace diagnose
@@ -753,8 +755,19 @@ class state : public state_info {
     return s[0] * s[1] * s[2] * s[3];
   }
 
+  // A stacked plan's state (evaluate and emulate with a state): one state per
+  // layer, in the order the layers run, the lowest first — layer k's sums are
+  // scan k of the CPU's state of the same stack when its layers form a chain.
+  // Empty for a single layer's state.
+  std::size_t layers() const noexcept { return layers_.size(); }
+  state& layer(std::size_t k) { return layers_.at(k); }
+  state const& layer(std::size_t k) const { return layers_.at(k); }
+
   // A host state's sums, [B, H, C, W] (write to them to start from given sums).
   tensor_view<float> sums() {
+    if (!layers_.empty())
+      throw std::invalid_argument("lina::cuda::state::sums: this is a stacked plan's state, one state per layer: "
+                                  "read layer(k).sums()");
     if (where_ != memory::host)
       throw std::invalid_argument(
           "lina::cuda::state::sums: the state is in device memory; copy it to the host with cuda::to_host");
@@ -768,6 +781,8 @@ class state : public state_info {
 
   // Zero the sums (a device state's on `stream`), as if no token had been seen.
   void reset(void* stream = nullptr) {
+    for (state& l : layers_) l.reset(stream);
+    if (!sized()) return;
     if (where_ == memory::host)
       std::fill(host_[current_].begin(), host_[current_].end(), 0.0f);
     else
@@ -779,6 +794,7 @@ class state : public state_info {
     if (where == memory::device || where_ == memory::device) require_device(call);
     state r(where);
     static_cast<state_info&>(r) = *this;
+    for (state const& l : layers_) r.layers_.push_back(l.copy_to(where, stream, call));
     std::size_t const n = size(), bytes = n * sizeof(float);
     if (!sized()) return r;
     if (where == memory::host) {
@@ -845,6 +861,37 @@ class state : public state_info {
   operand kernel_out(std::size_t first = 0) const { return operand_of_buffer(current_ ^ 1, first); }
   void flip() noexcept { current_ ^= 1; }
 
+  // For a stacked plan's entry points (the linear stack L, `count` layers):
+  // give an unbound state the stack and a state per layer, or check that it
+  // has them; the layers' own checks come as each runs. run(layers) runs the
+  // stack on them; should it throw, every layer is as it was before (a layer
+  // that ran flips back: its kernel wrote the other buffer), and a state bound
+  // by this call is unbound again.
+  template <class L, class Run>
+  void run_stacked(L const& linear, std::size_t batch, std::size_t heads, std::size_t count, Run const& run) {
+    bool const fresh = unbound();
+    if (fresh) {
+      static_cast<state_info&>(*this) = state_info(linear, batch, heads);
+      layers_.clear();
+      for (std::size_t k = 0; k < count; ++k) layers_.emplace_back(where_);
+    } else if (!belongs_to(typeid(L)) || layers_.size() != count) {
+      throw state_error("this state belongs to the plan " + plan() + ", not to " + to_string(linear));
+    }
+    std::vector<int> before;  // each layer's buffer, -1 where it was not sized yet
+    for (state const& l : layers_) before.push_back(l.sized() ? l.current_ : -1);
+    try {
+      run(layers_.data());
+    } catch (...) {
+      for (std::size_t k = 0; k < layers_.size(); ++k)
+        if (before[k] < 0)
+          layers_[k] = state(where_);
+        else
+          layers_[k].current_ = before[k];
+      if (fresh) *this = state(where_);
+      throw;
+    }
+  }
+
  private:
   operand operand_of_buffer(int k, std::size_t first) const {
     operand o;
@@ -860,6 +907,7 @@ class state : public state_info {
   int current_ = 0;
   std::vector<float> host_[2];
   device_buffer device_[2];
+  std::vector<state> layers_;  // a stacked plan's: one per layer
 };
 
 // Copies of a state in host and device memory (same plan, batch, heads and
@@ -1124,6 +1172,38 @@ void through_layers(Plan const& plan, Run&& run, Next&& next, B const&... bindin
   auto const result = symbol = mid;
   with_inputs_of<std::remove_cvref_t<decltype(rest)>>([&](auto const&... b) { next(rest, b...); }, bindings..., result);
 }
+// The layers of a (select-free) plan, as through_layers runs them: 1 unless stacked.
+template <class Plan>
+constexpr std::size_t layer_count() {
+  if constexpr (!forward_plan<Plan>::stacked) {
+    return 1;
+  } else {
+    using layer = typename forward_plan<Plan>::layer;
+    using Sub = typename layer::sub;
+    using Rest = decltype(replace_subtree<Sub>(std::declval<Plan const&>(), node<typename layer::input>{}));
+    return layer_count<Sub>() + layer_count<std::remove_cvref_t<Rest>>();
+  }
+}
+// A stack chained through one state per layer (layers[0] the lowest's, in
+// through_layers' order): each layer by one(layer, its state, out, its
+// bindings...), its result in alloc(layer, its bindings...) (a tensor) below
+// the top, which writes `out`.
+template <class Plan, class Alloc, class One, class Out, class... B>
+void run_stack(Plan const& plan, state* layers, Alloc const& alloc, One const& one, Out out, B const&... bindings) {
+  if constexpr (!forward_plan<Plan>::stacked) {
+    one(plan, *layers, out, bindings...);
+  } else {
+    constexpr std::size_t below = layer_count<typename forward_plan<Plan>::layer::sub>();
+    through_layers(
+        plan,
+        [&](auto const& sub, auto const&... b) {
+          auto mid = alloc(sub, b...);
+          run_stack(sub, layers, alloc, one, mid.view(), b...);
+          return mid;
+        },
+        [&](auto const& rest, auto const&... b) { run_stack(rest, layers + below, alloc, one, out, b...); }, bindings...);
+  }
+}
 }  // namespace detail
 
 // Evaluate `plan` through the host emulation of its generated kernel into
@@ -1154,16 +1234,24 @@ void emulate_into(Plan const& plan, options opt, tensor_view<float> out, B const
 // tokens give what one evaluation of all of them gives. Only causal plans
 // carry a state (a non-causal one is a compile error, as on the CPU); the
 // plan runs as its linear form (every select at its long-sequence branch).
+// A stacked plan chains each layer through a state of its own (state::layer).
 template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 void emulate_into(Plan const& plan, options opt, tensor_view<float> out, state& st, B const&... bindings) {
   auto linear = longest_branch(plan);
   using L = decltype(linear);
-  constexpr bool ok = detail::chainable<L>();
   auto in = bind<L>(bindings...);
   check_result_shape<L>(out.shape(), in);
   detail::require_state_in(st, memory::host, "cuda::emulate_into");
-  if constexpr (ok) {
+  if constexpr (detail::forward_plan<L>::stacked) {
+    auto alloc = [](auto const& layer, auto const&... b) {
+      using P = std::remove_cvref_t<decltype(layer)>;
+      return lina::tensor<float>(result_shape<P>(bind<P>(b...)));
+    };
+    auto one = [&](auto const& layer, state& s, tensor_view<float> o, auto const&... b) { emulate_into(layer, opt, o, s, b...); };
+    st.run_stacked(linear, in.batch, in.heads, detail::layer_count<L>(),
+                   [&](state* layers) { detail::run_stack(linear, layers, alloc, one, out, bindings...); });
+  } else if constexpr (detail::chainable<L>()) {
     st.prepare(linear, in, nullptr, "cuda::emulate_into");
     detail::emulate_bound(linear, opt, out, in, {.st = &st});
     st.flip();
@@ -1317,11 +1405,20 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
   check_tile_request(tiles);
   auto linear = longest_branch(plan);
   using L = decltype(linear);
-  constexpr bool ok = detail::chainable<L>();
   auto in = bind<L>(bindings...);
   check_result_shape<L>(out.shape(), in);
   detail::require_state_in(st, memory::device, "cuda::evaluate_into");
-  if constexpr (ok) {
+  if constexpr (detail::forward_plan<L>::stacked) {  // a state per layer; the intermediates die with the call
+    using T = std::remove_const_t<typename decltype(in)::value_type>;
+    auto alloc = [](auto const& layer, auto const&... b) {
+      using P = std::remove_cvref_t<decltype(layer)>;
+      return tensor<T>(result_shape<P>(bind<P>(b...)), "cuda::evaluate_into");
+    };
+    auto one = [&](auto const& layer, state& s, auto o, auto const&... b) { evaluate_into(layer, o, s, stream, tiles, b...); };
+    st.run_stacked(linear, in.batch, in.heads, detail::layer_count<L>(),
+                   [&](state* layers) { detail::run_stack(linear, layers, alloc, one, out, bindings...); });
+    synchronize_stream(stream, "cuda::evaluate_into");
+  } else if constexpr (detail::chainable<L>()) {
     st.prepare(linear, in, stream, "cuda::evaluate_into");
     detail::launch_bound(linear, out, in, stream, tiles, "cuda::evaluate_into", {.st = &st});
     st.flip();
