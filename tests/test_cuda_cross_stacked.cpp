@@ -272,6 +272,56 @@ TEST_CASE("stacked layers chain through a state per layer: blocks = one pass = t
                   state_error);
 }
 
+// A stack decodes token by token: a recurrent per layer (stack_rnn), each step
+// each layer's step kernel in turn. A prompt then steps against one pass of
+// the stack, and each layer's state against the chained stack's after the
+// same tokens; fp32 and bf16 (the intermediate rows kept in the inputs' type,
+// as the stateless stack keeps them).
+TEST_CASE("stacked layers decode: a prompt then steps, a recurrent per layer = one pass") {
+  constexpr auto stack = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2;
+  constexpr auto two = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * layer1;
+  constexpr auto three = normalize(causal(phi<relu>(two) * transpose(phi<relu>(K2)))) * V2;
+  test::rng r{77};
+  auto check = [&](auto const& expr, std::size_t layers, shape s, cuda::dtype dt) {
+    auto const plan = compile(expr);
+    CAPTURE(layers); CAPTURE(cuda::name_of(dt)); CAPTURE(s.n);
+    cuda::options const opt{dt, dt};
+    auto one = [&](std::size_t cols) { return rounded(tensor<float>::random({s.b, s.h, s.n, cols}, r.next()), dt); };
+    auto q = one(s.d), k = one(s.d), v = one(s.d), k2 = one(s.d), v2 = one(s.m);
+    auto once = on_inputs_of(plan, [&](auto const& p, auto const&... b) { return cuda::emulate(p, opt, b...); }, Q = q, K = k,
+                             Vd = v, K2 = k2, V2 = v2);
+    auto rnn = cuda::recurrent(plan, s.b, s.h, opt, cuda::memory::host);
+    tensor<float> got(once.shape());
+    std::size_t const prompt = s.n / 2;
+    auto rows = [&](tensor<float> const& x, std::size_t from, std::size_t to) { return test::tokens(x, from, to); };
+    on_inputs_of(plan, [&](auto const&, auto const&... b) { rnn.prefill_into(rows_of(got, 0, prompt), b...); },
+                 Q = rows(q, 0, prompt), K = rows(k, 0, prompt), Vd = rows(v, 0, prompt), K2 = rows(k2, 0, prompt),
+                 V2 = rows(v2, 0, prompt));
+    for (std::size_t t = prompt; t < s.n; ++t)
+      on_inputs_of(plan, [&](auto const&, auto const&... b) { rnn.step_into(rows_of(got, t, t + 1), b...); },
+                   Q = rows(q, t, t + 1), K = rows(k, t, t + 1), Vd = rows(v, t, t + 1), K2 = rows(k2, t, t + 1),
+                   V2 = rows(v2, t, t + 1));
+    CHECK(relative_rms(got, once) <= tolerance(dt));
+    // Each layer's state = the chained stack's layer state after the same tokens.
+    cuda::state st(cuda::memory::host);
+    tensor<float> sink(once.shape());
+    on_inputs_of(plan, [&](auto const& p, auto const&... b) { cuda::emulate_into(p, opt, sink.view(), st, b...); }, Q = q,
+                 K = k, Vd = v, K2 = k2, V2 = v2);
+    REQUIRE(st.layers() == layers);
+    for (std::size_t x = 0; x < layers; ++x) {
+      CAPTURE(x);
+      CHECK(relative_rms(sums_of(rnn.state(x)), sums_of(st.layer(x))) <= tolerance(dt));
+    }
+    CHECK_THROWS_AS(rnn.state(layers), std::out_of_range);
+    rnn.reset();
+    for (std::size_t x = 0; x < layers; ++x) CHECK(test::max_abs(sums_of(rnn.state(x))) == 0);
+  };
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    check(stack, 2, {2, 2, 40, 12, 9}, dt);
+    check(three, 3, {1, 2, 37, 8, 5}, dt);
+  }
+}
+
 TEST_CASE("emulation reads and writes strided layouts in place: [B,N,H,D] = [B,H,N,D]") {
   constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   std::size_t b = 2, h = 3, n = 77, d = 12, m = 10;
@@ -742,6 +792,38 @@ TEST_CASE("device: a stack chained through device states = its emulation") {
     else
       go.template operator()<cuda::bf16>();
   }
+}
+
+TEST_CASE("device: a stack's decoding steps = their emulation") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  auto const plan = compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2);
+  std::size_t const b = 4, h = 3, n = 40, d = 64, m = 64, prompt = 17;
+  cuda::options const opt{cuda::dtype::bf16, cuda::dtype::bf16};
+  auto one = [&](std::size_t cols, std::uint64_t seed) {
+    return rounded(tensor<float>::random({b, h, n, cols}, seed), cuda::dtype::bf16);
+  };
+  auto q = one(d, 1), k = one(d, 2), v = one(d, 3), k2 = one(d, 4), v2 = one(m, 5);
+  auto host = cuda::recurrent(plan, b, h, opt, cuda::memory::host);
+  auto gpu = cuda::recurrent(plan, b, h, opt);
+  tensor<float> want({b, h, n, m});
+  cuda::tensor<cuda::bf16> got({b, h, n, m});
+  auto up = [](tensor<float> const& x, std::size_t from, std::size_t to) { return cuda::to_device<cuda::bf16>(test::tokens(x, from, to)); };
+  for (std::size_t t = 0; t < n; t = t == 0 ? prompt : t + 1) {
+    std::size_t const to = t == 0 ? prompt : t + 1;
+    auto rows = [&](tensor<float> const& x) { return test::tokens(x, t, to); };
+    auto dq = up(q, t, to), dk = up(k, t, to), dv = up(v, t, to), dk2 = up(k2, t, to), dv2 = up(v2, t, to);
+    if (t == 0) {
+      host.prefill_into(rows_of(want, t, to), Q = rows(q), K = rows(k), Vd = rows(v), K2 = rows(k2), V2 = rows(v2));
+      gpu.prefill_into(got.view().rows(t, to - t), nullptr, Q = dq, K = dk, Vd = dv, K2 = dk2, V2 = dv2);
+    } else {
+      host.step_into(rows_of(want, t, to), Q = rows(q), K = rows(k), Vd = rows(v), K2 = rows(k2), V2 = rows(v2));
+      gpu.step_into(got.view().rows(t, to - t), nullptr, Q = dq, K = dk, Vd = dv, K2 = dk2, V2 = dv2);
+    }
+  }
+  CHECK(relative_rms(cuda::to_host(got), want) <= forward_tolerance(cuda::dtype::bf16));
+  for (std::size_t x = 0; x < 2; ++x)
+    CHECK(relative_rms(sums_of(cuda::to_host(gpu.state(x))), sums_of(host.state(x))) <= 1e-5);
 }
 
 TEST_CASE("device: packed sequences = their emulation, forward and backward") {

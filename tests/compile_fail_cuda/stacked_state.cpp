@@ -1,9 +1,9 @@
-// A stacked plan chains through a state on the CUDA backend (one state per
-// layer), but does not decode token by token there yet (its step would run a
-// kernel per layer on each token): cuda::recurrent of a stack is a compile
-// error that says what to use instead.
-// expect: a stacked plan runs one kernel per layer and chains through a state
-// expect: not yet in decoding steps.*cpu::recurrent
+// A stacked plan chains through a state and decodes on the CUDA backend (one
+// state per layer), but not yet with packed sequences and a state (each
+// sequence's rows through every layer in turn): that is a compile error that
+// says what to use instead.
+// expect: a stacked plan runs one kernel per layer, chains through a state
+// expect: not yet.*packed sequences and a state.*use the CPU backend
 // errors: 1
 #include <lina/cuda.hpp>
 #include <lina/lina.hpp>
@@ -17,11 +17,13 @@ constexpr auto V = input<"V">(N, D);
 constexpr auto K2 = input<"K2">(N, D);
 constexpr auto layer1 = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
 int main() {
+  tensor<float> q({1, 1, 4, 8}), out({1, 1, 4, 8});
+  cuda::state st(cuda::memory::host);
+  auto seqs = sequences::from_lengths({1, 3});
 #ifdef LINA_COMPILE_FAIL
-  auto rnn = cuda::recurrent(compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V), 1,
-                             1, {}, cuda::memory::host);
+  cuda::emulate_into(compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V), {},
+                     out.view(), st, seqs, Q = q, K = q, V = q, K2 = q);
 #else
-  auto rnn = cuda::recurrent(compile(layer1), 1, 1, {}, cuda::memory::host);
+  cuda::emulate_into(compile(layer1), {}, out.view(), st, seqs, Q = q, K = q, V = q);
 #endif
-  (void)rnn;
 }

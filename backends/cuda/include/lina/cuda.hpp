@@ -109,10 +109,9 @@ struct cuda_plan {
 template <bool Supported>
 struct cuda_stacked {
   static_assert(Supported,
-                "lina::cuda: a stacked plan runs one kernel per layer and chains through a state (a state per "
-                "layer: evaluate, evaluate_into, emulate with a cuda::state), but not yet in decoding steps, packed "
-                "sequences with a state or a chained gradient: use the CPU backend (cpu::recurrent, cpu::evaluate "
-                "with a cpu::state)");
+                "lina::cuda: a stacked plan runs one kernel per layer, chains through a state (a state per layer: "
+                "evaluate, evaluate_into, emulate with a cuda::state) and decodes (cuda::recurrent), but not yet "
+                "with packed sequences and a state or in a chained gradient: use the CPU backend for those");
   static constexpr bool ok = Supported;
 };
 }  // namespace diagnose
@@ -2691,18 +2690,178 @@ class rnn {
   std::optional<prepared_kernel> kernel_;
 };
 
+// A stack run token by token (recurrent of a stacked plan): a recurrent per
+// layer, run in through_layers' order, the lowest first — each step launches
+// each layer's step kernel in turn, a prompt each layer's chunked one. A lower
+// layer's rows are kept in the inputs' type (options {in, in}: as a stacked
+// evaluate stores its intermediates), the top writes opt.out. A step's
+// intermediate rows live in a buffer made at the first step (after it a step
+// allocates nothing); a prompt's, for the call.
+template <class L>
+class stack_rnn {
+  using layer = typename detail::forward_plan<L>::layer;
+  using Sub = typename layer::sub;
+  using Rest = std::remove_cvref_t<decltype(detail::replace_subtree<Sub>(std::declval<L const&>(),
+                                                                         node<typename layer::input>{}))>;
+  template <class P>
+  using part = std::conditional_t<detail::forward_plan<P>::stacked, stack_rnn<P>, rnn<P>>;
+  static constexpr std::size_t below_layers = detail::layer_count<Sub>();
+
+ public:
+  stack_rnn(L plan, std::size_t batch, std::size_t heads, options opt, memory where)
+      : plan_(plan),
+        below_(detail::subtree<Sub>(plan), batch, heads, options{opt.in, opt.in, opt.exact_products, opt.split_rows, opt.tiles},
+               where),
+        rest_(detail::replace_subtree<Sub>(plan, node<typename layer::input>{}), batch, heads, opt, where) {}
+
+  // One token per sequence ([B, H, 1, ·]) on the device or through the emulation, as rnn's.
+  template <class O, class... B>
+    requires(is_binding<B> && ...)
+  void step_into(device_view<O> out, void* stream, B const&... bindings) {
+    auto in = bind<L>(bindings...);
+    check_result_shape<L>(out.shape(), in);
+    using T = std::remove_const_t<typename decltype(in)::value_type>;
+    detail::through_layers(
+        plan_,
+        [&](auto const& sub, auto const&... b) {
+          shape4 const sh = result_shape<std::remove_cvref_t<decltype(sub)>>(bind<std::remove_cvref_t<decltype(sub)>>(b...));
+          std::size_t const bytes = sh[0] * sh[1] * sh[2] * sh[3] * sizeof(T);
+          if (!step_rows_ || step_bytes_ != bytes) step_rows_.emplace(bytes, "cuda::recurrent::step_into"), step_bytes_ = bytes;
+          device_view<T> mid(static_cast<T*>(step_rows_->get()), sh);
+          below_.step_into(mid, stream, b...);
+          return device_view<T const>(mid);  // (read by the layer above as an input)
+        },
+        [&](auto const&, auto const&... b) { rest_.step_into(out, stream, b...); }, bindings...);
+  }
+  template <class... B>
+    requires(is_binding<B> && ...)
+  void step_into(tensor_view<float> out, B const&... bindings) {
+    auto in = bind<L>(bindings...);
+    check_result_shape<L>(out.shape(), in);
+    detail::through_layers(
+        plan_,
+        [&](auto const& sub, auto const&... b) {
+          shape4 const sh = result_shape<std::remove_cvref_t<decltype(sub)>>(bind<std::remove_cvref_t<decltype(sub)>>(b...));
+          if (host_rows_.shape() != sh) host_rows_ = lina::tensor<float>(sh);
+          below_.step_into(host_rows_.view(), b...);
+          return host_rows_.view();
+        },
+        [&](auto const&, auto const&... b) { rest_.step_into(out, b...); }, bindings...);
+  }
+  template <class... B>
+    requires(is_binding<B> && ...)
+  auto step(void* stream, B const&... bindings) {
+    auto in = bind<L>(bindings...);
+    tensor<std::remove_const_t<typename decltype(in)::value_type>> out(result_shape<L>(in), "cuda::recurrent::step");
+    step_into(out.view(), stream, bindings...);
+    return out;
+  }
+  template <class... B>
+    requires(is_binding<B> && ...)
+  lina::tensor<float> step(B const&... bindings) {
+    lina::tensor<float> out(result_shape<L>(bind<L>(bindings...)));
+    step_into(out.view(), bindings...);
+    return out;
+  }
+
+  // A prompt of any length ([B, H, N, ·]); its intermediate rows are made for the call.
+  template <class O, class... B>
+    requires(is_binding<B> && ...)
+  void prefill_into(device_view<O> out, void* stream, B const&... bindings) {
+    auto in = bind<L>(bindings...);
+    check_result_shape<L>(out.shape(), in);
+    using T = std::remove_const_t<typename decltype(in)::value_type>;
+    detail::through_layers(
+        plan_,
+        [&](auto const& sub, auto const&... b) {
+          using P = std::remove_cvref_t<decltype(sub)>;
+          tensor<T> mid(result_shape<P>(bind<P>(b...)), "cuda::recurrent::prefill_into");
+          below_.prefill_into(mid.view(), stream, b...);
+          return mid;
+        },
+        [&](auto const&, auto const&... b) { rest_.prefill_into(out, stream, b...); }, bindings...);
+    synchronize_stream(stream, "cuda::recurrent::prefill_into");  // (the intermediates die with the call)
+  }
+  template <class... B>
+    requires(is_binding<B> && ...)
+  void prefill_into(tensor_view<float> out, B const&... bindings) {
+    auto in = bind<L>(bindings...);
+    check_result_shape<L>(out.shape(), in);
+    detail::through_layers(
+        plan_,
+        [&](auto const& sub, auto const&... b) {
+          using P = std::remove_cvref_t<decltype(sub)>;
+          lina::tensor<float> mid(result_shape<P>(bind<P>(b...)));
+          below_.prefill_into(mid.view(), b...);
+          return mid;
+        },
+        [&](auto const&, auto const&... b) { rest_.prefill_into(out, b...); }, bindings...);
+  }
+
+  // Zero every layer's sums.
+  void reset(void* stream = nullptr) {
+    below_.reset(stream);
+    rest_.reset(stream);
+  }
+  // Layer k's state (k = 0: the lowest), as state::layer(k) of a chained stack.
+  lina::cuda::state const& state(std::size_t k) const {
+    if (k >= detail::layer_count<L>())
+      throw std::out_of_range("lina::cuda::recurrent::state: the stack has " + std::to_string(detail::layer_count<L>()) +
+                              " layers, not " + std::to_string(k + 1));
+    return k < below_layers ? layer_state(below_, k) : layer_state(rest_, k - below_layers);
+  }
+  L const& plan() const noexcept { return plan_; }
+
+ private:
+  template <class P>
+  static lina::cuda::state const& layer_state(P const& p, std::size_t k) {
+    if constexpr (requires { p.state(k); })
+      return p.state(k);
+    else
+      return p.state();
+  }
+
+  L plan_;
+  part<Sub> below_;
+  part<Rest> rest_;
+  std::optional<device_buffer> step_rows_;  // a step's intermediate rows, kept
+  std::size_t step_bytes_ = 0;
+  lina::tensor<float> host_rows_;
+};
+
+namespace detail {
+// Can every layer of a stack run as a recurrent? Each is diagnosed as a plan alone.
+template <class L>
+constexpr bool stack_chainable() {
+  if constexpr (!forward_plan<L>::stacked) {
+    return chainable<L>();
+  } else {
+    using layer = typename forward_plan<L>::layer;
+    using Sub = typename layer::sub;
+    using Rest = std::remove_cvref_t<decltype(replace_subtree<Sub>(std::declval<L const&>(), node<typename layer::input>{}))>;
+    return stack_chainable<Sub>() && stack_chainable<Rest>();
+  }
+}
+}  // namespace detail
+
 // recurrent(plan, B, H, options, memory): the plan's linear form as an RNN
 // over B × H sequences, from zero sums; its state in device memory (launches)
 // or host memory (the emulation). A plan without a running state (non-causal,
-// quadratic) is the compile error it is on the CPU.
+// quadratic) is the compile error it is on the CPU. A stacked plan runs a
+// recurrent per layer (stack_rnn above).
 template <class Plan>
   requires is_node<Plan>
 auto recurrent(Plan const& plan, std::size_t batch, std::size_t heads, options opt = {},
                memory where = memory::device) {
   auto linear = longest_branch(plan);
   using L = decltype(linear);
-  static_assert(detail::chainable<L>() || true);
-  return rnn<L>(linear, batch, heads, opt, where);
+  if constexpr (detail::forward_plan<L>::stacked) {
+    static_assert(detail::stack_chainable<L>() || true);
+    return stack_rnn<L>(linear, batch, heads, opt, where);
+  } else {
+    static_assert(detail::chainable<L>() || true);
+    return rnn<L>(linear, batch, heads, opt, where);
+  }
 }
 
 }  // namespace lina::cuda
