@@ -93,9 +93,7 @@ def main():
     tsv = open(args.tsv, "w") if args.tsv else None  # a row per shape as it finishes: a timeout keeps the done ones
     for text in args.shapes.split(","):
         b, t, h, d = (int(x) for x in text.split("x"))
-        g = torch.Generator(device="cuda").manual_seed(1)
-        def rand(*s):
-            return torch.rand(*s, device="cuda", generator=g, dtype=torch.float32).mul_(2).sub_(1).to(torch.bfloat16)
+        rand = uniform(torch, 1)
         q = F.elu(rand(b, t, h, d)) + 1
         k = F.elu(rand(b, t, h, d)) + 1
         v = rand(b, t, h, d)
@@ -210,9 +208,7 @@ def retention_inputs(text, chunk_simple_gla, torch, seed=4):
     """q, k, v in [B, T, H, D] bf16 (unmapped) and the op: chunk_simple_gla with log(decay) on every head."""
     import math
     b, t, h, d = (int(x) for x in text.split("x"))
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    def rand(*shape):
-        return torch.rand(*shape, device="cuda", generator=g, dtype=torch.float32).mul_(2).sub_(1).to(torch.bfloat16)
+    rand = uniform(torch, seed)
     gamma = torch.full((h,), math.log(RETENTION_DECAY), device="cuda", dtype=torch.float32)
     def op(x, y, z):
         return chunk_simple_gla(x, y, z, g_gamma=gamma, scale=1.0)
@@ -243,6 +239,14 @@ def retention(args, tsv, torch):
             tsv.flush()
         q = k = v = None
         torch.cuda.empty_cache()
+
+
+def uniform(torch, seed):
+    """rand(*shape, dtype=bf16): uniform in [-1, 1) on the GPU, from a generator seeded with seed."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.rand(*shape, device="cuda", generator=g, dtype=torch.float32).mul_(2).sub_(1).to(dtype)
+    return rand
 
 
 def backward_ms(op, q, k, v, do, budget, torch):
@@ -285,9 +289,7 @@ def pack_inputs(text, torch, F, seed=3):
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    def rand(*shape):
-        return torch.rand(*shape, device="cuda", generator=g, dtype=torch.float32).mul_(2).sub_(1).to(torch.bfloat16)
+    rand = uniform(torch, seed)
     total = offsets[-1]
     q = F.elu(rand(1, total, h, d)) + 1
     k = F.elu(rand(1, total, h, d)) + 1
@@ -322,9 +324,7 @@ def packed(args, tsv, kwargs, chunk_linear_attn, torch, F):
 def decode(args, tsv, torch):
     from fla.ops.linear_attn import fused_recurrent_linear_attn
     b, h, d = (int(x) for x in args.decode.split("x"))
-    g = torch.Generator(device="cuda").manual_seed(2)
-    def rand(*s, dtype=torch.bfloat16):
-        return torch.rand(*s, device="cuda", generator=g, dtype=torch.float32).mul_(2).sub_(1).to(dtype)
+    rand = uniform(torch, 2)
     q = torch.nn.functional.elu(rand(b, 1, h, d)) + 1
     k = torch.nn.functional.elu(rand(b, 1, h, d)) + 1
     v = rand(b, 1, h, d)

@@ -2718,41 +2718,33 @@ class stack_rnn {
   template <class O, class... B>
     requires(is_binding<B> && ...)
   void step_into(device_view<O> out, void* stream, B const&... bindings) {
-    auto in = bind<L>(bindings...);
-    check_result_shape<L>(out.shape(), in);
-    using T = std::remove_const_t<typename decltype(in)::value_type>;
-    detail::through_layers(
-        plan_,
-        [&](auto const& sub, auto const&... b) {
-          shape4 const sh = result_shape<std::remove_cvref_t<decltype(sub)>>(bind<std::remove_cvref_t<decltype(sub)>>(b...));
+    using T = element_of<B...>;
+    layer_by_layer(
+        out,
+        [&](shape4 sh) {
           std::size_t const bytes = sh[0] * sh[1] * sh[2] * sh[3] * sizeof(T);
           if (!step_rows_ || step_bytes_ != bytes) step_rows_.emplace(bytes, "cuda::recurrent::step_into"), step_bytes_ = bytes;
-          device_view<T> mid(static_cast<T*>(step_rows_->get()), sh);
-          below_.step_into(mid, stream, b...);
-          return device_view<T const>(mid);  // (read by the layer above as an input)
+          return device_view<T>(static_cast<T*>(step_rows_->get()), sh);
         },
-        [&](auto const&, auto const&... b) { rest_.step_into(out, stream, b...); }, bindings...);
+        [&](auto rows, auto const&... b) { below_.step_into(rows, stream, b...); },
+        [&](auto const&... b) { rest_.step_into(out, stream, b...); }, bindings...);
   }
   template <class... B>
     requires(is_binding<B> && ...)
   void step_into(tensor_view<float> out, B const&... bindings) {
-    auto in = bind<L>(bindings...);
-    check_result_shape<L>(out.shape(), in);
-    detail::through_layers(
-        plan_,
-        [&](auto const& sub, auto const&... b) {
-          shape4 const sh = result_shape<std::remove_cvref_t<decltype(sub)>>(bind<std::remove_cvref_t<decltype(sub)>>(b...));
+    layer_by_layer(
+        out,
+        [&](shape4 sh) {
           if (host_rows_.shape() != sh) host_rows_ = lina::tensor<float>(sh);
-          below_.step_into(host_rows_.view(), b...);
           return host_rows_.view();
         },
-        [&](auto const&, auto const&... b) { rest_.step_into(out, b...); }, bindings...);
+        [&](auto rows, auto const&... b) { below_.step_into(rows, b...); },
+        [&](auto const&... b) { rest_.step_into(out, b...); }, bindings...);
   }
   template <class... B>
     requires(is_binding<B> && ...)
   auto step(void* stream, B const&... bindings) {
-    auto in = bind<L>(bindings...);
-    tensor<std::remove_const_t<typename decltype(in)::value_type>> out(result_shape<L>(in), "cuda::recurrent::step");
+    tensor<element_of<B...>> out(result_shape<L>(bind<L>(bindings...)), "cuda::recurrent::step");
     step_into(out.view(), stream, bindings...);
     return out;
   }
@@ -2768,34 +2760,21 @@ class stack_rnn {
   template <class O, class... B>
     requires(is_binding<B> && ...)
   void prefill_into(device_view<O> out, void* stream, B const&... bindings) {
-    auto in = bind<L>(bindings...);
-    check_result_shape<L>(out.shape(), in);
-    using T = std::remove_const_t<typename decltype(in)::value_type>;
-    detail::through_layers(
-        plan_,
-        [&](auto const& sub, auto const&... b) {
-          using P = std::remove_cvref_t<decltype(sub)>;
-          tensor<T> mid(result_shape<P>(bind<P>(b...)), "cuda::recurrent::prefill_into");
-          below_.prefill_into(mid.view(), stream, b...);
-          return mid;
-        },
-        [&](auto const&, auto const&... b) { rest_.prefill_into(out, stream, b...); }, bindings...);
+    std::optional<tensor<element_of<B...>>> held;
+    layer_by_layer(
+        out, [&](shape4 sh) { return held.emplace(sh, "cuda::recurrent::prefill_into").view(); },
+        [&](auto rows, auto const&... b) { below_.prefill_into(rows, stream, b...); },
+        [&](auto const&... b) { rest_.prefill_into(out, stream, b...); }, bindings...);
     synchronize_stream(stream, "cuda::recurrent::prefill_into");  // (the intermediates die with the call)
   }
   template <class... B>
     requires(is_binding<B> && ...)
   void prefill_into(tensor_view<float> out, B const&... bindings) {
-    auto in = bind<L>(bindings...);
-    check_result_shape<L>(out.shape(), in);
-    detail::through_layers(
-        plan_,
-        [&](auto const& sub, auto const&... b) {
-          using P = std::remove_cvref_t<decltype(sub)>;
-          lina::tensor<float> mid(result_shape<P>(bind<P>(b...)));
-          below_.prefill_into(mid.view(), b...);
-          return mid;
-        },
-        [&](auto const&, auto const&... b) { rest_.prefill_into(out, b...); }, bindings...);
+    std::optional<lina::tensor<float>> held;
+    layer_by_layer(
+        out, [&](shape4 sh) { return held.emplace(sh).view(); },
+        [&](auto rows, auto const&... b) { below_.prefill_into(rows, b...); },
+        [&](auto const&... b) { rest_.prefill_into(out, b...); }, bindings...);
   }
 
   // Zero every layer's sums.
@@ -2813,6 +2792,29 @@ class stack_rnn {
   L const& plan() const noexcept { return plan_; }
 
  private:
+  template <class... B>
+  using element_of = std::remove_const_t<typename decltype(bind<L>(std::declval<B const&>()...))::value_type>;
+
+  // The stack on these bindings into out: the layer below writes rows(its
+  // result's shape) by below(those rows, its bindings...), read by the rest
+  // as its input; above(its bindings...) writes out.
+  template <class Out, class Rows, class Below, class Above, class... B>
+  void layer_by_layer(Out const& out, Rows&& rows, Below const& below, Above const& above, B const&... bindings) {
+    check_result_shape<L>(out.shape(), bind<L>(bindings...));
+    detail::through_layers(
+        plan_,
+        [&](auto const& sub, auto const&... b) {
+          using P = std::remove_cvref_t<decltype(sub)>;
+          auto mid = rows(result_shape<P>(bind<P>(b...)));
+          below(mid, b...);
+          return read_only(mid);
+        },
+        [&](auto const&, auto const&... b) { above(b...); }, bindings...);
+  }
+  template <class E>
+  static device_view<E const> read_only(device_view<E> v) { return v; }
+  static tensor_view<float const> read_only(tensor_view<float> v) { return v; }
+
   template <class P>
   static lina::cuda::state const& layer_state(P const& p, std::size_t k) {
     if constexpr (requires { p.state(k); })
