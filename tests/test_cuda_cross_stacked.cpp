@@ -260,6 +260,44 @@ TEST_CASE("stacked layers chain through a state per layer: blocks = one pass = t
                   shape_error);
   CHECK(relative_rms(sums_of(st.layer(0)), lower) == 0);
   CHECK(relative_rms(sums_of(st.layer(1)), upper) == 0);
+  // Packed sequences (chunked prefill of S prompts): layer by layer over the
+  // whole pack, each layer's state a row per sequence — row s = the state of
+  // sequence s chained alone; a stack's recurrent prefills the same way.
+  {
+    auto const seqs = sequences::from_lengths({30, 0, 45, 7});
+    std::size_t const h = 2, d = 6, m = 4, total = seqs.total();
+    auto p = [&](std::size_t cols, std::uint64_t seed) { return tensor<float>::random({1, h, total, cols}, seed); };
+    auto q = p(d, 11), k = p(d, 12), v = p(d, 13), k2 = p(d, 14), v2 = p(m, 15);
+    cuda::state packed(cuda::memory::host);
+    auto got = cuda::emulate(plan, {}, packed, seqs, Q = q, K = k, Vd = v, K2 = k2, V2 = v2);
+    CHECK(relative_rms(got, cuda::emulate(plan, {}, seqs, Q = q, K = k, Vd = v, K2 = k2, V2 = v2)) <= tolerance(cuda::dtype::f32));
+    REQUIRE(packed.layers() == 2);
+    auto rnn = cuda::recurrent(plan, seqs.count(), h, {}, cuda::memory::host);
+    tensor<float> prefilled(got.shape());
+    rnn.prefill_into(prefilled.view(), seqs, Q = q, K = k, Vd = v, K2 = k2, V2 = v2);
+    CHECK(relative_rms(prefilled, got) <= tolerance(cuda::dtype::f32));
+    for (std::size_t x = 0; x < seqs.count(); ++x) {
+      CAPTURE(x);
+      std::size_t const from = seqs.begin(x), to = from + seqs.length(x);
+      cuda::state alone(cuda::memory::host);
+      cuda::emulate(plan, {}, alone, Q = test::tokens(q, from, to), K = test::tokens(k, from, to),
+                    Vd = test::tokens(v, from, to), K2 = test::tokens(k2, from, to), V2 = test::tokens(v2, from, to));
+      for (std::size_t l = 0; l < 2; ++l) {
+        CAPTURE(l);
+        tensor<float> const all = sums_of(packed.layer(l)), by_rnn = sums_of(rnn.state(l));
+        tensor<float> const one = sums_of(alone.layer(l));
+        double worst = 0, scale = 0;
+        for (std::size_t j = 0; j < h; ++j)
+          for (std::size_t a = 0; a < one.shape()[2]; ++a)
+            for (std::size_t c = 0; c < one.shape()[3]; ++c) {
+              worst = std::max({worst, std::abs(double(all(x, j, a, c)) - one(0, j, a, c)),
+                                std::abs(double(by_rnn(x, j, a, c)) - one(0, j, a, c))});
+              scale = std::max(scale, std::abs(double(one(0, j, a, c))));
+            }
+        CHECK(worst <= 1e-5 * (1 + scale));
+      }
+    }
+  }
   // A single layer's state is not a stack's, nor the reverse.
   cuda::state single(cuda::memory::host);
   cuda::emulate_into(compile(layer1), {}, tensor<float>({1, 1, 20, 6}).view(), single, Q = x(20, 6, 1), K = x(20, 6, 2),

@@ -110,8 +110,9 @@ template <bool Supported>
 struct cuda_stacked {
   static_assert(Supported,
                 "lina::cuda: a stacked plan runs one kernel per layer, chains through a state (a state per layer: "
-                "evaluate, evaluate_into, emulate with a cuda::state) and decodes (cuda::recurrent), but not yet "
-                "with packed sequences and a state or in a chained gradient: use the CPU backend for those");
+                "evaluate, evaluate_into, emulate with a cuda::state, packed sequences too) and decodes "
+                "(cuda::recurrent), but has no chained gradient yet: differentiate the whole sequence at once "
+                "(cuda::gradient without states)");
   static constexpr bool ok = Supported;
 };
 }  // namespace diagnose
@@ -1203,6 +1204,29 @@ void run_stack(Plan const& plan, state* layers, Alloc const& alloc, One const& o
         [&](auto const& rest, auto const&... b) { run_stack(rest, layers + below, alloc, one, out, b...); }, bindings...);
   }
 }
+// A layer's result below the top of a chained stack: a host tensor for the
+// emulation, a device tensor of the inputs' type T on the GPU.
+struct host_rows {
+  template <class P, class... B>
+  lina::tensor<float> operator()(P const&, B const&... b) const {
+    return lina::tensor<float>(result_shape<P>(bind<P>(b...)));
+  }
+};
+template <class T>
+struct device_rows {
+  template <class P, class... B>
+  tensor<T> operator()(P const&, B const&... b) const {
+    return tensor<T>(result_shape<P>(bind<P>(b...)), "cuda::evaluate_into");
+  }
+};
+// The stack (linear, stacked) chained through st for `count` state rows (the
+// batch, or the packed sequences): run_stacked's checks and undo around run_stack.
+template <class L, class Alloc, class One, class Out, class... B>
+void chain_stack(state& st, L const& linear, std::size_t count, std::size_t heads, Alloc const& alloc, One const& one,
+                 Out out, B const&... bindings) {
+  st.run_stacked(linear, count, heads, layer_count<L>(),
+                 [&](state* layers) { run_stack(linear, layers, alloc, one, out, bindings...); });
+}
 }  // namespace detail
 
 // Evaluate `plan` through the host emulation of its generated kernel into
@@ -1243,13 +1267,8 @@ void emulate_into(Plan const& plan, options opt, tensor_view<float> out, state& 
   check_result_shape<L>(out.shape(), in);
   detail::require_state_in(st, memory::host, "cuda::emulate_into");
   if constexpr (detail::forward_plan<L>::stacked) {
-    auto alloc = [](auto const& layer, auto const&... b) {
-      using P = std::remove_cvref_t<decltype(layer)>;
-      return lina::tensor<float>(result_shape<P>(bind<P>(b...)));
-    };
     auto one = [&](auto const& layer, state& s, tensor_view<float> o, auto const&... b) { emulate_into(layer, opt, o, s, b...); };
-    st.run_stacked(linear, in.batch, in.heads, detail::layer_count<L>(),
-                   [&](state* layers) { detail::run_stack(linear, layers, alloc, one, out, bindings...); });
+    detail::chain_stack(st, linear, in.batch, in.heads, detail::host_rows{}, one, out, bindings...);
   } else if constexpr (detail::chainable<L>()) {
     st.prepare(linear, in, nullptr, "cuda::emulate_into");
     detail::emulate_bound(linear, opt, out, in, {.st = &st});
@@ -1409,13 +1428,8 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
   detail::require_state_in(st, memory::device, "cuda::evaluate_into");
   if constexpr (detail::forward_plan<L>::stacked) {  // a state per layer; the intermediates die with the call
     using T = std::remove_const_t<typename decltype(in)::value_type>;
-    auto alloc = [](auto const& layer, auto const&... b) {
-      using P = std::remove_cvref_t<decltype(layer)>;
-      return tensor<T>(result_shape<P>(bind<P>(b...)), "cuda::evaluate_into");
-    };
     auto one = [&](auto const& layer, state& s, auto o, auto const&... b) { evaluate_into(layer, o, s, stream, tiles, b...); };
-    st.run_stacked(linear, in.batch, in.heads, detail::layer_count<L>(),
-                   [&](state* layers) { detail::run_stack(linear, layers, alloc, one, out, bindings...); });
+    detail::chain_stack(st, linear, in.batch, in.heads, detail::device_rows<T>{}, one, out, bindings...);
     synchronize_stream(stream, "cuda::evaluate_into");
   } else if constexpr (detail::chainable<L>()) {
     st.prepare(linear, in, stream, "cuda::evaluate_into");
@@ -1612,14 +1626,20 @@ void emulate_into(Plan const& plan, options opt, tensor_view<float> out, state& 
                   B const&... bindings) {
   auto linear = longest_branch(plan);
   using L = decltype(linear);
-  constexpr bool ok = detail::chainable<L>();
   detail::require_state_in(st, memory::host, "cuda::emulate_into");
-  if constexpr (ok)
+  if constexpr (detail::forward_plan<L>::stacked) {  // layer by layer over the whole pack, a state row per sequence
+    auto in = detail::check_sequences<L>(out, seqs, bindings...);
+    auto one = [&](auto const& layer, state& s, tensor_view<float> o, auto const&... b) {
+      emulate_into(layer, opt, o, s, seqs, b...);
+    };
+    detail::chain_stack(st, linear, seqs.count(), in.heads, detail::host_rows{}, one, out, bindings...);
+  } else if constexpr (detail::chainable<L>()) {
     detail::chained_sequences(
         linear, out, st, seqs, nullptr, "cuda::emulate_into",
         [&](auto const& in) { return detail::one_launch(linear, opt, in, seqs, true, 0); },
         [&](tensor_view<float> rows, auto const& in, detail::run_with w) { detail::emulate_bound(linear, opt, rows, in, w); },
         bindings...);
+  }
 }
 template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
@@ -1638,9 +1658,16 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
   check_tile_request(tiles);
   auto linear = longest_branch(plan);
   using L = decltype(linear);
-  constexpr bool ok = detail::chainable<L>();
   detail::require_state_in(st, memory::device, "cuda::evaluate_into");
-  if constexpr (ok) {
+  if constexpr (detail::forward_plan<L>::stacked) {  // layer by layer over the whole pack, a state row per sequence
+    auto in = detail::check_sequences<L>(out, seqs, bindings...);
+    using T = std::remove_const_t<typename decltype(in)::value_type>;
+    auto one = [&](auto const& layer, state& s, auto o, auto const&... b) {
+      evaluate_into(layer, o, s, stream, tiles, seqs, b...);
+    };
+    detail::chain_stack(st, linear, seqs.count(), in.heads, detail::device_rows<T>{}, one, out, bindings...);
+    synchronize_stream(stream, "cuda::evaluate_into");
+  } else if constexpr (detail::chainable<L>()) {
     int const sms = require_device("cuda::evaluate_into").sms;
     detail::chained_sequences(
         linear, out, st, seqs, stream, "cuda::evaluate_into",
@@ -2775,6 +2802,27 @@ class stack_rnn {
         out, [&](shape4 sh) { return held.emplace(sh).view(); },
         [&](auto rows, auto const&... b) { below_.prefill_into(rows, b...); },
         [&](auto const&... b) { rest_.prefill_into(out, b...); }, bindings...);
+  }
+  // Prompts of different lengths packed end to end, one per sequence (rnn's
+  // prefill_into with sequences), layer by layer over the whole pack.
+  template <class O, class... B>
+    requires(is_binding<B> && ...)
+  void prefill_into(device_view<O> out, void* stream, sequences const& seqs, B const&... bindings) {
+    std::optional<tensor<element_of<B...>>> held;
+    layer_by_layer(
+        out, [&](shape4 sh) { return held.emplace(sh, "cuda::recurrent::prefill_into").view(); },
+        [&](auto rows, auto const&... b) { below_.prefill_into(rows, stream, seqs, b...); },
+        [&](auto const&... b) { rest_.prefill_into(out, stream, seqs, b...); }, bindings...);
+    synchronize_stream(stream, "cuda::recurrent::prefill_into");
+  }
+  template <class... B>
+    requires(is_binding<B> && ...)
+  void prefill_into(tensor_view<float> out, sequences const& seqs, B const&... bindings) {
+    std::optional<lina::tensor<float>> held;
+    layer_by_layer(
+        out, [&](shape4 sh) { return held.emplace(sh).view(); },
+        [&](auto rows, auto const&... b) { below_.prefill_into(rows, seqs, b...); },
+        [&](auto const&... b) { rest_.prefill_into(out, seqs, b...); }, bindings...);
   }
 
   // Zero every layer's sums.
