@@ -28,10 +28,11 @@
 // map of the user's with CUDA formulas (detail::cuda_formulas), φ(·; W) ∈ {favor,
 // random_fourier} with one W for both or one each, or no φ at all; each with
 // or without the normaliser rowdiv(…[V|1])):
-//   causal:      contract(φ(Q), prefix(φ(K)⊗V))  or  causal(φ(Q)·φ(K)ᵀ)·V
+//   causal:      contract(φ(Q), prefix(φ(K)⊗V))  or  causal(φ(Q)·φ(K)ᵀ)·V, the mask decayed or not
 //   non-causal:  φ(Q)·(φ(K)ᵀ·V)                  or  (φ(Q)·φ(K)ᵀ)·V
 //   softmax:     causal(exp(s·(φ(Q)·φ(K)ᵀ)))·V   or  exp(s·(φ(Q)·φ(K)ᵀ))·V (s optional),
-//                or exp(s·causal(φ(Q)·φ(K)ᵀ))·V (the mask before exp: masked keys weigh 1):
+//                or exp(s·causal(φ(Q)·φ(K)ᵀ))·V (the mask before exp: masked keys weigh 1),
+//                the causal mask after exp decayed or not (ALiBi's bias):
 //                quadratic, a block per chunk of query rows (its backward: two launches)
 // and a select between two of these that compute the same thing (what
 // compile() leaves for a dynamic N): the chunked kernel is both orders at
@@ -39,7 +40,8 @@
 // crossover does not apply to it. Non-causal plans may be cross-attentions
 // (K and V over another sequence than Q: forward_args::n_keys, the same
 // kernels). Q, K or V may be another such plan (stacked layers: one kernel
-// per layer, lower first). Anything else is a compile error that says so.
+// per layer, lower first; chained and decoded through a state per layer).
+// Anything else is a compile error that says so.
 #pragma once
 
 #include <algorithm>
