@@ -351,6 +351,20 @@ TEST_CASE("stacked layers decode: a prompt then steps, a recurrent per layer = o
       CHECK(relative_rms(sums_of(rnn.state(x)), sums_of(st.layer(x))) <= tolerance(dt));
     }
     CHECK_THROWS_AS(rnn.state(layers), std::out_of_range);
+    // A prompt prefilled in parallel (the chained stack's state), then steps from it: the same rows.
+    auto from_prompt = cuda::recurrent(plan, s.b, s.h, opt, cuda::memory::host);
+    cuda::state prompt_state(cuda::memory::host);
+    tensor<float> prompt_rows({s.b, s.h, prompt, s.m}), stepped(once.shape());
+    on_inputs_of(plan, [&](auto const& p, auto const&... b) { cuda::emulate_into(p, opt, prompt_rows.view(), prompt_state, b...); },
+                 Q = rows(q, 0, prompt), K = rows(k, 0, prompt), Vd = rows(v, 0, prompt), K2 = rows(k2, 0, prompt),
+                 V2 = rows(v2, 0, prompt));
+    CHECK_THROWS_AS(from_prompt.set_state(cuda::state(cuda::memory::host)), state_error);  // unbound
+    from_prompt.set_state(std::move(prompt_state));
+    for (std::size_t t = prompt; t < s.n; ++t)
+      on_inputs_of(plan, [&](auto const&, auto const&... b) { from_prompt.step_into(rows_of(stepped, t, t + 1), b...); },
+                   Q = rows(q, t, t + 1), K = rows(k, t, t + 1), Vd = rows(v, t, t + 1), K2 = rows(k2, t, t + 1),
+                   V2 = rows(v2, t, t + 1));
+    CHECK(relative_rms(dense(test::tokens(stepped, prompt, s.n)), dense(test::tokens(once, prompt, s.n))) <= tolerance(dt));
     rnn.reset();
     for (std::size_t x = 0; x < layers; ++x) CHECK(test::max_abs(sums_of(rnn.state(x))) == 0);
   };

@@ -2839,9 +2839,42 @@ class stack_rnn {
                               " layers, not " + std::to_string(k + 1));
     return k < below_layers ? layer_state(below_, k) : layer_state(rest_, k - below_layers);
   }
+  // Restore a stack's state — a chained evaluation's (a prompt prefilled in
+  // parallel by evaluate with a cuda::state) or a copy of one: layer k from
+  // s.layer(k). Every layer is checked (plan, batch, heads, memory) before any
+  // changes: state_error, shape_error or std::invalid_argument as rnn's.
+  void set_state(lina::cuda::state s) {
+    std::size_t const n = detail::layer_count<L>();
+    if (!s.belongs_to(typeid(L)) || s.layers() != n)
+      throw state_error("this state belongs to " + (s.unbound() ? std::string("no plan yet") : "the plan " + s.plan()) +
+                        ", not to the stack " + to_string(plan_));
+    for (std::size_t k = 0; k < n; ++k) {
+      s.layer(k).check_replaces(state(k));
+      if (s.layer(k).where() != state(k).where())
+        throw std::invalid_argument(
+            "lina::cuda::recurrent::set_state: the state is in the other memory; copy it with cuda::to_device or "
+            "cuda::to_host");
+    }
+    adopt(s, 0);
+  }
   L const& plan() const noexcept { return plan_; }
 
  private:
+  template <class>
+  friend class stack_rnn;
+  // Each layer's recurrent takes its state from s.layer(first + its index), checked.
+  void adopt(lina::cuda::state& s, std::size_t first) {
+    take(below_, s, first);
+    take(rest_, s, first + below_layers);
+  }
+  template <class P>
+  static void take(P& p, lina::cuda::state& s, std::size_t first) {
+    if constexpr (detail::forward_plan<std::remove_cvref_t<decltype(p.plan())>>::stacked)
+      p.adopt(s, first);
+    else
+      p.set_state(std::move(s.layer(first)));
+  }
+
   template <class... B>
   using element_of = std::remove_const_t<typename decltype(bind<L>(std::declval<B const&>()...))::value_type>;
 
