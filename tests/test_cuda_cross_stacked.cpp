@@ -359,6 +359,9 @@ TEST_CASE("stacked layers decode: a prompt then steps, a recurrent per layer = o
                  Q = rows(q, 0, prompt), K = rows(k, 0, prompt), Vd = rows(v, 0, prompt), K2 = rows(k2, 0, prompt),
                  V2 = rows(v2, 0, prompt));
     CHECK_THROWS_AS(from_prompt.set_state(cuda::state(cuda::memory::host)), state_error);  // unbound
+    auto on_device = cuda::recurrent(plan, s.b, s.h, opt);  // (its state in device memory: made without a device)
+    CHECK_THROWS_WITH_AS(on_device.set_state(cuda::to_host(st)), doctest::Contains("the other memory"),
+                         std::invalid_argument);
     from_prompt.set_state(std::move(prompt_state));
     for (std::size_t t = prompt; t < s.n; ++t)
       on_inputs_of(plan, [&](auto const&, auto const&... b) { from_prompt.step_into(rows_of(stepped, t, t + 1), b...); },
