@@ -184,30 +184,6 @@ struct block {
   }
   bool valid(instruction const& i, score x) const { return x.query < a.n && x.key < keys_of(a) && (!i.causal || x.key <= x.query); }
 
-  // exp_rows' row r of a decayed softmax (program.hpp): as tl::exp_rows<…,
-  // Decayed = true>, operation for operation.
-  void exp_decayed(instruction const& i, tile& t, std::int64_t r0, int r) {
-    auto exponent = [&](int c) {
-      score const x = score_at(r0, r, c);
-      float const bias = x.query == x.key ? 0.0f : static_cast<float>(x.query - x.key) * i.log_decay;
-      return std::fma(i.scale, t.at(r, c), bias);
-    };
-    float shift = 0.0f;
-    if (i.b >= 0 && i.a < 0) {
-      shift = reg[static_cast<std::size_t>(i.b)].at(r, 0);
-    } else if (i.b >= 0) {
-      tile& o = reg[static_cast<std::size_t>(i.a)];
-      float& m = reg[static_cast<std::size_t>(i.b)].at(r, 0);
-      float grown = m;
-      for (int c = 0; c < t.cols; ++c)
-        if (valid(i, score_at(r0, r, c))) grown = std::fmax(grown, exponent(c));
-      float const f = std::exp(m - grown);
-      for (int c = 0; c < o.cols; ++c) o.at(r, c) = o.at(r, c) * f;
-      m = shift = grown;
-    }
-    for (int c = 0; c < t.cols; ++c) t.at(r, c) = valid(i, score_at(r0, r, c)) ? std::exp(exponent(c) - shift) : 0.0f;
-  }
-
   void run(instruction const& i, std::int64_t r0, int rows) {
     if (i.op == opcode::prefetch) return;  // a hint to the memory system: no register changes
     tile& t = reg[static_cast<std::size_t>(i.dst)];
@@ -460,10 +436,15 @@ struct block {
           if (i.mask_scores)  // exp(causal(S)): a masked key's score is 0 (its weight exp(0 − shift))
             for (int c = 0; c < t.cols; ++c)
               if (score x = score_at(r0, r, c); x.key > x.query) t.at(r, c) = 0.0f;
-          if (i.log_decay != 0) {  // decayed: the exponent x = fma(scale, t, (query − key)·ln g), its max and exp
-            exp_decayed(i, t, r0, r);
-            continue;
-          }
+          // Decayed, the exponent x = fma(scale, t, (query − key)·ln g) takes the score's place (as
+          // tl::exp_rows<…, Decayed = true>); undecayed, the max reads scale·t and exp fuses the shift.
+          bool const decayed = i.log_decay != 0;
+          auto exponent = [&](int c) {
+            if (!decayed) return i.scale * t.at(r, c);
+            score const x = score_at(r0, r, c);
+            float const bias = x.query == x.key ? 0.0f : static_cast<float>(x.query - x.key) * i.log_decay;
+            return std::fma(i.scale, t.at(r, c), bias);
+          };
           float shift = 0.0f;
           if (i.b >= 0 && i.a < 0) {  // the forward's final shift
             shift = reg[static_cast<std::size_t>(i.b)].at(r, 0);
@@ -472,13 +453,15 @@ struct block {
             float& m = reg[static_cast<std::size_t>(i.b)].at(r, 0);
             float grown = m;
             for (int c = 0; c < t.cols; ++c)
-              if (valid(i, score_at(r0, r, c))) grown = std::fmax(grown, i.scale * t.at(r, c));  // fmax skips a NaN, as fmaxf does
+              if (valid(i, score_at(r0, r, c))) grown = std::fmax(grown, exponent(c));  // fmax skips a NaN, as fmaxf does
             float const f = std::exp(m - grown);
             for (int c = 0; c < o.cols; ++c) o.at(r, c) = o.at(r, c) * f;
             m = shift = grown;
           }
           for (int c = 0; c < t.cols; ++c)
-            t.at(r, c) = valid(i, score_at(r0, r, c)) ? std::exp(std::fma(i.scale, t.at(r, c), -shift)) : 0.0f;
+            t.at(r, c) = !valid(i, score_at(r0, r, c)) ? 0.0f
+                         : decayed                     ? std::exp(exponent(c) - shift)
+                                                       : std::exp(std::fma(i.scale, t.at(r, c), -shift));
         }
         break;
       }

@@ -1637,18 +1637,18 @@ std::string plan_text(attention_spec const& s) {
   std::string const q = mapped(s.map_q, s.q_name, s.w_name),
                     k = mapped(s.map_k, s.k_name, s.w_k_name.empty() ? s.w_name : s.w_k_name);
   std::string const v = s.normalized ? "[" + s.v_name + "|1]" : s.v_name;
+  std::string const decay = decayed(s) ? fmt::format("; decay={}", s.decay) : "";
   if (s.softmax) {  // as compile() prints it: the scale, then causal, outside the scores
     std::string sc = fmt::format("{}·{}ᵀ", q, k);
     if (s.scale != 1) sc = fmt::format("{}·({})", s.scale, sc);
     if (s.mask_scores && !s.causal) sc = s.scale != 1 ? fmt::format("{}·causal({}·{}ᵀ)", s.scale, q, k)
                                                        : fmt::format("causal({})", sc);
     sc = fmt::format("exp({})", sc);
-    if (s.causal) sc = fmt::format("causal({}{})", sc, decayed(s) ? fmt::format("; decay={}", s.decay) : "");
+    if (s.causal) sc = fmt::format("causal({}{})", sc, decay);
     std::string core = fmt::format("{}·{}", sc, v);
     if (!s.normalized) return core;
     return s.eps == 1e-6 ? fmt::format("rowdiv({})", core) : fmt::format("rowdiv({}; eps={})", core, s.eps);
   }
-  std::string const decay = decayed(s) ? fmt::format("; decay={}", s.decay) : "";
   std::string core = s.causal ? fmt::format("contract({}, prefix({}⊗{}{}))", q, k, v, decay) : fmt::format("{}·({}ᵀ·{})", q, k, v);
   if (!s.normalized) return core;
   return s.eps == 1e-6 ? fmt::format("rowdiv({})", core) : fmt::format("rowdiv({}; eps={})", core, s.eps);

@@ -1174,17 +1174,20 @@ void through_layers(Plan const& plan, Run&& run, Next&& next, B const&... bindin
   auto const result = symbol = mid;
   with_inputs_of<std::remove_cvref_t<decltype(rest)>>([&](auto const&... b) { next(rest, b...); }, bindings..., result);
 }
+// A stacked plan's first layer (through_layers runs it first), and the plan
+// through_layers runs after it: that layer replaced by its input symbol.
+template <class Plan>
+using first_layer = typename forward_plan<Plan>::layer::sub;
+template <class Plan>
+using rest_of = std::remove_cvref_t<decltype(replace_subtree<first_layer<Plan>>(
+    std::declval<Plan const&>(), node<typename forward_plan<Plan>::layer::input>{}))>;
 // The layers of a (select-free) plan, as through_layers runs them: 1 unless stacked.
 template <class Plan>
 constexpr std::size_t layer_count() {
-  if constexpr (!forward_plan<Plan>::stacked) {
+  if constexpr (!forward_plan<Plan>::stacked)
     return 1;
-  } else {
-    using layer = typename forward_plan<Plan>::layer;
-    using Sub = typename layer::sub;
-    using Rest = decltype(replace_subtree<Sub>(std::declval<Plan const&>(), node<typename layer::input>{}));
-    return layer_count<Sub>() + layer_count<std::remove_cvref_t<Rest>>();
-  }
+  else
+    return layer_count<first_layer<Plan>>() + layer_count<rest_of<Plan>>();
 }
 // A stack chained through one state per layer (layers[0] the lowest's, in
 // through_layers' order): each layer by one(layer, its state, out, its
@@ -1195,7 +1198,7 @@ void run_stack(Plan const& plan, state* layers, Alloc const& alloc, One const& o
   if constexpr (!forward_plan<Plan>::stacked) {
     one(plan, *layers, out, bindings...);
   } else {
-    constexpr std::size_t below = layer_count<typename forward_plan<Plan>::layer::sub>();
+    constexpr std::size_t below = layer_count<first_layer<Plan>>();
     through_layers(
         plan,
         [&](auto const& sub, auto const&... b) {
@@ -2729,9 +2732,8 @@ class rnn {
 template <class L>
 class stack_rnn {
   using layer = typename detail::forward_plan<L>::layer;
-  using Sub = typename layer::sub;
-  using Rest = std::remove_cvref_t<decltype(detail::replace_subtree<Sub>(std::declval<L const&>(),
-                                                                         node<typename layer::input>{}))>;
+  using Sub = detail::first_layer<L>;
+  using Rest = detail::rest_of<L>;
   template <class P>
   using part = std::conditional_t<detail::forward_plan<P>::stacked, stack_rnn<P>, rnn<P>>;
   static constexpr std::size_t below_layers = detail::layer_count<Sub>();
@@ -2918,14 +2920,10 @@ namespace detail {
 // Can every layer of a stack run as a recurrent? Each is diagnosed as a plan alone.
 template <class L>
 constexpr bool stack_chainable() {
-  if constexpr (!forward_plan<L>::stacked) {
+  if constexpr (!forward_plan<L>::stacked)
     return chainable<L>();
-  } else {
-    using layer = typename forward_plan<L>::layer;
-    using Sub = typename layer::sub;
-    using Rest = std::remove_cvref_t<decltype(replace_subtree<Sub>(std::declval<L const&>(), node<typename layer::input>{}))>;
-    return stack_chainable<Sub>() && stack_chainable<Rest>();
-  }
+  else
+    return stack_chainable<first_layer<L>>() && stack_chainable<rest_of<L>>();
 }
 }  // namespace detail
 
