@@ -5,6 +5,7 @@
 // differences, and as recurrent steps and chained blocks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <lina/check.hpp>
@@ -12,6 +13,8 @@
 #include <lina/lina.hpp>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "support.hpp"
 
@@ -174,4 +177,119 @@ TEST_CASE("decay: heads with decays of their own, one plan per head's view, writ
       CHECK(max_abs_diff(other, ref) > 1e-3);
     }
   }
+}
+
+namespace {
+// Head x of t, a [B, 1, rows, cols] view of the same memory.
+template <class T>
+tensor_view<T const> head_of(tensor<T> const& t, std::size_t x) {
+  auto const s = t.shape();
+  return tensor_view<T const>(t.data() + static_cast<std::ptrdiff_t>(x) * t.strides()[1], {s[0], 1, s[2], s[3]},
+                              t.strides());
+}
+template <class Map>
+auto retention_per_head(std::vector<double> g) {
+  return normalize(causal(phi<Map>(Q) * transpose(phi<Map>(K)), head_decays{std::move(g)})) * V;
+}
+}  // namespace
+
+TEST_CASE("decay per head: each head's rows and gradients are those of its own decay, in every order") {
+  // RetNet's heads forget at different rates: one plan with head_decays against
+  // one plan per head's view with that head's decay{g}
+  test::rng r{5};
+  for (int trial = 0; trial < 4; ++trial) {
+    std::size_t const b = r.in(1, 2), h = r.in(2, 4), n = r.in(1, 150), d = r.in(1, 12), m = r.in(1, 12);
+    std::vector<double> g(h);
+    for (std::size_t x = 0; x < h; ++x) g[x] = 1 - std::ldexp(1.0, -static_cast<int>(r.in(1, 7)));
+    g[r.in(0, h - 1)] = trial == 0 ? 0 : 1;  // only the diagonal; no decay at all
+    auto q = tensor<double>::random({b, h, n, d}, r.next()), k = tensor<double>::random({b, h, n, d}, r.next());
+    auto v = tensor<double>::random({b, h, n, m}, r.next()), dout = tensor<double>::random({b, h, n, m}, r.next());
+    auto const e = retention_per_head<elu_plus_one>(g);
+    auto const out_linear = cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v);
+    auto const out_quadratic = cpu::evaluate(compile<order::quadratic>(e), Q = q, K = k, V = v);
+    auto const out_written = cpu::evaluate(e, Q = q, K = k, V = v);
+    auto const grad = cpu::gradient(compile<order::linear>(e), dout, Q = q, K = k, V = v);
+    auto const grad_quadratic = cpu::gradient(compile<order::quadratic>(e), dout, Q = q, K = k, V = v);
+    for (std::size_t x = 0; x < h; ++x) {
+      CAPTURE(trial); CAPTURE(x); CAPTURE(g[x]); CAPTURE(n);
+      auto const one = compile<order::quadratic>(retention<elu_plus_one>(g[x]));
+      auto const want = cpu::evaluate(one, Q = head_of(q, x), K = head_of(k, x), V = head_of(v, x));
+      double const tol = 1e-12 * (1 + test::max_abs(want));
+      CHECK(max_abs_diff(head_of(out_linear, x), want) <= tol);
+      CHECK(max_abs_diff(head_of(out_quadratic, x), want) <= tol);
+      CHECK(max_abs_diff(head_of(out_written, x), want) <= tol);
+      auto const gw = cpu::gradient(one, head_of(dout, x), Q = head_of(q, x), K = head_of(k, x), V = head_of(v, x));
+      for (auto [got, ref] : {std::pair{head_of(grad[Q], x), gw[Q]}, std::pair{head_of(grad[K], x), gw[K]},
+                              std::pair{head_of(grad[V], x), gw[V]}, std::pair{head_of(grad_quadratic[K], x), gw[K]}})
+        CHECK(max_abs_diff(got, ref) <= 1e-11 * (1 + test::max_abs(ref)));
+    }
+  }
+}
+
+TEST_CASE("decay per head: orderings, central differences and recurrent steps through lina::check") {
+  // check:: takes the heads from the decays (three here), everything else drawn
+  auto const e = retention_per_head<elu_plus_one>({0.5, 0.9, 1});
+  auto o = check::orderings(e, {.trials = 3});
+  INFO(o);
+  CHECK(o.ok());
+  for (auto const& f : o.findings) CHECK(f.extents.find("H=3") != std::string::npos);
+  auto gr = check::gradients(e, {.trials = 2});
+  INFO(gr);
+  CHECK(gr.ok());
+  auto rec = check::recurrent(e, {.trials = 2, .seed = 3});
+  INFO(rec);
+  CHECK(rec.ok());
+  auto sm = check::gradients(normalize(causal(exp(Q * transpose(K) * 0.25), head_decays::alibi(2))) * V, {.trials = 2});
+  INFO(sm);
+  CHECK(sm.ok());
+}
+
+TEST_CASE("decay per head: as many decays as heads, else a shape_error before anything is written") {
+  auto const plan = compile(retention_per_head<elu_plus_one>({0.5, 0.9, 0.99}));
+  auto q = tensor<float>::random({1, 2, 20, 4}, 1), k = tensor<float>::random({1, 2, 20, 4}, 2);
+  auto v = tensor<float>::random({1, 2, 20, 3}, 3);
+  tensor<float> out({1, 2, 20, 3});
+  std::fill_n(out.data(), out.size(), 7.0f);
+  try {
+    cpu::evaluate_into(plan, out.view(), Q = q, K = k, V = v);
+    FAIL("no error");
+  } catch (shape_error const& e) {
+    CHECK(e.symbol() == "decay per head");
+    CHECK(e.dimension() == "H (heads)");
+    CHECK(e.extent() == 3);
+    CHECK(e.expected_extent() == 2);
+    CHECK(std::string(e.what()).find("head_decays: one per head") != std::string::npos);
+  }
+  CHECK(std::all_of(out.data(), out.data() + out.size(), [](float x) { return x == 7.0f; }));
+  CHECK_THROWS_AS(cpu::gradient(plan, out, Q = q, K = k, V = v), shape_error);
+  CHECK_THROWS_AS(cpu::recurrent<float>(plan, 1, 2).step(Q = q.rows(0, 1), K = k.rows(0, 1), V = v.rows(0, 1)), shape_error);
+}
+
+TEST_CASE("decay per head: each decay in [0, 1] and at least one, RetNet's and ALiBi's as the papers give them") {
+  CHECK_THROWS_WITH_AS((void)head_decays({0.5, 1.5}), doctest::Contains("gamma of head 1 must be in [0, 1]"), std::invalid_argument);
+  CHECK_THROWS_AS((void)head_decays({std::numeric_limits<double>::quiet_NaN()}), std::invalid_argument);
+  CHECK_THROWS_WITH_AS((void)head_decays({}), doctest::Contains("no decay given"), std::invalid_argument);
+  auto const ret = head_decays::retnet(4).gammas;
+  CHECK(ret == std::vector<double>{1 - 1.0 / 32, 1 - 1.0 / 64, 1 - 1.0 / 128, 1 - 1.0 / 256});
+  // ALiBi: slopes 2^(-8(h+1)/H) (H = 8: 1/2, 1/4, …, 1/256) as decays e^(-m)
+  auto const a8 = head_decays::alibi(8).gammas;
+  REQUIRE(a8.size() == 8);
+  for (std::size_t x = 0; x < 8; ++x) CHECK(a8[x] == doctest::Approx(std::exp(-std::ldexp(1.0, -static_cast<int>(x) - 1))));
+  // H = 6: the 4 slopes of H = 4 (1/4, 1/16, 1/64, 1/256), then 2^-1, 2^-3 of H = 8
+  auto const a6 = head_decays::alibi(6).gammas;
+  std::vector<double> const m6{1.0 / 4, 1.0 / 16, 1.0 / 64, 1.0 / 256, 1.0 / 2, 1.0 / 8};
+  REQUIRE(a6.size() == 6);
+  for (std::size_t x = 0; x < 6; ++x) CHECK(a6[x] == doctest::Approx(std::exp(-m6[x])));
+}
+
+TEST_CASE("decay per head: plans print the list, and copies of a plan share it") {
+  auto const plan = compile<order::linear>(retention_per_head<elu_plus_one>({0.5, 0.75}));
+  CHECK(to_string(plan).find("; decay per head=[0.5, 0.75])") != std::string::npos);
+  auto back = to_string(gradient(plan));
+  INFO(back);
+  CHECK(back.find("suffix(") != std::string::npos);
+  CHECK(back.find("; decay per head=[0.5, 0.75])") != std::string::npos);
+  auto const copy = plan;
+  CHECK(same_value(copy, plan));
+  CHECK(!same_value(compile<order::linear>(retention_per_head<elu_plus_one>({0.5, 0.7})), plan));
 }

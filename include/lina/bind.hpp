@@ -13,6 +13,7 @@
 #include <string_view>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "lina/dims.hpp"
 #include "lina/errors.hpp"
@@ -177,6 +178,36 @@ auto bind(B const&... bs) {
     (one.template operator()<I>(), ...);
   }(inputs{});
   return r;
+}
+
+// Every decay per head in a plan (causal(S, head_decays{…})) against the
+// bound number of heads: one decay per head, else lina::shape_error "decay per
+// head" before anything runs.
+template <class X>
+void check_head_decays(X const&, std::size_t) {}
+template <class Op, class... K>
+void check_head_decays(node<Op, K...> const& n, std::size_t heads) {
+  if constexpr (requires { n.op.decays; })
+    if (n.op.heads() != heads)
+      throw shape_error("decay per head", "H (heads)", n.op.heads(), heads, "of the bound inputs (head_decays: one per head)");
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (check_head_decays(hana::at_c<I>(n.kids), heads), ...);
+  }(std::index_sequence_for<K...>{});
+}
+
+// The heads a plan's decays per head are for (the first's), 0 where it has none.
+template <class X>
+std::size_t heads_of_decays(X const&) {
+  return 0;
+}
+template <class Op, class... K>
+std::size_t heads_of_decays(node<Op, K...> const& n) {
+  if constexpr (requires { n.op.decays; }) return n.op.heads();
+  std::size_t h = 0;
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    ((h = h ? h : heads_of_decays(hana::at_c<I>(n.kids))), ...);
+  }(std::index_sequence_for<K...>{});
+  return h;
 }
 
 // The shape [B, H, rows, cols] of plan P's result for these bindings.

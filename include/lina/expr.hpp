@@ -5,9 +5,14 @@
 // builds a node. Nothing here evaluates anything.
 #pragma once
 
+#include <cmath>
+#include <cstddef>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "lina/dims.hpp"
 #include "lina/feature_maps.hpp"
@@ -123,8 +128,48 @@ struct decay {
   }
 };
 
+// A decay per head: head h weighs token j in row i by gammas[h]^(i-j)
+// (RetNet's retention, whose heads forget at different rates; ALiBi's bias,
+// one slope per head). Each gamma in [0, 1], at least one; a backend refuses
+// a list whose length is not the bound number of heads (lina::shape_error).
+struct head_decays {
+  std::vector<double> gammas;
+  explicit head_decays(std::vector<double> g) : gammas(std::move(g)) {
+    if (gammas.empty()) throw std::invalid_argument("lina::head_decays: no decay given (one per head)");
+    for (std::size_t h = 0; h < gammas.size(); ++h)
+      if (!(gammas[h] >= 0 && gammas[h] <= 1))
+        throw std::invalid_argument("lina::head_decays: gamma of head " + std::to_string(h) +
+                                    " must be in [0, 1] (1 is no decay), got " + std::to_string(gammas[h]));
+  }
+  // RetNet's: gamma_h = 1 - 2^(-5-h).
+  static head_decays retnet(std::size_t heads) {
+    std::vector<double> g(heads);
+    for (std::size_t h = 0; h < heads; ++h) g[h] = 1 - std::ldexp(1.0, -5 - static_cast<int>(h));
+    return head_decays(std::move(g));
+  }
+  // ALiBi's bias -m_h (i-j) inside exp as a decay e^(-m_h): slopes
+  // m_h = 2^(-8(h+1)/n) for n = heads a power of two; otherwise those of the
+  // largest power of two n below, then every other slope of 2n (the ALiBi
+  // paper's recipe).
+  static head_decays alibi(std::size_t heads) {
+    auto slopes = [](std::size_t n) {
+      std::vector<double> m(n);
+      for (std::size_t h = 0; h < n; ++h) m[h] = std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(n));
+      return m;
+    };
+    std::size_t n = 1;
+    while (2 * n <= heads) n *= 2;
+    std::vector<double> m = slopes(heads == 0 ? 0 : n);
+    std::vector<double> const twice = slopes(2 * n);
+    for (std::size_t k = 0; m.size() < heads; k += 2) m.push_back(twice[k]);
+    for (double& x : m) x = std::exp(-x);
+    return head_decays(std::move(m));
+  }
+};
+
 // causal(S): keep S_ij for j <= i, zero elsewhere; causal(S, decay{g}):
-// keep g^(i-j) S_ij. Either becomes a prefix scan in linear order.
+// keep g^(i-j) S_ij; causal(S, head_decays{…}): head h's g. Each becomes a
+// prefix scan in linear order.
 template <class X>
   requires is_node<X>
 constexpr auto causal(X const& x) {
@@ -136,6 +181,12 @@ template <class X>
 constexpr auto causal(X const& x, decay d) {
   static_assert(diagnose::causal_needs_square<typename X::shape::rows, typename X::shape::cols>::ok || true);
   return make_node(op::causal_t<op::decay_by>{{d.gamma}}, x);
+}
+template <class X>
+  requires is_node<X>
+auto causal(X const& x, head_decays d) {
+  static_assert(diagnose::causal_needs_square<typename X::shape::rows, typename X::shape::cols>::ok || true);
+  return make_node(op::causal_t<op::decay_per_head>{{std::make_shared<std::vector<double> const>(std::move(d.gammas))}}, x);
 }
 
 // normalize(S): each row divided by its sum plus eps, so that

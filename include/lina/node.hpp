@@ -13,9 +13,11 @@
 #include <boost/hana/at.hpp>
 #include <boost/hana/basic_tuple.hpp>
 #include <cstddef>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "lina/dims.hpp"
 #include "lina/fixed_string.hpp"
@@ -69,13 +71,27 @@ struct product {
 };
 // The decay of a mask or a scan: none (the plain mask, an empty op, so the
 // schedule merges equal subtrees by their type alone) or a run-time factor.
+// A decay per head (RetNet's retention, ALiBi's slopes) is a third kind: a
+// list, shared by the copies of a plan (so it cannot dangle), not a literal —
+// an expression with one is built at run time. at(h) is head h's decay for
+// every kind; a backend checks the list's length against the bound heads.
 struct no_decay {
   static constexpr double decay = 1;
+  static constexpr double at(std::size_t) { return 1; }
   friend constexpr bool operator==(no_decay, no_decay) { return true; }
 };
 struct decay_by {
   double decay = 1;
+  constexpr double at(std::size_t) const { return decay; }
   friend constexpr bool operator==(decay_by const&, decay_by const&) = default;
+};
+struct decay_per_head {
+  std::shared_ptr<std::vector<double> const> decays;
+  double at(std::size_t h) const { return (*decays)[h]; }
+  std::size_t heads() const { return decays->size(); }
+  friend bool operator==(decay_per_head const& a, decay_per_head const& b) {
+    return a.decays == b.decays || *a.decays == *b.decays;
+  }
 };
 // Lower-triangular mask of a square matrix: keep decay^(i-j) S_ij for j <= i,
 // zero above (decay = 1: the plain mask; < 1: RetNet-style decay of the past).
@@ -268,7 +284,7 @@ constexpr bool same_value(node<Op, K...> const& a, node<Op, K...> const& b) {
   }(std::index_sequence_for<K...>{});
 }
 
-// The decay of a mask's or scan's op (op::no_decay or op::decay_by).
+// The decay of a mask's or scan's op (op::no_decay, op::decay_by or op::decay_per_head).
 template <template <class> class Op, class D>
 constexpr D const& decay_of(Op<D> const& o) {
   return o;

@@ -19,6 +19,7 @@
 
 #include <boost/hana/tuple.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <string>
 #include <string_view>
@@ -102,7 +103,10 @@ template <fixed_string Name>
 struct decay_call_notation : named<Name> {
   template <class N, class P>
   static void print(N const& n, P& p) {
-    p.call(Name.view(), n, n.op.decay == 1 ? std::string() : fmt::format("; decay={}", n.op.decay));
+    if constexpr (requires { n.op.decays; })
+      p.call(Name.view(), n, fmt::format("; decay per head=[{}]", fmt::join(*n.op.decays, ", ")));
+    else
+      p.call(Name.view(), n, n.op.decay == 1 ? std::string() : fmt::format("; decay={}", n.op.decay));
   }
 };
 // Ops printed as kid SYMBOL kid.

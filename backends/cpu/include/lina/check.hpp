@@ -7,7 +7,8 @@
 //
 // For whoever writes a feature map or a variant: a map's derivative or vjp is
 // written by hand, and a wrong one gives wrong gradients without any error.
-// Each trial draws the batch, the heads and every dynamic dimension (1 to
+// Each trial draws the batch, the heads (unless the expression's decays per
+// head say how many) and every dynamic dimension (1 to
 // max_extent, distinct where the range allows, so that a transposed index
 // cannot pass), signed inputs and dout uniform in [low, high), and compares
 //  - gradients: ∂L/∂X for every input X, L = Σ dout ⊙ out, from cpu::gradient
@@ -153,9 +154,10 @@ struct trial {
   tensor<double> dout;
   std::string extents;
 
-  trial(options const& o, rng& r) {
+  // heads_fixed: the expression's decays per head say how many (0: drawn)
+  trial(options const& o, rng& r, std::size_t heads_fixed = 0) {
     batch = r.in(1, o.max_batch);
-    heads = r.in(1, o.max_heads);
+    heads = heads_fixed ? heads_fixed : r.in(1, o.max_heads);
     extents = fmt::format("B={} H={}", batch, heads);
     // Dynamic extents from a shuffled 1..max_extent: distinct while it lasts.
     std::vector<std::size_t> pool(o.max_extent);
@@ -273,7 +275,7 @@ report gradients(E const& e, Key key, options const& o = {}) {
     return r.findings.emplace_back(detail::named(std::move(quantity), std::move(order)));
   };
   for (int trial = 0; trial < o.trials; ++trial) {
-    detail::trial<E> t(o, g);
+    detail::trial<E> t(o, g, heads_of_decays(e));
     // Central differences of L, evaluated as written, for every element of every input.
     std::array<tensor<double>, inputs::size> fd;
     for (std::size_t k = 0; k < inputs::size; ++k) {
@@ -310,7 +312,7 @@ report orderings(E const& e, Key key, options const& o = {}) {
   report r{"orderings", o.tolerance, o.trials, {}};
   detail::rng g{o.seed};
   for (int trial = 0; trial < o.trials; ++trial) {
-    detail::trial<E> t(o, g);
+    detail::trial<E> t(o, g, heads_of_decays(e));
     auto want = t.bound([&](auto const&... b) { return cpu::evaluate(e, b...); });
     std::size_t k = 0;
     detail::for_each_order(e, key, [&](std::string const& order, auto const& plan) {
@@ -346,7 +348,7 @@ report recurrent(E const& e, Key key, options const& o = {}) {
   auto const plan = compile(e, key);
   detail::rng g{o.seed};
   for (int trial = 0; trial < o.trials; ++trial) {
-    detail::trial<E> t(o, g);
+    detail::trial<E> t(o, g, heads_of_decays(e));
     auto const want = t.bound([&](auto const&... b) { return cpu::evaluate(e, b...); });
     std::size_t const n = want.shape()[2];
     tensor<double> steps(want.shape()), blocks(want.shape());

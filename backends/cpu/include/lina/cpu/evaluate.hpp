@@ -71,8 +71,9 @@ struct lower<op::product> {
 };
 
 // row<Op>::run(n, i, in, in_cols, out): row i of a row-wise op (sched::row_wise)
-// from row i of its operand. A fused group of row-wise steps runs these one
-// after another on each row, so its intermediate rows are never stored.
+// from row i of its operand (a causal mask also takes the slice's head before
+// i: its decay may be the head's). A fused group of row-wise steps runs these
+// one after another on each row, so its intermediate rows are never stored.
 template <class Op>
 struct row;
 template <class Map>
@@ -105,10 +106,10 @@ struct row<op::exp> {
   }
 };
 template <class D>
-struct row<op::causal_t<D>> {  // keep decay^(i-j) S_ij for j <= i
+struct row<op::causal_t<D>> {  // keep decay^(i-j) S_ij for j <= i (head's decay: it takes the head)
   template <class N, class T>
-  static void run(N const& n, index i, T const* in, index cols, T* out) {
-    double const g = n.op.decay;
+  static void run(N const& n, std::size_t head, index i, T const* in, index cols, T* out) {
+    double const g = n.op.at(head);
     for (index j = 0; j < cols; ++j) out[j] = j <= i ? in[j] : T(0);
     if (g == 1) return;
     double w = 1;  // g^(i-j), from the diagonal leftwards (in double: a relative error of (i-j) ulp of double)
@@ -568,7 +569,7 @@ class program {
     // one scan, as written (the simple path), split over threads (not a
     // decayed one: the parts' sums would need powers of the decay), or in one
     // pass (with a second output)
-    T const decay = scan_decay<J>();
+    T const decay = scan_decay<J>(w.h);
     auto scan = [&](auto const& a_, auto const& b_, auto const& c_, auto const& sink, T* sums_, auto const& sec) {
       if (simple_) {
         simple_scan(a_, b_, c_, sink, rows, sums_, reverse, decay, w);
@@ -588,7 +589,7 @@ class program {
         with_sink<D>(slot, direct, w, bs.cols(), [&](auto const& sink2) {
           bool paired = same_operand<lina::detail::type_at_t<1, opsd>, lina::detail::type_at_t<2, ops>>() &&
                         same_operand<lina::detail::type_at_t<2, opsd>, lina::detail::type_at_t<1, ops>>() &&
-                        scan_decay<D>() == decay;
+                        scan_decay<D>(w.h) == decay;
           if (simple_ || !paired) {  // the two scans one after the other
             scan(a, bs, c, sink, sums, kernels::no_second{});
             auto b2 = source<D, lina::detail::type_at_t<1, opsd>>(slot, w);
@@ -605,10 +606,10 @@ class program {
       }
     });
   }
-  // The decay of scan step J's running sums (1: none).
+  // The decay of scan step J's running sums in head h (1: none).
   template <std::size_t J>
-  T scan_decay() const {
-    return static_cast<T>(kid<1>(S::template node_at<J>(plan_)).op.decay);
+  T scan_decay(std::size_t h) const {
+    return static_cast<T>(kid<1>(S::template node_at<J>(plan_)).op.at(h));
   }
   // Do two operands hold the same rows: the same, or twins whose values are equal (shared)?
   template <class O1, class O2>
@@ -632,7 +633,7 @@ class program {
     if constexpr (E == J)
       f(kernels::matrix_sink<T>{slot[J]});
     else if constexpr (sched::row_wise<typename S::template node_type<E>>())
-      f(group_sink<E>{*this, slot[E], cols, group_width<S::chain_start[E], E>(cols)});
+      f(group_sink<E>{*this, slot[E], cols, group_width<S::chain_start[E], E>(cols), w.h});
     else
       f(pair_sink<E, J>{*this, slot[E], cols, operand<typename pair_sink<E, J>::side>(slot, w)});
   }
@@ -671,14 +672,17 @@ class program {
   // `cols` wide) into `dst`, each member after the other between two rows of
   // `work` (2 x widest), so its intermediate rows are never stored.
   template <std::size_t First, std::size_t Last>
-  void group_row(index i, T const* in, index cols, T* dst, T* work, index widest) const {
+  void group_row(std::size_t head, index i, T const* in, index cols, T* dst, T* work, index widest) const {
     T const* cur = in;
     T* spare[2] = {work, work + widest};
     int which = 0;
     for_members<First, Last>([&]<std::size_t M>() {
       using MN = typename S::template node_type<M>;
       T* to = M == Last ? dst : spare[which];
-      row<typename MN::op_type>::run(S::template node_at<M>(plan_), i, cur, cols, to);
+      if constexpr (is_causal_op<typename MN::op_type>)  // (its decay may be the head's)
+        row<typename MN::op_type>::run(S::template node_at<M>(plan_), head, i, cur, cols, to);
+      else
+        row<typename MN::op_type>::run(S::template node_at<M>(plan_), i, cur, cols, to);
       cur = to;
       cols = static_cast<index>(MN::shape::cols::extent(in_.table));
       which ^= 1;
@@ -707,7 +711,7 @@ class program {
     T* work = rowbuf.p;
     matrix<T>& out = slot[K];
     for (index i = 0; i < src.rows; ++i)
-      group_row<first, K>(i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest);
+      group_row<first, K>(w.h, i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest);
   }
 
   // A scan operand made chunk by chunk: the rows of group ... Last, from its source.
@@ -717,6 +721,7 @@ class program {
     program const& p;
     matrix<T> src;
     index width, widest;
+    std::size_t head;
     index cols() const { return width; }
     T const* in_place() const { return nullptr; }
     index stride() const { return 0; }
@@ -725,7 +730,7 @@ class program {
       for (index t = 0; t < n; ++t) {
         index i = reverse ? first_row - t : first_row + t;
         T* dst = to + t * ld;
-        p.template group_row<first, Last>(i, source_row(src, i, work + 2 * widest), src.cols, dst, work, widest);
+        p.template group_row<first, Last>(head, i, source_row(src, i, work + 2 * widest), src.cols, dst, work, widest);
         std::fill(dst + width, dst + ld, T(0));
       }
     }
@@ -737,13 +742,14 @@ class program {
     program const& p;
     matrix<T>& out;
     index cols, widest;  // the scan's row width, the group's widest row
+    std::size_t head;
     T* in_place() const { return nullptr; }
     index stride() const { return 0; }
     std::size_t work() const { return static_cast<std::size_t>(2 * widest); }
     void take(index first_row, index n, bool reverse, T const* rows, index ld, T* work) const {
       for (index t = 0; t < n; ++t) {
         index i = reverse ? first_row - t : first_row + t;
-        p.template group_row<first, Last>(i, rows + t * ld, cols, out.row_mut(i), work, widest);
+        p.template group_row<first, Last>(head, i, rows + t * ld, cols, out.row_mut(i), work, widest);
       }
     }
   };
@@ -816,7 +822,7 @@ class program {
         matrix<T> src = operand<lina::detail::type_at_t<0, typename S::template operands<first>>>(slot, w);
         index width = static_cast<index>(S::template node_type<G>::shape::cols::extent(in_.table));
         index widest = group_width<first, G>(src.cols);
-        return made_source<group_source<G>>{group_source<G>{*this, std::move(src), width, widest}};
+        return made_source<group_source<G>>{group_source<G>{*this, std::move(src), width, widest, w.h}};
       } else {
         return matrix_source<matrix<T>>{operand<O>(slot, w)};
       }
@@ -853,6 +859,7 @@ class program {
 template <class T, class Plan, class Bound, std::size_t Outputs>
 void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st = nullptr,
                 workspace<T>* ws = nullptr) {
+  check_head_decays(plan, in.heads);
   std::optional<cached_workspace<T>> per_call;  // from the pool only when the caller brings none (a step does)
   bool per_thread = ws == nullptr;
   if (per_thread) {
