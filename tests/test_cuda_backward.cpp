@@ -115,6 +115,9 @@ TEST_CASE("backward: decayed (retention) = cpu::gradient = the expression's") {
                  backward_shapes(91, true));
   check_backward(causal(Q * transpose(K), decay{0.97}) * V, 92, backward_shapes(92));
   check_backward(causal(phi<relu>(Q) * transpose(phi<relu>(K)), decay{0.3}) * V, 93, {{1, 1, 70, 6, 5}, {2, 1, 140, 9, 12}});
+  // a decay per head (RetNet's heads): each head's powers
+  check_backward(causal(Q * transpose(K), head_decays({0.5, 0.9, 0.99})) * V, 94,
+                 {{1, 3, 1, 5, 3}, {2, 3, 70, 12, 9}, {1, 3, 140, 24, 40}});
 }
 
 TEST_CASE("backward: emulated gradients = cpu::gradient = the expression's, non-causal and poly2") {
@@ -169,7 +172,8 @@ terms softmax_terms(tensor<float> const& q, tensor<float> const& k, tensor<float
         for (std::size_t j = 0; j < n && (!causal || j <= i); ++j) {
           double x = 0;  // (the mask before exp: a key after the row has score 0)
           for (std::size_t c = 0; c < d && !(mask_scores && j > i); ++c) x += double(q(b, h, i, c)) * k(b, h, j, c);
-          double const weight = spec.decay == 1 ? 1.0 : std::pow(spec.decay, static_cast<double>(i - j));  // (causal: j ≤ i)
+          double const g = cuda::decay_of_head(spec, static_cast<std::int64_t>(h));
+          double const weight = g == 1 ? 1.0 : std::pow(g, static_cast<double>(i - j));  // (causal: j ≤ i)
           den += e[j] = std::exp(scale * x) * weight;
         }
         double const norm = normalized ? den + 1e-6 : 1.0;
@@ -277,6 +281,9 @@ TEST_CASE("backward: softmax (two quadratic launches) = cpu::gradient = the expr
   // A decayed mask (ALiBi's bias): E recomputed with the same exponents, the rest as above.
   check_softmax_backward(normalize(causal(exp(Q * transpose(K) * 0.25), decay{0.9})) * V, 101, cases);
   check_softmax_backward(causal(exp(Q * transpose(K) * 0.125), decay{0.97}) * V, 102, cases);
+  // ALiBi's slopes, one per head
+  check_softmax_backward(normalize(causal(exp(Q * transpose(K) * 0.25), head_decays::alibi(3))) * V, 103,
+                         {{1, 3, 1, 5, 3}, {2, 3, 70, 12, 9}, {1, 3, 130, 16, 24}});
 }
 
 // A plan that reads one input twice (K as V, Q as K, all three as one): one
@@ -558,6 +565,7 @@ TEST_CASE("backward, split: the chunk-parallel form (groups of rows, three launc
   check_split_backward(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.99})) * V, 117,
                        {{1, 2, 1, 7, 4}, {2, 1, 300, 16, 8}, {1, 2, 257, 24, 100}}, false, true);
   check_split_backward(causal(Q * transpose(K), decay{0.995}) * V, 118, {{2, 1, 300, 16, 8}, {1, 1, 130, 128, 128}}, false, true);
+  check_split_backward(causal(Q * transpose(K), head_decays({0.9, 0.995, 1})) * V, 119, {{1, 3, 300, 16, 8}}, false, true);
   // Non-causal: the sums over groups of K's rows; each group of Q's rows its
   // rows, ĝ, ∂Q and Σ φ(Q)ᵀĝ from all of them; each group of K's rows ∂K, ∂V.
   check_split_backward(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 115,

@@ -201,6 +201,119 @@ TEST_CASE("decayed softmax: the kernel says its decay, and a far key's large sco
   CHECK(std::abs(got(0, 0, n - 1, 0) - want(0, 0, n - 1, 0)) <= 1e-5);  // a late row: its near keys
 }
 
+// ---- a decay per head (causal(S, head_decays{…})): RetNet's heads, ALiBi's slopes
+namespace {
+auto retention_per_head() { return causal(Q * transpose(K), head_decays({0.5, 0.9, 0.99})) * V; }
+auto linear_per_head() {
+  return normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), head_decays({0.8, 1, 0.95}))) * V;
+}
+auto alibi_per_head() { return normalize(causal(exp(Q * transpose(K) * 0.25), head_decays::alibi(3))) * V; }
+std::vector<shape> per_head_shapes() {
+  return {{1, 3, 0, 5, 3}, {1, 3, 1, 7, 4}, {2, 3, 63, 16, 9}, {1, 3, 130, 24, 40}, {1, 3, 70, 64, 64}};
+}
+// Head x of t, dense [B, 1, N, C].
+tensor<float> head_of(tensor<float> const& t, std::size_t x) {
+  auto const s = t.shape();
+  tensor<float> r({s[0], 1, s[2], s[3]});
+  for (std::size_t b = 0; b < s[0]; ++b)
+    for (std::size_t i = 0; i < s[2]; ++i)
+      for (std::size_t c = 0; c < s[3]; ++c) r(b, 0, i, c) = t(b, x, i, c);
+  return r;
+}
+}  // namespace
+
+TEST_CASE("decay per head: forwards = CPU backend = as written, every dtype, and the kernels compile") {
+  check_forward(retention_per_head(), 111, per_head_shapes());
+  check_forward(linear_per_head(), 112, per_head_shapes());
+  check_forward(alibi_per_head(), 113, per_head_shapes());
+}
+
+TEST_CASE("decay per head: each head's rows are those of the kernel with that head's decay{g}, bit for bit") {
+  // one table row per head: head x runs what decay{g_x}'s kernel runs, in one pass,
+  // split along N and quadratic (ALiBi)
+  std::vector<double> const g{0.5, 0.9, 0.99};
+  auto const plan = compile<order::linear>(retention_per_head());
+  auto const alibi_plan = compile(alibi_per_head());
+  auto const slopes = head_decays::alibi(3).gammas;
+  test::rng r{114};
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    for (std::int64_t split : {0, 64}) {
+      CAPTURE(cuda::name_of(dt)); CAPTURE(split);
+      auto [q, k, v] = random_inputs({2, 3, 150, 16, 8}, dt, r, false);
+      cuda::options opt{dt, dt};
+      opt.split_rows = split;
+      auto const all = cuda::emulate(plan, opt, Q = q, K = k, V = v);
+      auto const all_alibi = cuda::emulate(alibi_plan, opt, Q = q, K = k, V = v);
+      for (std::size_t x = 0; x < 3; ++x) {
+        CAPTURE(x);
+        auto const one = compile<order::linear>(causal(Q * transpose(K), decay{g[x]}) * V);
+        CHECK(max_abs_diff(head_of(all, x), cuda::emulate(one, opt, Q = head_of(q, x), K = head_of(k, x), V = head_of(v, x))) == 0);
+        auto const one_alibi = compile(normalize(causal(exp(Q * transpose(K) * 0.25), decay{slopes[x]})) * V);
+        CHECK(max_abs_diff(head_of(all_alibi, x),
+                           cuda::emulate(one_alibi, opt, Q = head_of(q, x), K = head_of(k, x), V = head_of(v, x))) == 0);
+      }
+    }
+}
+
+TEST_CASE("decay per head: the kernels carry a table per head, and one value throughout is decay{g}'s kernel") {
+  auto const spec = spec_at(cuda::spec_of(compile<order::linear>(retention_per_head())), 16, 8);
+  CHECK(spec.head_decays == std::vector<double>{0.5, 0.9, 0.99});
+  CHECK(cuda::decayed(spec));
+  CHECK(cuda::plan_text(spec) == fmt::format("{}", compile<order::linear>(retention_per_head())));
+  auto const p = cuda::program_of(spec);
+  CHECK(p.kernel_name.find("_decay3h") != std::string::npos);
+  std::string const src = cuda::emit(p);
+  CHECK(src.find("const float values[3][65] = {") != std::string::npos);
+  CHECK(src.find("values[h]") != std::string::npos);
+  CHECK(cuda::listing(p).find("g = the head's") != std::string::npos);
+  auto other = spec;
+  other.head_decays[2] = 0.98;
+  CHECK(cuda::program_of(other).kernel_name != p.kernel_name);
+  // ALiBi: a table of ln g per head that exp_rows reads
+  auto const sm = cuda::program_of(spec_at(cuda::spec_of(compile(alibi_per_head())), 16, 8));
+  CHECK(cuda::emit(sm).find("const float log_decays[] = {") != std::string::npos);
+  CHECK(cuda::emit(sm).find("log_decays[h]") != std::string::npos);
+  // the same decay for every head is the scalar decay's kernel
+  auto const same = cuda::spec_of(compile<order::linear>(causal(Q * transpose(K), head_decays({0.97, 0.97})) * V));
+  CHECK(same.head_decays.empty());
+  CHECK(same.decay == 0.97);
+  CHECK(cuda::emit(cuda::program_of(spec_at(same, 16, 8))) ==
+        cuda::emit(cuda::program_of(spec_at(cuda::spec_of(compile<order::linear>(retention)), 16, 8))));
+  // every kernel a launch of either may run compiles, forward, split, backward, steps
+  for (auto const& k : cuda::kernels_of(spec)) {
+    CAPTURE(k.kernel_name);
+    CHECK(k.kernel_name.find("_decay3h") != std::string::npos);
+    check_compiles(k);
+  }
+  auto bad = spec;
+  bad.head_decays[1] = 1.5;
+  CHECK_THROWS_WITH_AS(cuda::program_of(bad), doctest::Contains("a decay of 1.5 was given for head 1"), std::invalid_argument);
+}
+
+TEST_CASE("decay per head: a launch of another number of heads is a shape_error before anything is written") {
+  auto const plan = compile<order::linear>(retention_per_head());
+  auto q = tensor<float>::random({1, 2, 20, 4}, 1), k = tensor<float>::random({1, 2, 20, 4}, 2);
+  auto v = tensor<float>::random({1, 2, 20, 3}, 3);
+  tensor<float> out({1, 2, 20, 3});
+  std::fill_n(out.data(), out.size(), 7.0f);
+  try {
+    cuda::emulate_into(plan, {}, out.view(), Q = q, K = k, V = v);
+    FAIL("no error");
+  } catch (shape_error const& e) {
+    CHECK(e.symbol() == "decay per head");
+    CHECK(e.dimension() == "H (heads)");
+    CHECK(e.extent() == 3);
+    CHECK(e.expected_extent() == 2);
+    CHECK(std::string(e.what()).find("kernel lina_") != std::string::npos);
+  }
+  CHECK(std::all_of(out.data(), out.data() + out.size(), [](float x) { return x == 7.0f; }));
+  cuda::options split;
+  split.split_rows = 16;  // the first of two launches refuses
+  CHECK_THROWS_AS(cuda::emulate_into(plan, split, out.view(), Q = q, K = k, V = v), shape_error);
+  CHECK(std::all_of(out.data(), out.data() + out.size(), [](float x) { return x == 7.0f; }));
+  CHECK_THROWS_AS(cuda::emulate_gradient(plan, {}, out, Q = q, K = k, V = v), shape_error);
+}
+
 // On a device: decayed forwards, gradients and decoding steps against their
 // emulation — with B·H = 2 and N = 1000 the launches split N (Horner's rule
 // over the groups). (The per-instruction test in test_cuda.cpp cuts the
@@ -238,6 +351,16 @@ TEST_CASE("device: decayed kernels = their emulation") {
     gradient.template operator()<float>(compile(alibi), s, 1545);
     gradient.template operator()<cuda::bf16>(compile(alibi), s, 1546);
   }
+  // a decay per head: the tables' rows by the block's head
+  auto const ret_h = compile<order::linear>(retention_per_head());
+  auto const alibi_h = compile(alibi_per_head());
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
+    for (shape s : {shape{2, 3, 200, 64, 64}, shape{1, 3, 1000, 128, 128}}) {
+      launch_vs_emulation(ret_h, dt, s, 1560);
+      launch_vs_emulation(alibi_h, dt, s, 1561);
+    }
+  gradient.template operator()<cuda::bf16>(ret_h, shape{1, 3, 1000, 64, 64}, 1562);
+  gradient.template operator()<cuda::bf16>(alibi_h, shape{2, 3, 200, 64, 64}, 1563);
   // A prompt, then steps, on a device state, against the same in the emulation: outputs and state.
   std::size_t const b = 4, h = 3, n = 40, d = 64, m = 64, prompt = 17;
   auto q = tensor<float>::random({b, h, n, d}, 1550), k = tensor<float>::random({b, h, n, d}, 1551),

@@ -299,6 +299,15 @@ TEST_CASE("simt: decayed kernels (retention) as written = the interpreter") {
     gradient_both_ways(alibi, cuda::dtype::f32, s, 1357);
     gradient_both_ways(alibi, cuda::dtype::bf16, s, 1358);
   }
+  // a decay per head: the tables' rows by the block's head
+  auto const ret_h = compile<order::linear>(causal(Q * transpose(K), head_decays({0.5, 0.9, 0.99})) * V);
+  auto const alibi_h = compile(normalize(causal(exp(Q * transpose(K) * 0.25), head_decays::alibi(3))) * V);
+  for (shape s : {shape{2, 3, 40, 16, 8}, shape{1, 3, 150, 64, 64}}) {
+    forward_both_ways(ret_h, cuda::dtype::bf16, s, 1351);
+    gradient_both_ways(ret_h, cuda::dtype::bf16, s, 1352);
+    forward_both_ways(alibi_h, cuda::dtype::bf16, s, 1353);
+    gradient_both_ways(alibi_h, cuda::dtype::f32, s, 1354);
+  }
   cuda::options tf32{cuda::dtype::f16, cuda::dtype::f32};
   forward_both_ways(plan, cuda::dtype::f16, shape{1, 2, 150, 48, 40}, 1360, tf32);
   gradient_both_ways(plan, cuda::dtype::bf16, shape{1, 1, 40, 256, 256}, 1370);  // M's columns in slices

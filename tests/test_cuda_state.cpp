@@ -115,6 +115,7 @@ TEST_CASE("chained, decayed: two emulated blocks = one pass = the CPU's chained 
   check_chained(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V, 45,
                 chain_shapes(45));
   check_chained(causal(Q * transpose(K), decay{0.97}) * V, 46, chain_shapes(46));
+  check_chained(causal(Q * transpose(K), head_decays({0.5, 0.9, 0.99})) * V, 47, {{1, 3, 130, 16, 8}, {2, 3, 1, 5, 3}});
 }
 
 // The chained backward of two blocks: the emulated kernels' gradients and ∂ of
@@ -352,6 +353,8 @@ TEST_CASE("recurrent: emulated prompt + steps = one pass = the CPU backend, and 
   // Decayed (retention): each step carries the state past its token, g·S + φ(k)vᵀ.
   check_steps(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V, 64, cases);
   check_steps(causal(Q * transpose(K), decay{0.97}) * V, 65, cases);
+  check_steps(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), head_decays({0.5, 0.9, 0.99}))) * V, 66,
+              {{2, 3, 20, 16, 8}, {1, 3, 5, 64, 64}});
 }
 
 TEST_CASE("recurrent: bad input is refused before anything runs, and the state survives") {
@@ -492,6 +495,7 @@ TEST_CASE("split: the chunk-parallel form (groups of rows, two launches) = one p
   // Decayed: each group from the earlier groups' sums by Horner's rule (g near 1, so that they weigh).
   check_split(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.99})) * V, 76, cases);
   check_split(causal(Q * transpose(K), decay{0.995}) * V, 77, {{2, 1, 300, 16, 8}, {1, 2, 257, 24, 100}});
+  check_split(causal(Q * transpose(K), head_decays({0.9, 0.995, 1})) * V, 78, {{1, 3, 300, 16, 8}});
   // Non-causal: the partials over groups of K's rows, every group of Q's rows starting from all of them.
   check_split(normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V, 78, cases);
   check_split(phi<relu>(Q) * transpose(phi<relu>(K)) * V, 79, {{2, 1, 300, 16, 8}});

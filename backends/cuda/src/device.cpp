@@ -110,6 +110,7 @@ namespace {
 // launch()'s checks before anything runs: false when there is nothing to launch.
 bool check_launch(program const& p, forward_args const& args, std::int64_t& blocks) {
   std::string const& name = p.kernel_name;
+  check_heads(p, args);
   blocks = blocks_of(p, args);
   if (blocks > 0x7fffffff) throw std::invalid_argument(fmt::format("lina::cuda: {} blocks is too many for kernel {}", blocks, name));
   if (blocks == 0 || (args.n == 0 && !p.spec.chained)) return false;

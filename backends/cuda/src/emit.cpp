@@ -216,12 +216,24 @@ struct emitter {
              i.b >= 0 ? ", " : "", i.b >= 0 ? name(i.b) : "", i.b >= 0 ? "  // decayed" : "");
         break;
       case opcode::powers: {  // the decay's powers as lina computed them (program.hpp: decay_powers)
-        std::vector<float> const g = decay_powers(p.spec, p.registers.at(static_cast<std::size_t>(i.dst)).cols);
-        std::string values;
-        for (float x : g) values += fmt::format("{}{:#.9g}f", values.empty() ? "" : ", ", x);
+        int const count = p.registers.at(static_cast<std::size_t>(i.dst)).cols;
+        auto values_of = [&](std::int64_t head) {
+          std::string values;
+          for (float x : decay_powers(p.spec, count, head)) values += fmt::format("{}{:#.9g}f", values.empty() ? "" : ", ", x);
+          return values;
+        };
         line(ind, "{{");
-        line(ind + 2, "const float values[] = {{{}}};  // g^0 … g^{}, g = {}", values, g.size() - 1, p.spec.decay);
-        line(ind + 2, "tl::powers<{}, {}, {}>({}, values);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
+        if (per_head(p.spec)) {  // a row per head (the host checks that the launch has as many heads)
+          line(ind + 2, "const float values[{}][{}] = {{  // g^0 … g^{} of each head's g", p.spec.head_decays.size(), count,
+               count - 1);
+          for (std::size_t h = 0; h < p.spec.head_decays.size(); ++h)
+            line(ind + 4, "{{{}}},  // g = {}", values_of(static_cast<std::int64_t>(h)), p.spec.head_decays[h]);
+          line(ind + 2, "}};");
+          line(ind + 2, "tl::powers<{}, {}, {}>({}, values[h]);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
+        } else {
+          line(ind + 2, "const float values[] = {{{}}};  // g^0 … g^{}, g = {}", values_of(0), count - 1, p.spec.decay);
+          line(ind + 2, "tl::powers<{}, {}, {}>({}, values);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
+        }
         line(ind, "}}");
         break;
       }
@@ -239,13 +251,13 @@ struct emitter {
         break;
       case opcode::exp_rows: {  // shift: 0 none, 1 the running max (rescaling o), 2 fixed
         int const shift = i.b < 0 ? 0 : i.a >= 0 ? 1 : 2;
-        bool const biased = i.log_decay != 0;  // decayed (the bias per step of distance: program.hpp)
+        bool const biased = i.decayed;  // the bias per step of distance (program.hpp): a literal, or the head's
         line(ind, "tl::exp_rows<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}{}>({}, {}, {}, {:#.9g}f, {}, args.n, keys_n{});",
              rows(i.dst), cols(i.dst), pitch(i.dst), i.a >= 0 ? cols(i.a) : "1", i.a >= 0 ? pitch(i.a) : "1",
              i.b >= 0 ? pitch(i.b) : "1", shift, yes(i.causal), yes(i.mask_scores), p.tiles.threads,
              biased ? ", true" : "", t, i.a >= 0 ? name(i.a) : "static_cast<float*>(nullptr)",
              i.b >= 0 ? name(i.b) : "static_cast<float*>(nullptr)", i.scale, scores_at(),
-             biased ? fmt::format(", {:#.9g}f", i.log_decay) : std::string());
+             !biased ? std::string() : per_head(p.spec) ? std::string(", log_decays[h]") : fmt::format(", {:#.9g}f", log_decay(p.spec)));
         break;
       }
       case opcode::square_rows:
@@ -593,6 +605,14 @@ struct emitter {
     if (by_m)
       line(2, "const long long m0 = static_cast<long long>({} % m_tiles) * tile_m;  // this block's first column of M", tile);
     line(2, "const long long b = slice / args.heads, h = slice % args.heads;");
+    bool biased_exp = false;
+    for (auto const* i : all) biased_exp = biased_exp || (i->op == opcode::exp_rows && i->decayed);
+    if (biased_exp && per_head(p.spec)) {  // (a decay per head: exp_rows read their head's)
+      std::string v;
+      for (std::size_t x = 0; x < p.spec.head_decays.size(); ++x)
+        v += fmt::format("{}{:#.9g}f", v.empty() ? "" : ", ", log_decay(p.spec, static_cast<std::int64_t>(x)));
+      line(2, "const float log_decays[] = {{{}}};  // ln g of each head: exp_rows' bias per step of distance", v);
+    }
     if (packs) {  // packed sequences: b is a sequence of the operands' one batch row (the state's row b)
       line(2, "const long long row0 = args.row_offsets ? args.row_offsets[b] : 0;  // its first row");
       line(2, "const long long n = args.row_offsets ? args.row_offsets[b + 1] - row0 : args.n;  // its rows");

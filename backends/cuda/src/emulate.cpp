@@ -339,7 +339,7 @@ struct block {
               t.at(r, c) = t.at(r, c) * reg[static_cast<std::size_t>(i.b)].at(0, c - r);
         break;
       case opcode::powers: {
-        std::vector<float> const g = decay_powers(p.spec, t.cols);
+        std::vector<float> const g = decay_powers(p.spec, t.cols, h);
         std::copy(g.begin(), g.end(), t.v.begin());
         break;
       }
@@ -438,11 +438,11 @@ struct block {
               if (score x = score_at(r0, r, c); x.key > x.query) t.at(r, c) = 0.0f;
           // Decayed, the exponent x = fma(scale, t, (query − key)·ln g) takes the score's place (as
           // tl::exp_rows<…, Decayed = true>); undecayed, the max reads scale·t and exp fuses the shift.
-          bool const decayed = i.log_decay != 0;
+          float const ln_g = log_decay(p.spec, h);
           auto exponent = [&](int c) {
-            if (!decayed) return i.scale * t.at(r, c);
+            if (!i.decayed) return i.scale * t.at(r, c);
             score const x = score_at(r0, r, c);
-            float const bias = x.query == x.key ? 0.0f : static_cast<float>(x.query - x.key) * i.log_decay;
+            float const bias = x.query == x.key ? 0.0f : static_cast<float>(x.query - x.key) * ln_g;
             return std::fma(i.scale, t.at(r, c), bias);
           };
           float shift = 0.0f;
@@ -621,6 +621,7 @@ kernel_runner set_kernel_runner(kernel_runner runner) noexcept { return installe
 
 void emulate(program const& p, forward_args const& args) {
   if (args.batch < 0 || args.heads < 0 || args.n < 0) throw std::invalid_argument("lina::cuda::emulate: negative extent");
+  check_heads(p, args);
   if ((p.spec.causal || p.spec.mask_scores) && keys_of(args) != args.n)
     throw std::invalid_argument("lina::cuda::emulate: kernel " + p.kernel_name + " is causal: K and V need as many rows as Q");
   if (args.out.data == nullptr && args.batch * args.heads * args.n > 0)

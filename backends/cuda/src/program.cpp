@@ -1,7 +1,10 @@
 // Tile programs of the forward attention plans (see program.hpp).
 #include "lina/cuda/program.hpp"
 
+#include "lina/errors.hpp"
+
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <bit>
 #include <cctype>
@@ -107,15 +110,17 @@ float round_operand(precision p, float x) {
   }
   return x;
 }
-float log_decay(attention_spec const& s) {
+float log_decay(attention_spec const& s, std::int64_t head) {
   if (!decayed(s)) return 0;
-  return s.decay > 0 ? static_cast<float>(std::log(s.decay)) : -std::numeric_limits<float>::max();
+  double const g = decay_of_head(s, head);
+  return g > 0 ? static_cast<float>(std::log(g)) : -std::numeric_limits<float>::max();
 }
 
-std::vector<float> decay_powers(attention_spec const& s, int count) {
+std::vector<float> decay_powers(attention_spec const& s, int count, std::int64_t head) {
   std::vector<float> r(static_cast<std::size_t>(std::max(count, 0)));
+  double const g = decay_of_head(s, head);
   for (int k = 0; k < count; ++k) {
-    double const x = std::pow(s.decay, k);
+    double const x = std::pow(g, k);
     // (no subnormal: a weight below fp32's smallest normal is 0 — a literal the compilers take as it is)
     r[static_cast<std::size_t>(k)] = x < std::numeric_limits<float>::min() ? 0.0f : static_cast<float>(x);
   }
@@ -282,8 +287,14 @@ std::string map_id(attention_spec const& s, feature_map m) {
   return r;
 }
 // φ(K)'s part of a kernel name: its map, and "w2" when it reads a W of its own.
-// A decayed spec's kernels say so, with the decay's exact value (its double's bits).
+// A decayed spec's kernels say so, with the decay's exact value (its double's
+// bits); a decay per head with the count and an FNV-1a hash of the values' bits.
 std::string decay_id(attention_spec const& s) {
+  if (per_head(s)) {
+    std::uint64_t h = 0xcbf29ce484222325u;
+    for (double g : s.head_decays) h = (h ^ std::bit_cast<std::uint64_t>(g)) * 0x100000001b3u;
+    return fmt::format("_decay{}h{:016x}", s.head_decays.size(), h);
+  }
   return decayed(s) ? fmt::format("_decay{:016x}", std::bit_cast<std::uint64_t>(s.decay)) : std::string();
 }
 std::string k_id_of(attention_spec const& s) {
@@ -353,7 +364,9 @@ struct builder {
   int pw = -1;
   void decay_register(attention_spec const& s, int t) {
     if (!decayed(s)) return;
-    pw = reg("pw", 1, t + 1, fmt::format("the decay's powers g^0 … g^T, g = {}, fp32 (1, T+1)", s.decay));
+    pw = reg("pw", 1, t + 1,
+             per_head(s) ? std::string("the decay's powers g^0 … g^T, g = the head's, fp32 (1, T+1)")
+                         : fmt::format("the decay's powers g^0 … g^T, g = {}, fp32 (1, T+1)", s.decay));
     p.prologue.push_back({.op = opcode::powers, .dst = pw});
   }
   // t's rows weighed by the decay's power `power` (nothing without decay).
@@ -523,7 +536,7 @@ program lay_out_softmax(attention_spec const& s, tile_config tiles) {
   else
     keys.push_back({.op = opcode::exp_rows, .dst = a, .a = o, .b = mx, .scale = static_cast<float>(s.scale),
                     .causal = s.causal, .mask_scores = mask_scores,
-                    .log_decay = log_decay(s)});  // a = exp(scale·a [+ (i−j)·ln g] − shift), o rescaled
+                    .decayed = decayed(s)});  // a = exp(scale·a [+ (i−j)·ln g] − shift), o rescaled
   keys.push_back(b.product(o, a, false, v, false, true));  // o += a·[V|1]
   p.passes.push_back(std::move(keys));
   p.passes.back().keys = true;
@@ -640,6 +653,9 @@ namespace {
 void check_maps(attention_spec const& s) {
   if (decayed(s) && !(s.decay >= 0 && s.decay <= 1))
     throw std::invalid_argument(fmt::format("lina::cuda: a decay of {} was given; it is in [0, 1]", s.decay));
+  for (std::size_t h = 0; h < s.head_decays.size(); ++h)
+    if (!(s.head_decays[h] >= 0 && s.head_decays[h] <= 1))
+      throw std::invalid_argument(fmt::format("lina::cuda: a decay of {} was given for head {}; it is in [0, 1]", s.head_decays[h], h));
   if (decayed(s) && !s.causal)
     throw std::invalid_argument("lina::cuda: a decay weighs a causal attention's past (causal(S, decay{g})); "
                                 "non-causal attention has none");
@@ -1055,7 +1071,7 @@ program lay_out_softmax_backward(attention_spec const& s, int t, bool key_side) 
   };
 
   instruction exp_fixed{.op = opcode::exp_rows, .dst = a, .b = mx, .scale = scale, .causal = s.causal,
-                        .mask_scores = mask_scores, .log_decay = log_decay(s)};  // a = E, with the forward's final shift
+                        .mask_scores = mask_scores, .decayed = decayed(s)};  // a = E, with the forward's final shift
   instruction const exp_grad{.op = opcode::exp_grad, .dst = ds, .a = a, .scale = scale, .causal = s.causal,
                              .mask_scores = mask_scores};  // ds = ∂S
   instruction const square{.op = opcode::square_rows, .dst = a, .causal = s.causal};               // a = S²
@@ -1547,6 +1563,12 @@ program add_program(dtype t, std::size_t cols) {
   return p;
 }
 
+void check_heads(program const& p, forward_args const& a) {
+  if (per_head(p.spec) && static_cast<std::int64_t>(p.spec.head_decays.size()) != a.heads)
+    throw shape_error("decay per head", "H (heads)", p.spec.head_decays.size(), static_cast<std::size_t>(std::max<std::int64_t>(a.heads, 0)),
+                      "of the bound inputs (head_decays: one per head; kernel " + p.kernel_name + ")");
+}
+
 std::int64_t split_rows(std::int64_t blocks, std::int64_t n, int chunk, int sms) {
   std::int64_t const chunks = (n + chunk - 1) / chunk;
   if (blocks <= 0 || blocks >= sms || chunks < 4) return 0;
@@ -1637,7 +1659,9 @@ std::string plan_text(attention_spec const& s) {
   std::string const q = mapped(s.map_q, s.q_name, s.w_name),
                     k = mapped(s.map_k, s.k_name, s.w_k_name.empty() ? s.w_name : s.w_k_name);
   std::string const v = s.normalized ? "[" + s.v_name + "|1]" : s.v_name;
-  std::string const decay = decayed(s) ? fmt::format("; decay={}", s.decay) : "";
+  std::string const decay = per_head(s) ? fmt::format("; decay per head=[{}]", fmt::join(s.head_decays, ", "))
+                            : decayed(s) ? fmt::format("; decay={}", s.decay)
+                                         : "";
   if (s.softmax) {  // as compile() prints it: the scale, then causal, outside the scores
     std::string sc = fmt::format("{}·{}ᵀ", q, k);
     if (s.scale != 1) sc = fmt::format("{}·({})", s.scale, sc);
@@ -1694,7 +1718,9 @@ std::string listing(program const& p) {
       case opcode::mask_anticausal:
         return i.b >= 0 ? fmt::format("{} {}, weighed by {}", name_of(i.op), nm(i.dst), nm(i.b))
                         : fmt::format("{} {}", name_of(i.op), nm(i.dst));
-      case opcode::powers: return fmt::format("powers {} = g^k, g = {}", nm(i.dst), p.spec.decay);
+      case opcode::powers:
+        return per_head(p.spec) ? fmt::format("powers {} = g^k, g = the head's", nm(i.dst))
+                                : fmt::format("powers {} = g^k, g = {}", nm(i.dst), p.spec.decay);
       case opcode::decay_rows:
         return fmt::format("decay_rows {} ·= {}[{}]", nm(i.dst), nm(i.b),
                            i.power == decay_power::row_plus_one   ? "row + 1"
@@ -1707,7 +1733,9 @@ std::string listing(program const& p) {
         return fmt::format("exp_rows {} = exp({}·{} − {}){}{}{}", nm(i.dst), i.scale, nm(i.dst),
                            i.b >= 0 ? nm(i.b) : "0",
                            i.causal ? ", keys after the row masked" : i.mask_scores ? ", scores after the row 0" : "",
-                           i.log_decay != 0 ? fmt::format(", decayed: + (row − key)·{}", i.log_decay) : "",
+                           !i.decayed     ? ""
+                           : per_head(p.spec) ? std::string(", decayed: + (row − key)·ln g of the head")
+                                              : fmt::format(", decayed: + (row − key)·{}", log_decay(p.spec)),
                            i.b < 0    ? ""
                            : i.a >= 0 ? fmt::format("; {} grows to the row max, {} rescaled", nm(i.b), nm(i.a))
                                       : fmt::format("; {} fixed (the forward's final shift)", nm(i.b)));

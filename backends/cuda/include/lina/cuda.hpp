@@ -286,10 +286,10 @@ struct core_parts {
   static constexpr bool causal = Causal;
   static constexpr bool softmax = Softmax;
   static constexpr bool mask_scores = false;  // softmax_parts: exp(causal(S))
-  static constexpr bool decayed = false;      // a decayed mask or scan (causal(S, decay{g})): decay(core) is g
+  static constexpr bool decayed = false;      // a decayed mask or scan (causal(S, decay{g})): decay(core) is its op's decay
   template <class N>
-  static constexpr double decay(N const&) {
-    return 1;
+  static constexpr op::no_decay decay(N const&) {
+    return {};
   }
   static constexpr bool parametric = !std::is_void_v<typename q::param>;  // favor, random_fourier: W
   // φ(K) reads a W of its own (input slot 4), not φ(Q)'s
@@ -327,8 +327,8 @@ template <class A, class B, class C, class D>
 struct core<node<op::contract_rows, A, node<op::prefix_scan_t<D>, node<op::outer_rows, B, C>>>>
     : core_parts<A, B, C, true> {
   static constexpr bool decayed = !std::is_same_v<D, op::no_decay>;
-  static constexpr double decay(node<op::contract_rows, A, node<op::prefix_scan_t<D>, node<op::outer_rows, B, C>>> const& n) {
-    return decay_of(kid<1>(n).op).decay;
+  static constexpr D decay(node<op::contract_rows, A, node<op::prefix_scan_t<D>, node<op::outer_rows, B, C>>> const& n) {
+    return decay_of(kid<1>(n).op);
   }
 };
 // causal(φQ·φKᵀ)·V, the mask decayed or not
@@ -336,8 +336,8 @@ template <class A, class B, class C, class D>
 struct core<node<op::product, node<op::causal_t<D>, node<op::product, A, node<op::transpose, B>>>, C>>
     : core_parts<A, B, C, true> {
   static constexpr bool decayed = !std::is_same_v<D, op::no_decay>;
-  static constexpr double decay(node<op::product, node<op::causal_t<D>, node<op::product, A, node<op::transpose, B>>>, C> const& n) {
-    return decay_of(kid<0>(n).op).decay;
+  static constexpr D decay(node<op::product, node<op::causal_t<D>, node<op::product, A, node<op::transpose, B>>>, C> const& n) {
+    return decay_of(kid<0>(n).op);
   }
 };
 // φQ·(φKᵀ·V)
@@ -394,8 +394,8 @@ struct core<node<op::product, node<op::causal_t<D>, node<op::exp, S>>, C>> : sof
   static constexpr double scale(node<op::product, node<op::causal_t<D>, node<op::exp, S>>, C> const& n) {
     return scores<S>::scale(kid<0>(kid<0>(kid<0>(n))));
   }
-  static constexpr double decay(node<op::product, node<op::causal_t<D>, node<op::exp, S>>, C> const& n) {
-    return decay_of(kid<0>(n).op).decay;
+  static constexpr D decay(node<op::product, node<op::causal_t<D>, node<op::exp, S>>, C> const& n) {
+    return decay_of(kid<0>(n).op);
   }
 };
 
@@ -421,7 +421,7 @@ template <class Key, std::size_t T, class S, class L>
 struct core<node<op::select<Key, T>, S, L>> : core<L> {
   static constexpr bool ok = same_attention<core<S>, core<L>>();
   // (both forms are of one attention, compile()'s: one decay)
-  static constexpr double decay(node<op::select<Key, T>, S, L> const& n) { return core<L>::decay(kid<1>(n)); }
+  static constexpr auto decay(node<op::select<Key, T>, S, L> const& n) { return core<L>::decay(kid<1>(n)); }
 };
 
 // The whole plan: rowdiv(core with [V|1]) or a core with plain V.
@@ -436,7 +436,7 @@ struct forward_plan : core<N> {
   }();
   static constexpr double eps(N const&) { return 0; }
   static constexpr double scores_scale(N const& n) { return core<N>::scale(n); }
-  static constexpr double mask_decay(N const& n) { return core<N>::decay(n); }
+  static constexpr auto mask_decay(N const& n) { return core<N>::decay(n); }
 };
 template <class X>
 struct forward_plan<node<op::row_divide, X>> : core<X> {
@@ -449,7 +449,7 @@ struct forward_plan<node<op::row_divide, X>> : core<X> {
   }();
   static constexpr double eps(node<op::row_divide, X> const& n) { return n.op.eps; }
   static constexpr double scores_scale(node<op::row_divide, X> const& n) { return core<X>::scale(kid<0>(n)); }
-  static constexpr double mask_decay(node<op::row_divide, X> const& n) { return core<X>::decay(kid<0>(n)); }
+  static constexpr auto mask_decay(node<op::row_divide, X> const& n) { return core<X>::decay(kid<0>(n)); }
 };
 
 template <class Dim, class... E>
@@ -503,7 +503,14 @@ attention_spec spec_of(Plan const& plan, options opt = {}) {
       s.user[1] = detail::user_map_of<typename F::k::map_type>();
     }
     s.eps = F::eps(plan);
-    s.decay = F::mask_decay(plan);
+    auto const d = F::mask_decay(plan);
+    if constexpr (requires { d.decays; }) {  // a decay per head (one value throughout: the scalar's kernels)
+      bool const one = std::all_of(d.decays->begin(), d.decays->end(), [&](double g) { return g == d.decays->front(); });
+      if (one) s.decay = d.decays->front();
+      if (!one) s.head_decays = *d.decays;
+    } else {
+      s.decay = d.decay;
+    }
     s.d = QI::cols::is_static ? QI::cols::static_extent : 0;
     s.m = VI::cols::is_static ? VI::cols::static_extent : 0;
     if constexpr (!std::is_void_v<typename F::q::param>) {

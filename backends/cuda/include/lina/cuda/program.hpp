@@ -295,7 +295,9 @@ struct attention_spec {
   std::size_t f = 0;        // parametric maps: columns of W (random features), read from input slot 3
   dtype in = dtype::f32, out = dtype::f32;
   bool chained = false;     // causal only: the scan starts from state_in and leaves its sums in state_out
-  double decay = 1;         // causal linear only: key j weighs decay^(i−j) in row i (causal(S, decay{g})); 1: plain
+  double decay = 1;         // causal only: key j weighs decay^(i−j) in row i (causal(S, decay{g})); 1: plain
+  std::vector<double> head_decays;  // a decay per head instead (causal(S, head_decays{…}): head h's in row h
+                            // of the kernel's tables), or empty; spec_of keeps a list of one value as `decay`
   bool step = false;        // sized for a token or a few per launch (cuda::recurrent): the short chunk, T = 16
   bool exact_products = false;  // fp32 FMA products even for 16-bit inputs (else precision_for(in))
   bool softmax = false;     // exp(scale·φQ·φKᵀ) (causal: masked after exp), then ·V: quadratic, no state
@@ -381,13 +383,19 @@ enum class opcode : std::uint8_t {
 };
 // The power of the decay a decay_rows instruction weighs row i by (see above).
 enum class decay_power : std::uint8_t { row_plus_one, to_chunk_end, chunk };
-// Is the spec's mask decayed (causal(S, decay{g}), g < 1)?
-inline bool decayed(attention_spec const& s) { return s.decay != 1; }
-// The powers register's values g^0 … g^(count−1), g = s.decay (opcode::powers).
-std::vector<float> decay_powers(attention_spec const& s, int count);
-// A decayed softmax's exp_rows bias per step of distance: ln g rounded to fp32
-// (−FLT_MAX for g = 0, so that every earlier key weighs exactly 0); 0 undecayed.
-float log_decay(attention_spec const& s);
+// Has the spec a decay per head (causal(S, head_decays{…}))?
+inline bool per_head(attention_spec const& s) { return !s.head_decays.empty(); }
+// Is the spec's mask decayed (causal(S, decay{g}), g < 1, or a decay per head)?
+inline bool decayed(attention_spec const& s) { return s.decay != 1 || per_head(s); }
+// Head h's decay (std::out_of_range past the list of a decay per head).
+inline double decay_of_head(attention_spec const& s, std::int64_t h) {
+  return per_head(s) ? s.head_decays.at(static_cast<std::size_t>(h)) : s.decay;
+}
+// The powers register's values g^0 … g^(count−1), g = head h's decay (opcode::powers).
+std::vector<float> decay_powers(attention_spec const& s, int count, std::int64_t head = 0);
+// A decayed softmax's exp_rows bias per step of distance in head h: ln g rounded
+// to fp32 (−FLT_MAX for g = 0, so that every earlier key weighs exactly 0); 0 undecayed.
+float log_decay(attention_spec const& s, std::int64_t head = 0);
 std::string_view name_of(opcode o);
 
 struct instruction {
@@ -411,7 +419,7 @@ struct instruction {
   bool causal = false;          // exp_rows, exp_grad, square_rows, square_grad: mask keys after the query row;
                                 // store_partial, add_partials: a prefix's sums (the groups before)
   bool mask_scores = false;     // exp_rows, exp_grad: the scores of keys after the query row are 0 (exp(causal(S)))
-  float log_decay = 0;          // exp_rows: ln g of a decayed softmax (−FLT_MAX for g = 0: only the diagonal); 0: none
+  bool decayed = false;         // exp_rows: a decayed softmax's, each exponent + (i − j)·log_decay(spec, head)
   bool later = false;           // store_partial, add_partials, store_state in a split program: the sums of the
                                 // groups after this block's (a reverse walk's suffix), not before it
   precision prec = precision::fma_f32;  // product
@@ -756,5 +764,9 @@ inline std::int64_t groups_of(program const& p, forward_args const& a) {
 inline std::int64_t blocks_of(program const& p, forward_args const& a) {
   return a.batch * a.heads * p.m_tiles * groups_of(p, a);
 }
+// A kernel with a decay per head runs launches of as many heads: else a
+// lina::shape_error ("decay per head", H, the list's length and the heads),
+// which launch() and emulate() throw before anything runs.
+void check_heads(program const& p, forward_args const& a);
 
 }  // namespace lina::cuda
