@@ -529,6 +529,7 @@ TEST_CASE("packed sequences: each emulates as it would alone, and as the CPU bac
   check_packed_emulation(full_expr, 82);
   check_packed_emulation(softmax_expr, 83);
   check_packed_emulation(phi<relu>(Q) * transpose(phi<relu>(Kx)) * Vx, 84, true);
+  check_packed_emulation(causal(Q * transpose(K), head_decays({0.5, 0.9})) * V, 85);  // a decay per head (h = 2)
   // a stack: every input of both layers is cut, one launch per layer and sequence
   constexpr auto stack = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2;
   auto const plan = compile(stack);

@@ -6,6 +6,7 @@
 // rows, the one thing that could reorder its sums).
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
 #include <stdexcept>
@@ -114,12 +115,17 @@ TEST_CASE_TEMPLATE("packed sequences: each evaluates as it would alone, in eithe
     cpu::evaluate_into(full_plan, yf.view(), seqs, Q = q, K = k, V = v);
     auto const decayed_plan = compile(decayed_attn);  // each sequence's state starts undecayed from zero
     auto yd = cpu::evaluate(decayed_plan, seqs, Q = q, K = k, V = v);
+    std::vector<double> g(h);  // and a decay per head
+    for (auto& x : g) x = 1 - std::ldexp(1.0, -static_cast<int>(r.in(1, 6)));
+    auto const per_head_plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), head_decays(g))) * V);
+    auto yh = cpu::evaluate(per_head_plan, seqs, Q = q, K = k, V = v);
     for (std::size_t s = 0; s < seqs.count(); ++s) {
       CAPTURE(s);
       auto qs = copy_rows<T>(q, seqs, s), ks = copy_rows<T>(k, seqs, s), vs = copy_rows<T>(v, seqs, s);
       CHECK(rows_equal(yc, cpu::evaluate(causal_plan, Q = qs, K = ks, V = vs), seqs, s));
       CHECK(rows_equal(yf, cpu::evaluate(full_plan, Q = qs, K = ks, V = vs), seqs, s));
       CHECK(rows_equal(yd, cpu::evaluate(decayed_plan, Q = qs, K = ks, V = vs), seqs, s));
+      CHECK(rows_equal(yh, cpu::evaluate(per_head_plan, Q = qs, K = ks, V = vs), seqs, s));
       // and against attention from its definition (double), so that the
       // cutting is checked by something that does not cut
       auto ref = test::reference_attention(qs, ks, vs, [](double x) { return elu_plus_one::value(x); }, true, true);
