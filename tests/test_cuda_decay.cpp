@@ -347,11 +347,9 @@ TEST_CASE("device: decayed kernels = their emulation") {
   // a decay per head: the tables' rows by the block's head
   auto const ret_h = compile<order::linear>(retention_per_head());
   auto const alibi_h = compile(alibi_per_head());
-  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
-    for (shape s : {shape{2, 3, 200, 64, 64}, shape{1, 3, 1000, 128, 128}}) {
-      launch_vs_emulation(ret_h, dt, s, 1560);
-      launch_vs_emulation(alibi_h, dt, s, 1561);
-    }
+  // (bf16 alone, few kernels: what the device adds to the decay{g} cases is the table's row per head)
+  launch_vs_emulation(ret_h, cuda::dtype::bf16, shape{1, 3, 1000, 128, 128}, 1560);  // split along N too
+  launch_vs_emulation(alibi_h, cuda::dtype::bf16, shape{2, 3, 200, 64, 64}, 1561);
   gradient.template operator()<cuda::bf16>(ret_h, shape{1, 3, 1000, 64, 64}, 1562);
   gradient.template operator()<cuda::bf16>(alibi_h, shape{2, 3, 200, 64, 64}, 1563);
   // A prompt, then steps, on a device state, against the same in the emulation: outputs and state.
