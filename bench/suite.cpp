@@ -132,11 +132,14 @@ void feature_maps(report& rep) {
     auto w = broadcast(projection, 1, 8);
     measure<float>(rep, compile<order::linear>(favor_attn), "favor256", "causal", 8, n, d, m, false, W = w);
   }
-  // a decayed mask against the plain one, in the same run (one multiply more per state element and row)
+  // a decayed mask against the plain one, in the same run (one multiply more per state element and row),
+  // and a decay per head (RetNet's: 1 − 2^(−5−h), h < 8)
   for (bool backward : {false, true})
     for (std::size_t n : {1024u, 4096u}) {
       measure<float>(rep, compile<order::linear>(causal_attn<elu_plus_one>), "elu+1", "causal", 8, n, d, d, backward);
       measure<float>(rep, compile<order::linear>(decayed_attn), "elu+1", "causal, decay 0.97", 8, n, d, d, backward);
+      auto const retnet = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), head_decays::retnet(8))) * V;
+      measure<float>(rep, compile<order::linear>(retnet), "elu+1", "causal, RetNet's decay per head", 8, n, d, d, backward);
     }
 }
 
