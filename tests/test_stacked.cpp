@@ -6,6 +6,8 @@
 // against the same stack evaluated as written.
 #include <doctest/doctest.h>
 
+#include <array>
+#include <lina/check.hpp>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
 
@@ -138,5 +140,56 @@ TEST_CASE("stacked layers: a central difference confirms the gradient of the fir
     double fd = (up - down) / 2e-6;
     CAPTURE(i);
     CHECK(std::abs(fd - g[Q].data()[i]) <= 1e-6 * (1 + std::abs(fd)));
+  }
+}
+
+// Chained gradients of a stack: each scan of the backward starts from its
+// layer's sums (the forward's from the state the block began with, the
+// gradient's from ∂ of the state it left) and each layer hands back its own
+// ∂initial; blocks differentiated last first and joined are the one-pass
+// gradients.
+TEST_CASE("stacked layers: chained gradients, block by block from the last, join to the one-pass gradients") {
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    auto rec = check::recurrent(layer2_elu, {.trials = 1, .max_extent = 7, .seed = seed});
+    INFO(rec);
+    CHECK(rec.ok());
+  }
+  // three blocks by hand (a middle block both takes and hands back ∂state),
+  // poly2 on the second layer: the states of both layers differ in shape
+  test::rng r{34};
+  std::size_t const b = 2, h = 2, n = 23, d = 3, m = 2;
+  auto in = random_inputs(r, b, h, n, d, m);
+  auto dout = tensor<double>::random({b, h, n, m}, r.next());
+  auto const plan = compile<order::linear>(layer2);
+  auto const whole = cpu::gradient(layer2, dout, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
+  std::size_t const cut[] = {0, 7, 16, n};
+  std::array<cpu::state<double>, 3> begin;  // the state each block starts from
+  cpu::state<double> st;
+  for (int x = 0; x < 3; ++x) {
+    begin[x] = st;
+    auto rows = [&](tensor<double> const& t) { return t.rows(cut[x], cut[x + 1] - cut[x]); };
+    (void)cpu::evaluate(plan, st, Q = rows(in.q), K = rows(in.k), V = rows(in.v), K2 = rows(in.k2), V2 = rows(in.v2));
+  }
+  cpu::state<double> d_final;  // (unsized: zeros after the last block)
+  std::array<tensor<double>, 5> joined{tensor<double>(in.q.shape()), tensor<double>(in.k.shape()),
+                                       tensor<double>(in.v.shape()), tensor<double>(in.k2.shape()),
+                                       tensor<double>(in.v2.shape())};
+  for (int x = 2; x >= 0; --x) {
+    std::size_t const first = cut[x], count = cut[x + 1] - cut[x];
+    auto rows = [&](tensor<double> const& t) { return t.rows(first, count); };
+    auto [g, d_initial] = cpu::gradient(plan, dout.rows(first, count), begin[x], d_final, Q = rows(in.q), K = rows(in.k),
+                                        V = rows(in.v), K2 = rows(in.k2), V2 = rows(in.v2));
+    CHECK(d_initial.scans() == 2);
+    tensor<double> const* parts[] = {&g[Q], &g[K], &g[V], &g[K2], &g[V2]};
+    for (std::size_t k = 0; k < 5; ++k)
+      for_each_index(parts[k]->shape(), [&](std::size_t b0, std::size_t h0, std::size_t i, std::size_t j) {
+        joined[k](b0, h0, first + i, j) = (*parts[k])(b0, h0, i, j);
+      });
+    d_final = d_initial;
+  }
+  tensor<double> const* want[] = {&whole[Q], &whole[K], &whole[V], &whole[K2], &whole[V2]};
+  for (std::size_t k = 0; k < 5; ++k) {
+    CAPTURE(k);
+    CHECK(max_abs_diff(joined[k], *want[k]) <= 1e-9 * (1 + test::max_abs(*want[k])));
   }
 }

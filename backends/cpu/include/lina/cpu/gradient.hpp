@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "lina/bind.hpp"
 #include "lina/cpu/evaluate.hpp"
@@ -134,7 +135,9 @@ void gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D cons
 // are the one-pass gradients. Nothing new runs: the derived backward's prefix
 // scans (the recomputed forward, ∂Q's) start from `initial`, its suffix scans
 // (∂K's, ∂V's) from `d_final`, and what a suffix scan ends with is ∂initial.
-// For plans with one state (a stack has one per layer: differentiate its layers).
+// A stack carries one state per layer: each scan of the backward belongs to
+// the layer whose forward scan it sums (its operands say which), starts from
+// that layer's initial or d_final sums and hands back that layer's ∂initial.
 namespace detail {
 // contract(A, prefix|suffix(B⊗C)): its operands' types.
 template <class N>
@@ -145,34 +148,60 @@ struct scan_operands<node<op::contract_rows, A, node<Op, node<op::outer_rows, B,
   using b = B;
   using c = C;
 };
-// The forward's one scan, contract(A, prefix(B⊗C)): its state is B's columns x C's.
-template <class L>
+// The forward's K-th scan, contract(A, prefix(B⊗C)): its state is B's columns x C's.
+template <class L, std::size_t K>
 struct forward_scan {
   using S = schedule_of<L>;
   static constexpr std::size_t step = [] {
-    std::size_t j = 0;
-    while (S::scan_index[j] == sched::none) ++j;
-    return j;
+    std::size_t j = 0, seen = 0;
+    for (;; ++j)
+      if (S::scan_index[j] != sched::none && seen++ == K) return j;
   }();
   using parts = scan_operands<typename S::template node_type<step>>;
 };
-// Are the running sums of scan step J of the backward's schedule SB laid out
-// as the forward state's transpose? A prefix scan sums the forward's B⊗C or
-// C⊗B; a suffix scan sums the gradient of the state, A⊗G or G⊗A.
-template <class L, class SB, std::size_t J>
-constexpr bool transposed_sums() {
-  using F = typename forward_scan<L>::parts;
+// Does scan step J of the backward's schedule SB sum forward scan K's state (a
+// prefix scan: its B⊗C or C⊗B) or that state's gradient (a suffix scan: A⊗G
+// or G⊗A)? And are its sums laid out as that state's transpose?
+template <class L, class SB, std::size_t J, std::size_t K>
+struct scan_match {
+  using F = typename forward_scan<L, K>::parts;
   using P = scan_operands<typename SB::template node_type<J>>;
-  if constexpr (SB::template is_prefix_scan<J>) {
-    constexpr bool same = std::is_same_v<typename P::b, typename F::b> && std::is_same_v<typename P::c, typename F::c>;
-    static_assert(same || (std::is_same_v<typename P::b, typename F::c> && std::is_same_v<typename P::c, typename F::b>),
-                  "lina::cpu::gradient (chained): a prefix scan of the backward that does not sum the forward's state");
-    return !same;
-  } else {
-    static_assert(std::is_same_v<typename P::b, typename F::a> || std::is_same_v<typename P::c, typename F::a>,
-                  "lina::cpu::gradient (chained): a suffix scan of the backward that does not sum the state's gradient");
-    return !std::is_same_v<typename P::b, typename F::a>;
-  }
+  static constexpr bool prefix = SB::template is_prefix_scan<J>;
+  static constexpr bool same = prefix ? std::is_same_v<typename P::b, typename F::b> && std::is_same_v<typename P::c, typename F::c>
+                                      : std::is_same_v<typename P::b, typename F::a>;
+  static constexpr bool swapped = prefix ? std::is_same_v<typename P::b, typename F::c> && std::is_same_v<typename P::c, typename F::b>
+                                         : std::is_same_v<typename P::c, typename F::a>;
+  static constexpr bool found = same || swapped;
+};
+// The forward scan (layer) whose state backward scan J sums, and whether its
+// sums are that state's transpose.
+template <class L, class SB, std::size_t J>
+struct layer_of_scan {
+  static constexpr std::size_t layers = state_scans<L>::size;
+  static constexpr std::size_t matches = [] {
+    return [&]<std::size_t... K>(std::index_sequence<K...>) {
+      return (std::size_t{scan_match<L, SB, J, K>::found} + ... + 0);
+    }(std::make_index_sequence<layers>{});
+  }();
+  static_assert(matches == 1, "lina::cpu::gradient (chained): a scan of the backward that sums no one layer's state");
+  static constexpr std::size_t layer = [] {
+    std::size_t k = 0;
+    [&]<std::size_t... K>(std::index_sequence<K...>) { ((scan_match<L, SB, J, K>::found ? (k = K, 0) : 0), ...); }(
+        std::make_index_sequence<layers>{});
+    return k;
+  }();
+  static constexpr bool transposed = !scan_match<L, SB, J, layer>::same;
+};
+// f(J, its layer, prefix?, transposed?) for each scan step J of SB, in order.
+template <class L, class SB, class F>
+void for_each_backward_scan(F&& f) {
+  [&]<std::size_t... J>(std::index_sequence<J...>) {
+    auto one = [&]<std::size_t K>(std::integral_constant<std::size_t, K>) {
+      if constexpr (SB::template is_scan<K>)
+        f(K, layer_of_scan<L, SB, K>::layer, SB::template is_prefix_scan<K>, layer_of_scan<L, SB, K>::transposed);
+    };
+    (one(std::integral_constant<std::size_t, J>{}), ...);
+  }(std::make_index_sequence<SB::size>{});
 }
 // Copy one (batch, head)'s running sums, rows x cols, or their transpose.
 template <class T>
@@ -192,9 +221,6 @@ state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D 
   auto const linear = longest_branch(plan);
   using L = std::remove_cvref_t<decltype(linear)>;
   static_assert(check_stateful<L>());
-  static_assert(state_scans<L>::size == 1,
-                "lina::cpu::gradient (chained): this plan carries one state per layer; differentiate its layers one by "
-                "one (cpu::gradient of each, from the last)");
   auto const bp = backward_of(linear);
   using BP = std::remove_cvref_t<decltype(bp)>;
   static_assert(std::is_same_v<gradients<tensor_view<T>, In...>, gradients_of<tensor_view<T>, BP>>,
@@ -213,35 +239,34 @@ state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D 
   using SB = schedule_of<std::remove_cvref_t<decltype(bundle)>>;
   state<T> sums(bundle, in.batch, in.heads);  // every scan of the backward, filled before it runs
   sums.prepare(bundle, in);
-  std::size_t const c = s0.scan(0).a, w = s0.scan(0).b;
-  // Scan J's sums from (into) the forward state's layout, C x W, for every slice.
+  // f(J, its layer, prefix?, transposed?) for each scan J of the backward; its
+  // sums are its layer's state's size, C x W, or that laid out transposed.
   auto each_scan = [&](auto const& f) {
-    [&]<std::size_t... J>(std::index_sequence<J...>) {
-      auto one = [&]<std::size_t K>(std::integral_constant<std::size_t, K>) {
-        if constexpr (SB::template is_scan<K>) {
-          if (sums.scan(SB::scan_index[K]).a * sums.scan(SB::scan_index[K]).b != c * w)
-            throw std::logic_error("lina::cpu::gradient (chained): a backward scan's sums are not the state's size");
-          f(K, SB::template is_prefix_scan<K>, detail::transposed_sums<L, SB, K>());
-        }
-      };
-      (one(std::integral_constant<std::size_t, J>{}), ...);
-    }(std::make_index_sequence<SB::size>{});
+    detail::for_each_backward_scan<L, SB>([&](std::size_t j, std::size_t layer, bool prefix, bool transposed) {
+      auto const& have = sums.scan(SB::scan_index[j]);
+      if (have.a * have.b != s0.scan(layer).a * s0.scan(layer).b)
+        throw std::logic_error("lina::cpu::gradient (chained): a backward scan's sums are not its layer's state's size");
+      f(j, layer, prefix, transposed);
+    });
   };
-  each_scan([&](std::size_t j, bool prefix, bool transposed) {
+  each_scan([&](std::size_t j, std::size_t layer, bool prefix, bool transposed) {
+    std::size_t const c = s0.scan(layer).a, w = s0.scan(layer).b;
     for (std::size_t b = 0; b < in.batch; ++b)
       for (std::size_t h = 0; h < in.heads; ++h)
-        detail::copy_sums(prefix ? s0.at(0, b, h) : ds1.at(0, b, h), sums.at(SB::scan_index[j], b, h), c, w, transposed);
+        detail::copy_sums(prefix ? s0.at(layer, b, h) : ds1.at(layer, b, h), sums.at(SB::scan_index[j], b, h), c, w,
+                          transposed);
   });
   detail::run_slices<T>(bundle, in, outs, &sums);
-  // ∂initial: what the first suffix scan that ran ends with (a paired one runs in its dual's pass).
-  bool found = false;
-  each_scan([&](std::size_t j, bool prefix, bool transposed) {
-    if (prefix || found || SB::runs_in[j] != j) return;
-    found = true;
-    std::size_t const rows = transposed ? w : c;
+  // Each layer's ∂initial: what its first suffix scan that ran ends with (a
+  // paired one runs in its dual's pass).
+  std::vector<bool> found(state_scans<L>::size);
+  each_scan([&](std::size_t j, std::size_t layer, bool prefix, bool transposed) {
+    if (prefix || found[layer] || SB::runs_in[j] != j) return;
+    found[layer] = true;
+    std::size_t const c = s0.scan(layer).a, w = s0.scan(layer).b, rows = transposed ? w : c;
     for (std::size_t b = 0; b < in.batch; ++b)
       for (std::size_t h = 0; h < in.heads; ++h)
-        detail::copy_sums(sums.at(SB::scan_index[j], b, h), ds0.at(0, b, h), rows, c * w / rows, transposed);
+        detail::copy_sums(sums.at(SB::scan_index[j], b, h), ds0.at(layer, b, h), rows, c * w / rows, transposed);
   });
   return ds0;
 }
