@@ -34,6 +34,7 @@
 
 #define __global__ __attribute__((visibility("default")))
 #define __device__
+#define __constant__
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)

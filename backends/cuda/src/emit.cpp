@@ -216,25 +216,9 @@ struct emitter {
              i.b >= 0 ? ", " : "", i.b >= 0 ? name(i.b) : "", i.b >= 0 ? "  // decayed" : "");
         break;
       case opcode::powers: {  // the decay's powers as lina computed them (program.hpp: decay_powers)
-        int const count = p.registers.at(static_cast<std::size_t>(i.dst)).cols;
-        auto values_of = [&](std::int64_t head) {
-          std::string values;
-          for (float x : decay_powers(p.spec, count, head)) values += fmt::format("{}{:#.9g}f", values.empty() ? "" : ", ", x);
-          return values;
-        };
-        line(ind, "{{");
-        if (per_head(p.spec)) {  // a row per head (the host checks that the launch has as many heads)
-          line(ind + 2, "const float values[{}][{}] = {{  // g^0 … g^{} of each head's g", p.spec.head_decays.size(), count,
-               count - 1);
-          for (std::size_t h = 0; h < p.spec.head_decays.size(); ++h)
-            line(ind + 4, "{{{}}},  // g = {}", values_of(static_cast<std::int64_t>(h)), p.spec.head_decays[h]);
-          line(ind + 2, "}};");
-          line(ind + 2, "tl::powers<{}, {}, {}>({}, values[h]);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
-        } else {
-          line(ind + 2, "const float values[] = {{{}}};  // g^0 … g^{}, g = {}", values_of(0), count - 1, p.spec.decay);
-          line(ind + 2, "tl::powers<{}, {}, {}>({}, values);", rows(i.dst), cols(i.dst), pitch(i.dst), t);
-        }
-        line(ind, "}}");
+        // (a row per head: the host checks that the launch has as many heads)
+        line(ind, "tl::powers<{}, {}, {}>({}, decay_powers{});", rows(i.dst), cols(i.dst), pitch(i.dst), t,
+             per_head(p.spec) ? "[h]" : "");
         break;
       }
       case opcode::decay_rows:
@@ -537,6 +521,36 @@ struct emitter {
     if (by_m) line(0, "constexpr int tile_m = {};", p.tiles.tile_m);
     line(0, "constexpr int m_tiles = {};", p.m_tiles);
     if (divides) line(0, "constexpr float eps = {:#.9g}f;  // of rowdiv", eps);
+    // The decay's tables in device memory, not in the kernel's body: a table indexed at
+    // run time (by k, by the head) would be each thread's copy in local memory (ptxas
+    // made 24960 bytes of stack of RetNet's 96 heads' powers at T = 64).
+    for (auto const* i : all)
+      if (i->op == opcode::powers) {
+        int const count = p.registers.at(static_cast<std::size_t>(i->dst)).cols;
+        auto values_of = [&](std::int64_t head) {
+          std::string values;
+          for (float x : decay_powers(p.spec, count, head)) values += fmt::format("{}{:#.9g}f", values.empty() ? "" : ", ", x);
+          return values;
+        };
+        if (per_head(p.spec)) {
+          line(0, "__device__ const float decay_powers[{}][{}] = {{  // g^0 … g^{} of each head's g", p.spec.head_decays.size(),
+               count, count - 1);
+          for (std::size_t h = 0; h < p.spec.head_decays.size(); ++h)
+            line(2, "{{{}}},  // g = {}", values_of(static_cast<std::int64_t>(h)), p.spec.head_decays[h]);
+          line(0, "}};");
+        } else {
+          line(0, "__device__ const float decay_powers[] = {{{}}};  // g^0 … g^{}, g = {}", values_of(0), count - 1, p.spec.decay);
+        }
+        break;
+      }
+    bool biased_exp = false;
+    for (auto const* i : all) biased_exp = biased_exp || (i->op == opcode::exp_rows && i->decayed);
+    if (biased_exp && per_head(p.spec)) {  // (one decay: a literal in the call)
+      std::string v;
+      for (std::size_t x = 0; x < p.spec.head_decays.size(); ++x)
+        v += fmt::format("{}{:#.9g}f", v.empty() ? "" : ", ", log_decay(p.spec, static_cast<std::int64_t>(x)));
+      line(0, "__constant__ float log_decays[] = {{{}}};  // ln g of each head: exp_rows' bias per step of distance", v);
+    }
     for (std::size_t n = 0; n < p.registers.size(); ++n) {
       auto const& r = p.registers[n];
       if (used[n])
@@ -605,14 +619,6 @@ struct emitter {
     if (by_m)
       line(2, "const long long m0 = static_cast<long long>({} % m_tiles) * tile_m;  // this block's first column of M", tile);
     line(2, "const long long b = slice / args.heads, h = slice % args.heads;");
-    bool biased_exp = false;
-    for (auto const* i : all) biased_exp = biased_exp || (i->op == opcode::exp_rows && i->decayed);
-    if (biased_exp && per_head(p.spec)) {  // (a decay per head: exp_rows read their head's)
-      std::string v;
-      for (std::size_t x = 0; x < p.spec.head_decays.size(); ++x)
-        v += fmt::format("{}{:#.9g}f", v.empty() ? "" : ", ", log_decay(p.spec, static_cast<std::int64_t>(x)));
-      line(2, "const float log_decays[] = {{{}}};  // ln g of each head: exp_rows' bias per step of distance", v);
-    }
     if (packs) {  // packed sequences: b is a sequence of the operands' one batch row (the state's row b)
       line(2, "const long long row0 = args.row_offsets ? args.row_offsets[b] : 0;  // its first row");
       line(2, "const long long n = args.row_offsets ? args.row_offsets[b + 1] - row0 : args.n;  // its rows");
