@@ -180,33 +180,30 @@ auto bind(B const&... bs) {
   return r;
 }
 
-// Every decay per head in a plan (causal(S, head_decays{…})) against the
-// bound number of heads: one decay per head, else lina::shape_error "decay per
-// head" before anything runs.
-template <class X>
-void check_head_decays(X const&, std::size_t) {}
-template <class Op, class... K>
-void check_head_decays(node<Op, K...> const& n, std::size_t heads) {
-  if constexpr (requires { n.op.decays; })
-    if (n.op.heads() != heads)
-      throw shape_error("decay per head", "H (heads)", n.op.heads(), heads, "of the bound inputs (head_decays: one per head)");
+// f(the op) for every decay per head in a plan (causal(S, head_decays{…})).
+template <class X, class F>
+void for_each_head_decays(X const&, F&&) {}
+template <class Op, class... K, class F>
+void for_each_head_decays(node<Op, K...> const& n, F&& f) {
+  if constexpr (requires { n.op.decays; }) f(n.op);
   [&]<std::size_t... I>(std::index_sequence<I...>) {
-    (check_head_decays(hana::at_c<I>(n.kids), heads), ...);
+    (for_each_head_decays(hana::at_c<I>(n.kids), f), ...);
   }(std::index_sequence_for<K...>{});
 }
-
+// Each against the bound number of heads: one decay per head, else
+// lina::shape_error "decay per head" before anything runs.
+template <class P>
+void check_head_decays(P const& plan, std::size_t heads) {
+  for_each_head_decays(plan, [&](auto const& d) {
+    if (d.heads() != heads)
+      throw shape_error("decay per head", "H (heads)", d.heads(), heads, "of the bound inputs (head_decays: one per head)");
+  });
+}
 // The heads a plan's decays per head are for (the first's), 0 where it has none.
-template <class X>
-std::size_t heads_of_decays(X const&) {
-  return 0;
-}
-template <class Op, class... K>
-std::size_t heads_of_decays(node<Op, K...> const& n) {
-  if constexpr (requires { n.op.decays; }) return n.op.heads();
+template <class P>
+std::size_t heads_of_decays(P const& plan) {
   std::size_t h = 0;
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((h = h ? h : heads_of_decays(hana::at_c<I>(n.kids))), ...);
-  }(std::index_sequence_for<K...>{});
+  for_each_head_decays(plan, [&](auto const& d) { h = h ? h : d.heads(); });
   return h;
 }
 

@@ -524,14 +524,13 @@ struct emitter {
     // The decay's tables in device memory, not in the kernel's body: a table indexed at
     // run time (by k, by the head) would be each thread's copy in local memory (ptxas
     // made 24960 bytes of stack of RetNet's 96 heads' powers at T = 64).
+    auto literals = [](std::vector<float> const& xs) {  // "x0f, x1f, …", each float exactly
+      return fmt::format("{:#.9g}f", fmt::join(xs, "f, "));
+    };
     for (auto const* i : all)
       if (i->op == opcode::powers) {
         int const count = p.registers.at(static_cast<std::size_t>(i->dst)).cols;
-        auto values_of = [&](std::int64_t head) {
-          std::string values;
-          for (float x : decay_powers(p.spec, count, head)) values += fmt::format("{}{:#.9g}f", values.empty() ? "" : ", ", x);
-          return values;
-        };
+        auto values_of = [&](std::int64_t head) { return literals(decay_powers(p.spec, count, head)); };
         if (per_head(p.spec)) {
           line(0, "__device__ const float decay_powers[{}][{}] = {{  // g^0 … g^{} of each head's g", p.spec.head_decays.size(),
                count, count - 1);
@@ -546,10 +545,10 @@ struct emitter {
     bool biased_exp = false;
     for (auto const* i : all) biased_exp = biased_exp || (i->op == opcode::exp_rows && i->decayed);
     if (biased_exp && per_head(p.spec)) {  // (one decay: a literal in the call)
-      std::string v;
-      for (std::size_t x = 0; x < p.spec.head_decays.size(); ++x)
-        v += fmt::format("{}{:#.9g}f", v.empty() ? "" : ", ", log_decay(p.spec, static_cast<std::int64_t>(x)));
-      line(0, "__constant__ float log_decays[] = {{{}}};  // ln g of each head: exp_rows' bias per step of distance", v);
+      std::vector<float> ln_g(p.spec.head_decays.size());
+      for (std::size_t x = 0; x < ln_g.size(); ++x) ln_g[x] = log_decay(p.spec, static_cast<std::int64_t>(x));
+      line(0, "__constant__ float log_decays[] = {{{}}};  // ln g of each head: exp_rows' bias per step of distance",
+           literals(ln_g));
     }
     for (std::size_t n = 0; n < p.registers.size(); ++n) {
       auto const& r = p.registers[n];

@@ -432,13 +432,13 @@ struct block {
         }
         break;
       case opcode::exp_rows: {
+        float const ln_g = log_decay(p.spec, h);  // (0 undecayed)
         for (int r = 0; r < t.rows; ++r) {
           if (i.mask_scores)  // exp(causal(S)): a masked key's score is 0 (its weight exp(0 − shift))
             for (int c = 0; c < t.cols; ++c)
               if (score x = score_at(r0, r, c); x.key > x.query) t.at(r, c) = 0.0f;
           // Decayed, the exponent x = fma(scale, t, (query − key)·ln g) takes the score's place (as
           // tl::exp_rows<…, Decayed = true>); undecayed, the max reads scale·t and exp fuses the shift.
-          float const ln_g = log_decay(p.spec, h);
           auto exponent = [&](int c) {
             if (!i.decayed) return i.scale * t.at(r, c);
             score const x = score_at(r0, r, c);
