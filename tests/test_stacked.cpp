@@ -193,3 +193,55 @@ TEST_CASE("stacked layers: chained gradients, block by block from the last, join
     CHECK(max_abs_diff(joined[k], *want[k]) <= 1e-9 * (1 + test::max_abs(*want[k])));
   }
 }
+
+// A layer read twice by the layer above (as its query and its values; as its
+// keys and its values): the backward carries one adjoint per read into that
+// layer, so its ∂state has a part per read — d_final must enter it once and
+// ∂initial is the parts' sum (each part alone, or d_final in every part,
+// fails both checks). Joined blocks against one pass (check::recurrent), and
+// ∂ of the state between two blocks against central differences of the loss
+// through the second block, in double.
+TEST_CASE("stacked layers: a layer read twice above it, chained gradients = one pass = finite differences") {
+  constexpr auto qv = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * layer1;
+  constexpr auto kv = normalize(causal(phi<elu_plus_one>(K2) * transpose(phi<elu_plus_one>(layer1)))) * layer1;
+  auto check_one = [](auto const& expr, std::uint64_t seed) {
+    for (std::uint64_t s = seed; s < seed + 3; ++s) {
+      auto rec = check::recurrent(expr, {.trials = 1, .max_extent = 7, .seed = s});
+      INFO(rec);
+      CHECK(rec.ok());
+    }
+    auto const plan = compile<order::linear>(expr);
+    test::rng r{seed};
+    std::size_t const b = 1, h = 2, n = 9, d = 3;
+    auto x = [&](std::size_t rows) { return tensor<double>::random({b, h, rows, d}, r.next()); };
+    auto p = x(5), q = x(n), k = x(n), v = x(n), k2 = x(n), dout = x(n);
+    cpu::state<double> s0, d_final;  // s0: the sums after a first block (p)
+    (void)cpu::evaluate(plan, s0, Q = p, K = p, V = p, K2 = p);
+    (void)cpu::evaluate(plan, d_final, Q = x(4), K = x(4), V = x(4), K2 = x(4));  // any sums: ∂ of the state after
+    auto [g, d0] = cpu::gradient(plan, dout, s0, d_final, Q = q, K = k, V = v, K2 = k2);
+    // The loss through the second block: <dout, its output> + <d_final, the sums it leaves>.
+    auto loss = [&](cpu::state<double> st) {
+      auto y = cpu::evaluate(plan, st, Q = q, K = k, V = v, K2 = k2);
+      double l = 0;
+      for (std::size_t i = 0; i < y.size(); ++i) l += y.data()[i] * dout.data()[i];
+      for (std::size_t l2 = 0; l2 < st.scans(); ++l2)
+        for_each_index(st[l2].shape(), [&](auto... i) { l += st[l2](i...) * d_final[l2](i...); });
+      return l;
+    };
+    REQUIRE(d0.scans() == 2);
+    double worst = 0, scale = 0;
+    for (std::size_t l2 = 0; l2 < 2; ++l2)
+      for_each_index(d0[l2].shape(), [&](auto... i) {
+        double const eps = 1e-6;
+        cpu::state<double> up = s0, down = s0;
+        up[l2](i...) += eps;
+        down[l2](i...) -= eps;
+        double const fd = (loss(std::move(up)) - loss(std::move(down))) / (2 * eps);
+        worst = std::max(worst, std::abs(d0[l2](i...) - fd));
+        scale = std::max(scale, std::abs(fd));
+      });
+    CHECK(worst <= 1e-6 * (1 + scale));
+  };
+  check_one(qv, 35);
+  check_one(kv, 36);
+}

@@ -191,24 +191,54 @@ struct layer_of_scan {
     return k;
   }();
   static constexpr bool transposed = !scan_match<L, SB, J, layer>::same;
+  // A suffix scan's adjoint rows G (its operand beside the layer's A; void
+  // for a prefix scan). Scans of one layer with the same G sum one gradient of
+  // its state (∂K's and ∂V's, transposes of each other); a layer whose output
+  // is read twice gets one G per read, each a part of that gradient.
+  using parts = scan_operands<typename SB::template node_type<J>>;
+  using adjoint = std::conditional_t<SB::template is_prefix_scan<J>, void,
+                                     std::conditional_t<transposed, typename parts::b, typename parts::c>>;
 };
-// f(J, its layer, prefix?, transposed?) for each scan step J of SB, in order.
+// Does scan step I of SB sum the same part of the same layer's ∂state as suffix scan J?
+template <class L, class SB, std::size_t I, std::size_t J>
+constexpr bool same_part() {
+  if constexpr (SB::template is_scan<I> && !SB::template is_prefix_scan<I>)
+    return layer_of_scan<L, SB, I>::layer == layer_of_scan<L, SB, J>::layer &&
+           std::is_same_v<typename layer_of_scan<L, SB, I>::adjoint, typename layer_of_scan<L, SB, J>::adjoint>;
+  else
+    return false;
+}
+// The first suffix scan of SB that sums suffix scan J's part (J itself if none before).
+template <class L, class SB, std::size_t J>
+constexpr std::size_t part_of_scan() {
+  return []<std::size_t... I>(std::index_sequence<I...>) {
+    std::size_t r = J;
+    ((r == J && same_part<L, SB, I, J>() ? void(r = I) : void()), ...);
+    return r;
+  }(std::make_index_sequence<J>{});
+}
+// f(J, its layer, prefix?, transposed?, its part: part_of_scan, J for a
+// prefix scan) for each scan step J of SB, in order.
 template <class L, class SB, class F>
 void for_each_backward_scan(F&& f) {
   [&]<std::size_t... J>(std::index_sequence<J...>) {
     auto one = [&]<std::size_t K>(std::integral_constant<std::size_t, K>) {
-      if constexpr (SB::template is_scan<K>)
-        f(K, layer_of_scan<L, SB, K>::layer, SB::template is_prefix_scan<K>, layer_of_scan<L, SB, K>::transposed);
+      if constexpr (SB::template is_prefix_scan<K>)
+        f(K, layer_of_scan<L, SB, K>::layer, true, layer_of_scan<L, SB, K>::transposed, K);
+      else if constexpr (SB::template is_scan<K>)
+        f(K, layer_of_scan<L, SB, K>::layer, false, layer_of_scan<L, SB, K>::transposed, part_of_scan<L, SB, K>());
     };
     (one(std::integral_constant<std::size_t, J>{}), ...);
   }(std::make_index_sequence<SB::size>{});
 }
-// Copy one (batch, head)'s running sums, rows x cols, or their transpose.
+// Copy (or add) one (batch, head)'s running sums, rows x cols, or their transpose.
 template <class T>
-void copy_sums(T const* from, T* to, std::size_t rows, std::size_t cols, bool transpose) {
-  if (!transpose) return (void)std::copy_n(from, rows * cols, to);
+void copy_sums(T const* from, T* to, std::size_t rows, std::size_t cols, bool transpose, bool add = false) {
   for (std::size_t i = 0; i < rows; ++i)
-    for (std::size_t j = 0; j < cols; ++j) to[j * rows + i] = from[i * cols + j];
+    for (std::size_t j = 0; j < cols; ++j) {
+      T& x = transpose ? to[j * rows + i] : to[i * cols + j];
+      x = add ? x + from[i * cols + j] : from[i * cols + j];
+    }
 }
 }  // namespace detail
 
@@ -239,34 +269,43 @@ state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D 
   using SB = schedule_of<std::remove_cvref_t<decltype(bundle)>>;
   state<T> sums(bundle, in.batch, in.heads);  // every scan of the backward, filled before it runs
   sums.prepare(bundle, in);
-  // f(J, its layer, prefix?, transposed?) for each scan J of the backward; its
-  // sums are its layer's state's size, C x W, or that laid out transposed.
+  // f(J, its layer, prefix?, transposed?, its part) for each scan J of the
+  // backward; its sums are its layer's state's size, C x W, or that laid out
+  // transposed.
   auto each_scan = [&](auto const& f) {
-    detail::for_each_backward_scan<L, SB>([&](std::size_t j, std::size_t layer, bool prefix, bool transposed) {
+    detail::for_each_backward_scan<L, SB>([&](std::size_t j, std::size_t layer, bool prefix, bool transposed, std::size_t part) {
       auto const& have = sums.scan(SB::scan_index[j]);
       if (have.a * have.b != s0.scan(layer).a * s0.scan(layer).b)
         throw std::logic_error("lina::cpu::gradient (chained): a backward scan's sums are not its layer's state's size");
-      f(j, layer, prefix, transposed);
+      f(j, layer, prefix, transposed, part);
     });
   };
-  each_scan([&](std::size_t j, std::size_t layer, bool prefix, bool transposed) {
+  // Prefix scans start from their layer's sums; the suffix scans of a layer's
+  // first part from d_final, of its other parts (a layer read twice) from
+  // zeros: d_final enters the layer's ∂state once.
+  std::vector<std::size_t> first_part(state_scans<L>::size, SB::size);
+  each_scan([&](std::size_t j, std::size_t layer, bool prefix, bool transposed, std::size_t part) {
     std::size_t const c = s0.scan(layer).a, w = s0.scan(layer).b;
+    if (!prefix && first_part[layer] == SB::size) first_part[layer] = part;
     for (std::size_t b = 0; b < in.batch; ++b)
       for (std::size_t h = 0; h < in.heads; ++h)
-        detail::copy_sums(prefix ? s0.at(layer, b, h) : ds1.at(layer, b, h), sums.at(SB::scan_index[j], b, h), c, w,
-                          transposed);
+        if (prefix || part == first_part[layer])
+          detail::copy_sums(prefix ? s0.at(layer, b, h) : ds1.at(layer, b, h), sums.at(SB::scan_index[j], b, h), c, w,
+                            transposed);
+        else
+          std::fill_n(sums.at(SB::scan_index[j], b, h), c * w, T(0));
   });
   detail::run_slices<T>(bundle, in, outs, &sums);
-  // Each layer's ∂initial: what its first suffix scan that ran ends with (a
-  // paired one runs in its dual's pass).
-  std::vector<bool> found(state_scans<L>::size);
-  each_scan([&](std::size_t j, std::size_t layer, bool prefix, bool transposed) {
-    if (prefix || found[layer] || SB::runs_in[j] != j) return;
-    found[layer] = true;
+  // Each layer's ∂initial: the sum of its parts, each what the first of its
+  // suffix scans that ran ends with (a paired one runs in its dual's pass).
+  std::vector<bool> added(SB::size);
+  each_scan([&](std::size_t j, std::size_t layer, bool prefix, bool transposed, std::size_t part) {
+    if (prefix || added[part] || SB::runs_in[j] != j) return;
+    added[part] = true;
     std::size_t const c = s0.scan(layer).a, w = s0.scan(layer).b, rows = transposed ? w : c;
     for (std::size_t b = 0; b < in.batch; ++b)
       for (std::size_t h = 0; h < in.heads; ++h)
-        detail::copy_sums(sums.at(SB::scan_index[j], b, h), ds0.at(layer, b, h), rows, c * w / rows, transposed);
+        detail::copy_sums(sums.at(SB::scan_index[j], b, h), ds0.at(layer, b, h), rows, c * w / rows, transposed, true);
   });
   return ds0;
 }
