@@ -245,3 +245,57 @@ TEST_CASE("stacked layers: a layer read twice above it, chained gradients = one 
   check_one(qv, 35);
   check_one(kv, 36);
 }
+
+// Three layers, each one's output the next one's query. The backward
+// recomputes layers 1 and 2 many times over; those recomputed scans are twins
+// (their normalize carries an eps) and share the first one's rows when the
+// values agree, skipping their own turn. A twin scan once also emitted the
+// row-wise steps that read it (layer 2's output, φ of it): skipped, they were
+// never made, and every gradient was wrong (the simple path crashed). Every
+// input's gradient against central differences of the stack as written, in
+// double; and no scan with a twin makes another step's rows.
+TEST_CASE("stacked layers: three layers, every input's gradient = finite differences") {
+  constexpr auto K3 = input<"K3">(N, M);
+  constexpr auto V3 = input<"V3">(N, M);
+  constexpr auto layer3 = normalize(causal(phi<elu_plus_one>(layer2_elu) * transpose(phi<elu_plus_one>(K3)))) * V3;
+  auto const plan = compile<order::linear>(layer3);
+  using S = schedule_of<std::remove_cvref_t<decltype(as_bundle(gradient(longest_branch(plan))))>>;
+  for (std::size_t j = 0; j < S::size; ++j)
+    if (S::twin[j] != sched::none) {
+      CAPTURE(j);
+      CHECK(S::emits[j] == sched::none);
+      CHECK(S::dual_of[j] == sched::none);
+    }
+  test::rng r{37};
+  std::size_t const b = 1, h = 2, n = 6, d = 3, m = 2;
+  auto in = random_inputs(r, b, h, n, d, m);
+  auto k3 = tensor<double>::random({b, h, n, m}, r.next()), v3 = tensor<double>::random({b, h, n, m}, r.next());
+  auto dout = tensor<double>::random({b, h, n, m}, r.next());
+  auto g = cpu::gradient(plan, dout, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2, K3 = k3, V3 = v3);
+  auto loss = [&] {
+    auto out = cpu::evaluate(layer3, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2, K3 = k3, V3 = v3);
+    double s = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) s += out.data()[i] * dout.data()[i];
+    return s;
+  };
+  std::array<tensor<double>*, 7> const x{&in.q, &in.k, &in.v, &in.k2, &in.v2, &k3, &v3};
+  std::array<tensor<double> const*, 7> const dx{&g[Q], &g[K], &g[V], &g[K2], &g[V2], &g[K3], &g[V3]};
+  for (std::size_t a = 0; a < x.size(); ++a) {
+    double worst = 0, scale = 0;
+    for (std::size_t i = 0; i < x[a]->size(); ++i) {
+      double const keep = x[a]->data()[i];
+      x[a]->data()[i] = keep + 1e-6;
+      double const up = loss();
+      x[a]->data()[i] = keep - 1e-6;
+      double const down = loss();
+      x[a]->data()[i] = keep;
+      double const fd = (up - down) / 2e-6;
+      worst = std::max(worst, std::abs(fd - dx[a]->data()[i]));
+      scale = std::max(scale, std::abs(fd));
+    }
+    CAPTURE(a);
+    CAPTURE(scale);
+    CHECK(scale > 0);
+    CHECK(worst <= 1e-6 * scale + 1e-9);
+  }
+}

@@ -437,8 +437,18 @@ struct schedule_of {
   // a scan loading the group), or none.
   static constexpr std::array<std::size_t, size + 1> absorbed_by = loaded_steps(std::make_index_sequence<size>{});
 
+  // A step with a twin may not run at all: when the values agree at run time
+  // the backend hands it the twin's result and skips its turn, and with it
+  // whatever else that turn would make. So a scan with a twin makes only its
+  // own result: it emits no group (lone_scan) and hosts no paired scan
+  // (dual_for), as a step with a twin absorbs no group (absorbs, loadable).
+  // (A recomputed forward's scans have twins: a stack of three layers' backward
+  // emitted layer 2's output from one and never made it.)
   template <std::size_t J>
-  static constexpr bool lone_scan = J != sched::none && is_scan<J % size> && readers[J % size] == 1;
+  static constexpr bool hosts_others = twin[J] == sched::none;
+  template <std::size_t J>
+  static constexpr bool lone_scan =
+      J != sched::none && is_scan<J % size> && readers[J % size] == 1 && hosts_others<J % size>;
   template <std::size_t F>
   static constexpr std::size_t emitting_scan() {  // the scan a group's first step F reads, when it may emit F's group
     if constexpr (is_row_wise<F> && chain_start[F] == F) {
@@ -524,7 +534,8 @@ struct schedule_of {
   template <std::size_t K, std::size_t... J>
   static constexpr std::size_t dual_for(std::index_sequence<J...>) {
     constexpr std::array<bool, sizeof...(J) + 1> fits{
-        (transposed_scans<J, K>() && !read_between(J, K, std::make_index_sequence<size>{}))..., true};
+        (hosts_others<K> && transposed_scans<J, K>() && !read_between(J, K, std::make_index_sequence<size>{}))...,
+        true};
     std::size_t j = 0;
     while (!fits[j]) ++j;
     return j == sizeof...(J) ? sched::none : j;
