@@ -310,6 +310,154 @@ TEST_CASE("stacked layers chain through a state per layer: blocks = one pass = t
                   state_error);
 }
 
+// A stack's chained gradient: `initial`, `d_final` and the ∂initial returned
+// hold a state per layer, each layer's chained backward starts from its own,
+// and the forward below a layer runs from copies of its layers' states. Three
+// uneven blocks differentiated last first (the middle one both takes and
+// hands back ∂state) join to one backward of the whole stack; the first
+// block's ∂initial, layer by layer, equals central differences in double of
+// the loss through the whole sequence with respect to the initial sums (the
+// CPU's chained forward). fp32 and bf16.
+TEST_CASE("stacked layers: chained gradients, block by block from the last = one pass, ∂state = finite differences") {
+  constexpr auto stack = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2;
+  constexpr auto two = normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * layer1;
+  constexpr auto three = normalize(causal(phi<relu>(two) * transpose(phi<relu>(K2)))) * V2;
+  test::rng r{78};
+  double worst[2] = {0, 0}, worst_state[2] = {0, 0};
+  auto check = [&](auto const& expr, std::size_t layers, shape s, cuda::dtype dt) {
+    auto const plan = compile(expr);
+    auto const linear = compile<order::linear>(expr);
+    int const which = dt == cuda::dtype::f32 ? 0 : 1;
+    CAPTURE(layers); CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    auto one = [&](std::size_t cols) { return rounded(tensor<float>::random({s.b, s.h, s.n, cols}, r.next()), dt); };
+    auto q = one(s.d), k = one(s.d), v = one(s.d), k2 = one(s.d), v2 = one(s.m), dout = one(s.m);
+    cuda::options const opt{dt, dt, true};
+    auto const whole = on_inputs_of(plan, [&](auto const& p, auto const&... b) { return cuda::emulate_gradient(p, opt, dout, b...); },
+                                    Q = q, K = k, Vd = v, K2 = k2, V2 = v2);
+    std::size_t const c1 = r.in(1, s.n / 2), c2 = r.in(c1 + 1, s.n - 1), cut[] = {0, c1, c2, s.n};
+    CAPTURE(c1); CAPTURE(c2);
+    std::vector<cuda::state> begin;  // the state each block starts from
+    cuda::state st(cuda::memory::host);
+    for (int x = 0; x < 3; ++x) {
+      begin.push_back(cuda::to_host(st));
+      auto rows = [&](tensor<float> const& t) { return test::tokens(t, cut[x], cut[x + 1]); };
+      on_inputs_of(plan, [&](auto const& p, auto const&... b) { return cuda::emulate(p, opt, st, b...); }, Q = rows(q),
+                   K = rows(k), Vd = rows(v), K2 = rows(k2), V2 = rows(v2));
+    }
+    auto joined = whole;
+    cuda::state d_final(cuda::memory::host);  // (unbound: zeros after the last block)
+    for (int x = 2; x >= 0; --x) {
+      auto rows = [&](tensor<float> const& t) { return test::tokens(t, cut[x], cut[x + 1]); };
+      auto [g, d_initial] = on_inputs_of(
+          plan, [&](auto const& p, auto const&... b) { return cuda::emulate_gradient(p, opt, rows(dout), begin[x], d_final, b...); },
+          Q = rows(q), K = rows(k), Vd = rows(v), K2 = rows(k2), V2 = rows(v2));
+      REQUIRE(d_initial.layers() == layers);
+      for (std::size_t i = 0; i < g.all().size(); ++i)
+        for_each_index(g.all()[i].shape(), [&](std::size_t b0, std::size_t h0, std::size_t t, std::size_t c) {
+          joined.all()[i](b0, h0, cut[x] + t, c) = g.all()[i](b0, h0, t, c);
+        });
+      d_final = std::move(d_initial);
+    }
+    for (std::size_t i = 0; i < whole.all().size(); ++i) {
+      CAPTURE(i);
+      double const e = relative_rms(joined.all()[i], whole.all()[i]);
+      CHECK(e <= tolerance(dt));
+      worst[which] = std::max(worst[which], e / tolerance(dt));
+    }
+    // ∂ of the first block's initial sums (zeros): central differences of the
+    // loss Σ dout·out through the whole sequence, the CPU's chained forward in
+    // double (layer k = scan k of its state).
+    auto loss = [&](cpu::state<double> st) {
+      auto y = on_inputs_of(linear, [&](auto const& p, auto const&... b) { return cpu::evaluate(p, st, b...); },
+                            Q = widened(q), K = widened(k), Vd = widened(v), K2 = widened(k2), V2 = widened(v2));
+      double l = 0;
+      for (std::size_t i = 0; i < y.size(); ++i) l += y.data()[i] * dout.data()[i];
+      return l;
+    };
+    cpu::state<double> zeros;  // (sized by a block of no tokens)
+    auto none_of = [](tensor<float> const& t) { return tensor<double>({t.shape()[0], t.shape()[1], 0, t.shape()[3]}); };
+    on_inputs_of(linear, [&](auto const& p, auto const&... b) { return cpu::evaluate(p, zeros, b...); }, Q = none_of(q),
+                 K = none_of(k), Vd = none_of(v), K2 = none_of(k2), V2 = none_of(v2));
+    REQUIRE(zeros.scans() == layers);
+    for (std::size_t x = 0; x < layers; ++x) {
+      CAPTURE(x);
+      REQUIRE(d_final.layer(x).shape() == zeros[x].shape());
+      tensor<float> fd(zeros[x].shape());
+      for_each_index(fd.shape(), [&](auto... i) {
+        double const eps = 1e-6;
+        cpu::state<double> up = zeros, down = zeros;
+        up[x](i...) += eps;
+        down[x](i...) -= eps;
+        fd(i...) = static_cast<float>((loss(std::move(up)) - loss(std::move(down))) / (2 * eps));
+      });
+      // (Layer x's ∂state comes through the ∂ rows of every layer above it,
+      // each rounded to the output type, as its own are: layers - x output
+      // roundings, that many tolerances — as the stateless stack's test says.)
+      double const e = relative_rms(sums_of(d_final.layer(x)), fd), tol = double(layers - x) * tolerance(dt);
+      CHECK(e <= tol);
+      worst_state[which] = std::max(worst_state[which], e / tol);
+    }
+  };
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    check(stack, 2, {2, 2, 150, 12, 9}, dt);
+    check(stack, 2, {1, 3, 70, 5, 4}, dt);
+    check(two, 2, {1, 2, 90, 6, 6}, dt);
+    check(three, 3, {1, 2, 130, 8, 5}, dt);
+  }
+  MESSAGE("chained stack gradients, largest error / tolerance: joined " << worst[0] << " (f32), " << worst[1]
+                                                                      << " (bf16); ∂initial " << worst_state[0] << ", "
+                                                                      << worst_state[1]);
+
+  // Packed sequences through a stack's state (a row per sequence in every
+  // layer): the pack's gradients and ∂initial rows = each sequence's own,
+  // chained alone from the state its own prompt left.
+  auto const plan = compile(stack);
+  {
+    auto const prompts = sequences::from_lengths({30, 0, 45, 7}), block = sequences::from_lengths({20, 11, 0, 33});
+    std::size_t const h = 2, d = 6, m = 4;
+    auto p = [&](sequences const& sq, std::size_t cols) { return tensor<float>::random({1, h, sq.total(), cols}, r.next()); };
+    auto qa = p(prompts, d), ka = p(prompts, d), va = p(prompts, d), k2a = p(prompts, d), v2a = p(prompts, m);
+    auto qb = p(block, d), kb = p(block, d), vb = p(block, d), k2b = p(block, d), v2b = p(block, m), dout = p(block, m);
+    cuda::state st(cuda::memory::host), none(cuda::memory::host);
+    cuda::emulate(plan, {}, st, prompts, Q = qa, K = ka, Vd = va, K2 = k2a, V2 = v2a);
+    auto [g, d_a] = cuda::emulate_gradient(plan, {}, dout, st, none, block, Q = qb, K = kb, Vd = vb, K2 = k2b, V2 = v2b);
+    REQUIRE(d_a.layers() == 2);
+    for (std::size_t x = 0; x < block.count(); ++x) {
+      CAPTURE(x);
+      auto a = [&](tensor<float> const& t) { return test::tokens(t, prompts.begin(x), prompts.begin(x) + prompts.length(x)); };
+      auto b = [&](tensor<float> const& t) { return test::tokens(t, block.begin(x), block.begin(x) + block.length(x)); };
+      cuda::state alone(cuda::memory::host);
+      cuda::emulate(plan, {}, alone, Q = a(qa), K = a(ka), Vd = a(va), K2 = a(k2a), V2 = a(v2a));
+      auto [gx, dx] = cuda::emulate_gradient(plan, {}, b(dout), alone, none, Q = b(qb), K = b(kb), Vd = b(vb), K2 = b(k2b), V2 = b(v2b));
+      for (std::size_t i = 0; i < g.all().size(); ++i)
+        CHECK(max_abs_diff(b(g.all()[i]), gx.all()[i]) <= 1e-5 * (1 + test::max_abs(gx.all()[i])));
+      for (std::size_t l = 0; l < 2; ++l) {
+        tensor<float> const all = sums_of(d_a.layer(l)), own = sums_of(dx.layer(l));
+        double worst_row = 0;
+        for_each_index(own.shape(), [&](std::size_t, std::size_t j, std::size_t i, std::size_t c) {
+          worst_row = std::max(worst_row, std::abs(double(all(x, j, i, c)) - own(0, j, i, c)));
+        });
+        CHECK(worst_row <= 1e-5 * (1 + test::max_abs(own)));
+      }
+    }
+  }
+  // States not of this stack are refused before anything runs: a single
+  // layer's, another stack's (a layer more), another batch's.
+  auto x = [](std::size_t b, std::size_t cols, std::uint64_t seed) { return tensor<float>::random({b, 1, 20, cols}, seed); };
+  auto grad = [&](cuda::state const& initial, cuda::state const& d_final, std::size_t b) {
+    return cuda::emulate_gradient(plan, {}, x(b, 4, 9), initial, d_final, Q = x(b, 6, 1), K = x(b, 6, 2), Vd = x(b, 6, 3),
+                                  K2 = x(b, 6, 4), V2 = x(b, 4, 5));
+  };
+  cuda::state single(cuda::memory::host), other(cuda::memory::host), mine(cuda::memory::host), none(cuda::memory::host);
+  cuda::emulate(compile(layer1), {}, single, Q = x(1, 6, 1), K = x(1, 6, 2), Vd = x(1, 6, 3));
+  cuda::emulate(compile(three), {}, other, Q = x(1, 6, 1), K = x(1, 6, 2), Vd = x(1, 6, 3), K2 = x(1, 6, 4), V2 = x(1, 4, 5));
+  cuda::emulate(plan, {}, mine, Q = x(1, 6, 1), K = x(1, 6, 2), Vd = x(1, 6, 3), K2 = x(1, 6, 4), V2 = x(1, 4, 5));
+  CHECK_THROWS_WITH_AS(grad(single, none, 1), doctest::Contains("not to the stack"), state_error);
+  CHECK_THROWS_WITH_AS(grad(none, other, 1), doctest::Contains("not to the stack"), state_error);
+  CHECK_THROWS_AS(grad(mine, none, 2), shape_error);
+  CHECK(grad(mine, none, 1).second.layers() == 2);
+}
+
 // A stack decodes token by token: a recurrent per layer (stack_rnn), each step
 // each layer's step kernel in turn. A prompt then steps against one pass of
 // the stack, and each layer's state against the chained stack's after the
@@ -842,6 +990,51 @@ TEST_CASE("device: a stack chained through device states = its emulation") {
       cuda::state const back = cuda::to_host(st);
       REQUIRE(back.layers() == 2);
       for (std::size_t x = 0; x < 2; ++x) CHECK(relative_rms(sums_of(back.layer(x)), sums_of(host.layer(x))) <= 1e-5);
+    };
+    if (dt == cuda::dtype::f32)
+      go.template operator()<float>();
+    else
+      go.template operator()<cuda::bf16>();
+  }
+}
+
+// On a device: a stack's two chained blocks differentiated last first
+// (device states, a layer each) against their emulation, gradients and every
+// layer's ∂initial.
+TEST_CASE("device: a stack's chained gradients = their emulation") {
+  auto dev = cuda::probe_device();
+  if (skipped_without(dev)) return;
+  auto const plan = compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2);
+  std::size_t const b = 2, h = 2, n = 300, d = 64, m = 48, cut = 117;
+  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+    CAPTURE(cuda::name_of(dt));
+    auto one = [&](std::size_t cols, std::uint64_t seed) { return rounded(tensor<float>::random({b, h, n, cols}, seed), dt); };
+    auto q = one(d, 1), k = one(d, 2), v = one(d, 3), k2 = one(d, 4), v2 = one(m, 5), dout = one(m, 6);
+    cuda::options const opt{dt, dt};
+    auto first = [&](tensor<float> const& t) { return test::tokens(t, 0, cut); };
+    auto second = [&](tensor<float> const& t) { return test::tokens(t, cut, n); };
+    cuda::state s1(cuda::memory::host), none(cuda::memory::host);
+    cuda::emulate(plan, opt, s1, Q = first(q), K = first(k), Vd = first(v), K2 = first(k2), V2 = first(v2));
+    auto [w2, e1] = cuda::emulate_gradient(plan, opt, second(dout), s1, none, Q = second(q), K = second(k), Vd = second(v),
+                                           K2 = second(k2), V2 = second(v2));
+    auto [w1, e0] = cuda::emulate_gradient(plan, opt, first(dout), none, e1, Q = first(q), K = first(k), Vd = first(v),
+                                           K2 = first(k2), V2 = first(v2));
+    auto go = [&]<class E>() {
+      auto up = [](tensor_view<float const> t) { return cuda::to_device<E>(t); };
+      cuda::state const ds1 = cuda::to_device(s1);
+      auto [g2, d1] = cuda::gradient(plan, up(second(dout)), ds1, cuda::state(), nullptr, Q = up(second(q)), K = up(second(k)),
+                                     Vd = up(second(v)), K2 = up(second(k2)), V2 = up(second(v2)));
+      auto [g1, d0] = cuda::gradient(plan, up(first(dout)), cuda::state(), d1, nullptr, Q = up(first(q)), K = up(first(k)),
+                                     Vd = up(first(v)), K2 = up(first(k2)), V2 = up(first(v2)));
+      for (auto [got, want] : {std::pair{&g1, &w1}, std::pair{&g2, &w2}})
+        for (std::size_t i = 0; i < want->all().size(); ++i)
+          CHECK(relative_rms(cuda::to_host(got->all()[i]), want->all()[i]) <= gradient_tolerance(dt));
+      cuda::state const h1 = cuda::to_host(d1), h0 = cuda::to_host(d0);
+      REQUIRE(h0.layers() == 2);
+      for (std::size_t l = 0; l < 2; ++l) {
+        CHECK(relative_rms(sums_of(h1.layer(l)), sums_of(e1.layer(l))) <= gradient_tolerance(dt));
+        CHECK(relative_rms(sums_of(h0.layer(l)), sums_of(e0.layer(l))) <= gradient_tolerance(dt));
+      }
     };
     if (dt == cuda::dtype::f32)
       go.template operator()<float>();

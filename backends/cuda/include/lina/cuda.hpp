@@ -108,15 +108,6 @@ struct cuda_plan {
                 "runs on the CPU backend)");
   static constexpr bool ok = Supported;
 };
-template <bool Supported>
-struct cuda_stacked {
-  static_assert(Supported,
-                "lina::cuda: a stacked plan runs one kernel per layer, chains through a state (a state per layer: "
-                "evaluate, evaluate_into, emulate with a cuda::state, packed sequences too) and decodes "
-                "(cuda::recurrent), but has no chained gradient yet: differentiate the whole sequence at once "
-                "(cuda::gradient without states)");
-  static constexpr bool ok = Supported;
-};
 }  // namespace diagnose
 
 namespace detail {
@@ -1105,18 +1096,6 @@ void emulate_bound(Plan const& plan, options opt, tensor_view<float> out, Bound 
   }
 }
 
-// Can a state chain the linear form L? A plan without a running state is
-// diagnosed as on the CPU (lina/state.hpp), one the backend cannot lower by
-// the message of spec_of.
-template <class L>
-constexpr bool chainable() {
-  constexpr bool stateful = check_stateful<L>();
-  if constexpr (stateful)
-    return diagnose::cuda_plan<forward_plan<L>::ok>::ok && diagnose::cuda_stacked<!forward_plan<L>::stacked>::ok;
-  else
-    return false;
-}
-
 // ---- stacked layers: one kernel per layer ----
 // Does N contain the subtree type S?
 template <class S, class N>
@@ -1195,6 +1174,21 @@ constexpr std::size_t layer_count() {
     return 1;
   else
     return layer_count<first_layer<Plan>>() + layer_count<rest_of<Plan>>();
+}
+// Can a state chain the linear form L? A plan without a running state is
+// diagnosed as on the CPU (lina/state.hpp), one the backend cannot lower by
+// the message of spec_of; a stack's layers each as a plan alone.
+template <class L>
+constexpr bool chainable() {
+  if constexpr (forward_plan<L>::stacked) {
+    return chainable<first_layer<L>>() && chainable<rest_of<L>>();
+  } else {
+    constexpr bool stateful = check_stateful<L>();
+    if constexpr (stateful)
+      return diagnose::cuda_plan<forward_plan<L>::ok>::ok;
+    else
+      return false;
+  }
 }
 // A stack chained through one state per layer (layers[0] the lowest's, in
 // through_layers' order): each layer by one(layer, its state, out, its
@@ -1761,11 +1755,13 @@ void check_dout(shape4 const& got, Bound const& in) {
 namespace detail {
 // A chained backward's states (program.hpp, backward_program_of): the sums
 // the block started from, the gradient of those it left, and where the
-// gradient of the first goes.
+// gradient of the first goes. A stack's: a state of each per layer, the
+// lowest first (as through_layers runs them), from() on its upper part.
 struct chain_states {
   state const* initial = nullptr;
   state const* d_final = nullptr;
   state* d_initial = nullptr;
+  chain_states from(std::size_t first) const { return {initial + first, d_final + first, d_initial + first}; }
 };
 // st prepared with a row per batch row, or per sequence when packed.
 template <class L, class Bound>
@@ -1786,6 +1782,40 @@ state chain_operand(state const& x, L const& linear, Bound const& in, memory whe
   state c = x.copy_to(where, stream, call);
   prepare_rows(c, linear, in, stream, call, packed);
   return c;
+}
+
+// A chained gradient of the linear plan L: impl(the chain states). A stack's
+// `initial` and `d_final` are stack states (a layer each, as its chained
+// forward leaves them; unbound: zeros in every layer), and `d_initial` is
+// given a layer each (state::run_stacked: unbound again should impl throw).
+// A state of another plan is a state_error before anything runs.
+template <class L, class Impl>
+auto chain_layers(L const& linear, state const& initial, state const& d_final, state& d_initial, std::size_t rows,
+                  std::size_t heads, Impl const& impl) {
+  if constexpr (!forward_plan<L>::stacked) {
+    chain_states const c{&initial, &d_final, &d_initial};
+    return impl(&c);
+  } else {
+    constexpr std::size_t count = layer_count<L>();
+    std::vector<state> zeros[2];
+    auto layers_of = [&](state const& s, std::vector<state>& none) -> state const* {
+      if (s.unbound()) {
+        for (std::size_t k = 0; k < count; ++k) none.emplace_back(s.where());
+        return none.data();
+      }
+      if (!s.belongs_to(typeid(L)) || s.layers() != count)
+        throw state_error("this state belongs to the plan " + s.plan() + ", not to the stack " + to_string(linear));
+      return &s.layer(0);
+    };
+    state const* const from = layers_of(initial, zeros[0]);
+    state const* const back = layers_of(d_final, zeros[1]);
+    decltype(impl(static_cast<chain_states const*>(nullptr))) g;
+    d_initial.run_stacked(linear, rows, heads, count, [&](state* layers) {
+      chain_states const c{from, back, layers};
+      g = impl(&c);
+    });
+    return g;
+  }
 }
 
 // A layer's gradients into g (stacked plans: each input of the stack is an
@@ -1811,9 +1841,10 @@ void gather_gradients(gradients<T, In...>& g, A& a, B& b, Add&& add) {
 
 // The chain rule through a stacked plan, a layer at a time: run(layer, its
 // bindings) evaluates the layer below into an intermediate; grad(plan, dout,
-// bindings) differentiates the rest above on it, then the layer on the
-// gradient of its result; the two gradients' inputs fill g (add: an input
-// both read).
+// first, bindings) differentiates the rest above on it, then the layer on the
+// gradient of its result (first: the part's lowest layer among the plan's, as
+// through_layers counts them — where a chained gradient finds its states);
+// the two gradients' inputs fill g (add: an input both read).
 template <class Plan, class G, class Dout, class Run, class Grad, class Add, class... B>
 void layers_backward(Plan const& plan, G& g, Dout const& dout, Run&& run, Grad&& grad, Add&& add, B const&... bindings) {
   using layer = typename forward_plan<Plan>::layer;
@@ -1824,10 +1855,27 @@ void layers_backward(Plan const& plan, G& g, Dout const& dout, Run&& run, Grad&&
   auto mid = with_inputs_of<Sub>([&](auto const&... b) { return run(sub, b...); }, bindings...);
   auto const result = symbol = mid;
   auto g_rest = with_inputs_of<std::remove_cvref_t<decltype(rest)>>(
-      [&](auto const&... b) { return grad(rest, dout, b...); }, bindings..., result);
+      [&](auto const&... b) { return grad(rest, dout, layer_count<Sub>(), b...); }, bindings..., result);
   auto g_sub = with_inputs_of<Sub>(
-      [&](auto const&... b) { return grad(sub, gradient_slot<typename layer::input>(g_rest), b...); }, bindings...);
+      [&](auto const&... b) { return grad(sub, gradient_slot<typename layer::input>(g_rest), std::size_t{0}, b...); },
+      bindings...);
   gather_gradients(g, g_rest, g_sub, add);
+}
+
+// A chained block's forward through the stack `sub` (its lowest layers),
+// from copies of their states `initial` (one per layer, in through_layers'
+// order): the intermediate a chained backward reads, the states left as they
+// were. one(layer, its state, out, bindings...) evaluates a layer chained, as
+// the chained forward does; alloc makes the result.
+template <class Sub, class Alloc, class One, class... B>
+auto chained_layers(Sub const& sub, state const* initial, memory where, void* stream, char const* call, Alloc const& alloc,
+                    One const& one, B const&... bindings) {
+  std::vector<state> copies;
+  for (std::size_t k = 0; k < layer_count<Sub>(); ++k) copies.push_back(initial[k].copy_to(where, stream, call));
+  auto mid = alloc(sub, bindings...);
+  run_stack(sub, copies.data(), alloc, one, mid.view(), bindings...);
+  if (where == memory::device) synchronize_stream(stream, call);  // the copies die here
+  return mid;
 }
 
 // (Chain: chain_states for the chained form, else void. packed: sequences of
@@ -1839,11 +1887,30 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
   using F = detail::forward_plan<Plan>;
   static_assert(diagnose::cuda_plan<F::ok>::ok || true);
   gradients_for<lina::tensor<float>, Plan> g;
-  if constexpr (F::ok && F::stacked && !chained) {
+  if constexpr (F::ok && F::stacked) {  // (chained: each layer from its own states, the forward's from copies)
     layers_backward(
-        plan, g, dout, [&](auto const& layer, auto const&... b) { return emulate(layer, opt, b...); },
-        [&](auto const& p, auto const& d, auto const&... b) {
-          return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), nullptr, b...);
+        plan, g, dout,
+        [&](auto const& layer, auto const&... b) {
+          if constexpr (chained) {
+            auto one = [&](auto const& l, state& s, tensor_view<float> o, auto const&... lb) {
+              if (packed)
+                emulate_into(l, opt, o, s, *packed, lb...);
+              else
+                emulate_into(l, opt, o, s, lb...);
+            };
+            return chained_layers(layer, chain->initial, memory::host, nullptr, "cuda::emulate_gradient", host_rows{}, one,
+                                  b...);
+          } else {
+            return emulate(layer, opt, b...);
+          }
+        },
+        [&](auto const& p, auto const& d, std::size_t first, auto const&... b) {
+          if constexpr (chained) {
+            chain_states const c = chain->from(first);
+            return emulate_gradient_impl(p, opt, d, &c, packed, b...);
+          } else {
+            return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), nullptr, b...);
+          }
         },
         [&](lina::tensor<float>& to, lina::tensor<float> const& from) {  // as add_program's kernel: rounded to opt.out
           for (std::size_t i = 0; i < to.size(); ++i) {
@@ -1979,9 +2046,11 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, state con
                       B const&... bindings) {
   auto linear = longest_branch(plan);
   static_assert(detail::chainable<decltype(linear)>() || true);
+  auto const in = bind<decltype(linear)>(bindings...);
   state d_initial(memory::host);
-  detail::chain_states const chain{&initial, &d_final, &d_initial};
-  auto g = detail::emulate_gradient_impl(linear, opt, dout, &chain, nullptr, bindings...);
+  auto g = detail::chain_layers(linear, initial, d_final, d_initial, in.batch, in.heads, [&](detail::chain_states const* c) {
+    return detail::emulate_gradient_impl(linear, opt, dout, c, nullptr, bindings...);
+  });
   return std::pair{std::move(g), std::move(d_initial)};
 }
 // Packed sequences chained: states of a row per sequence ([S, H, C, W], as a
@@ -1994,9 +2063,11 @@ auto emulate_gradient(Plan const& plan, options opt, Dout const& dout, state con
                       sequences const& seqs, B const&... bindings) {
   auto linear = longest_branch(plan);
   static_assert(detail::chainable<decltype(linear)>() || true);
+  auto const in = bind<decltype(linear)>(bindings...);
   state d_initial(memory::host);
-  detail::chain_states const chain{&initial, &d_final, &d_initial};
-  auto g = detail::emulate_gradient_impl(linear, opt, dout, &chain, &seqs, bindings...);
+  auto g = detail::chain_layers(linear, initial, d_final, d_initial, seqs.count(), in.heads, [&](detail::chain_states const* c) {
+    return detail::emulate_gradient_impl(linear, opt, dout, c, &seqs, bindings...);
+  });
   return std::pair{std::move(g), std::move(d_initial)};
 }
 
@@ -2087,11 +2158,30 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
   static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
   using T = std::remove_const_t<typename Bound::value_type>;
   gradients_for<tensor<T>, Plan> g;
-  if constexpr (F::ok && F::stacked && !chained && is_device_view<typename Bound::view_type>) {
+  if constexpr (F::ok && F::stacked && is_device_view<typename Bound::view_type>) {  // (chained: as emulate_gradient)
     layers_backward(
-        plan, g, dout, [&](auto const& layer, auto const&... b) { return evaluate<T>(layer, stream, tiles, b...); },
-        [&](auto const& p, auto const& d, auto const&... b) {
-          return gradient_impl(p, d, stream, tiles, static_cast<void const*>(nullptr), nullptr, static_cast<void*>(nullptr), b...);
+        plan, g, dout,
+        [&](auto const& layer, auto const&... b) {
+          if constexpr (chained) {
+            auto one = [&](auto const& l, state& s, auto o, auto const&... lb) {
+              if (packed)
+                evaluate_into(l, o, s, stream, tiles, *packed, lb...);
+              else
+                evaluate_into(l, o, s, stream, tiles, lb...);
+            };
+            return chained_layers(layer, chain->initial, memory::device, stream, "cuda::gradient", device_rows<T>{}, one, b...);
+          } else {
+            return evaluate<T>(layer, stream, tiles, b...);
+          }
+        },
+        [&](auto const& p, auto const& d, std::size_t first, auto const&... b) {
+          if constexpr (chained) {
+            chain_states const c = chain->from(first);
+            return gradient_impl(p, d, stream, tiles, &c, packed, static_cast<void*>(nullptr), b...);
+          } else {
+            return gradient_impl(p, d, stream, tiles, static_cast<void const*>(nullptr), nullptr, static_cast<void*>(nullptr),
+                                 b...);
+          }
         },
         [&](tensor<T>& to, tensor<T> const& from) { add_into(to, from, stream); },
         bindings...);
@@ -2453,9 +2543,14 @@ auto chained_gradient(Plan const& plan, Into* into, Dout const& dout, state cons
                       void* stream, tile_request tiles, sequences const* seqs, B const&... bindings) {
   auto linear = longest_branch(plan);
   static_assert(detail::chainable<decltype(linear)>() || true);
+  if constexpr (!std::is_void_v<Into>)  // (gradient_into)
+    static_assert(diagnose::gradient_into_plan<!forward_plan<decltype(linear)>::stacked>::ok || true);
+  auto const in = bind<decltype(linear)>(bindings...);
   state d_initial(memory::device);
-  detail::chain_states const chain{&initial, &d_final, &d_initial};
-  auto g = detail::gradient_impl(linear, dout, stream, tiles, &chain, seqs, into, bindings...);
+  auto g = detail::chain_layers(linear, initial, d_final, d_initial, seqs ? seqs->count() : in.batch, in.heads,
+                                [&](detail::chain_states const* c) {
+                                  return detail::gradient_impl(linear, dout, stream, tiles, c, seqs, into, bindings...);
+                                });
   return std::pair{std::move(g), std::move(d_initial)};
 }
 }  // namespace detail
@@ -2521,6 +2616,7 @@ state emulate_gradient_into(Plan const& plan, options opt, gradients<tensor_view
                             state const& initial, state const& d_final, Rest const&... rest) {
   static_assert(std::is_same_v<gradients<tensor_view<float>, In...>, gradients_for<tensor_view<float>, Plan>>,
                 "lina::cuda::emulate_gradient_into: `into` must be cuda::emulate_gradient_views(plan) of this plan");
+  static_assert(diagnose::gradient_into_plan<!detail::forward_plan<decltype(longest_branch(plan))>::stacked>::ok || true);
   auto [g, d_initial] = emulate_gradient(plan, opt, dout, initial, d_final, rest...);
   detail::copy_gradients(into, g);
   return std::move(d_initial);
@@ -2924,14 +3020,6 @@ class stack_rnn {
 };
 
 namespace detail {
-// Can every layer of a stack run as a recurrent? Each is diagnosed as a plan alone.
-template <class L>
-constexpr bool stack_chainable() {
-  if constexpr (!forward_plan<L>::stacked)
-    return chainable<L>();
-  else
-    return stack_chainable<first_layer<L>>() && stack_chainable<rest_of<L>>();
-}
 }  // namespace detail
 
 // recurrent(plan, B, H, options, memory): the plan's linear form as an RNN
@@ -2945,13 +3033,11 @@ auto recurrent(Plan const& plan, std::size_t batch, std::size_t heads, options o
                memory where = memory::device) {
   auto linear = longest_branch(plan);
   using L = decltype(linear);
-  if constexpr (detail::forward_plan<L>::stacked) {
-    static_assert(detail::stack_chainable<L>() || true);
+  static_assert(detail::chainable<L>() || true);
+  if constexpr (detail::forward_plan<L>::stacked)
     return stack_rnn<L>(linear, batch, heads, opt, where);
-  } else {
-    static_assert(detail::chainable<L>() || true);
+  else
     return rnn<L>(linear, batch, heads, opt, where);
-  }
 }
 
 }  // namespace lina::cuda
