@@ -964,44 +964,10 @@ void check_packed_into(Plan const& plan, G const& g, Dout const& dout, sequences
 }
 }  // namespace
 
-TEST_CASE("device: a stack chained through device states = its emulation") {
-  auto dev = cuda::probe_device();
-  if (skipped_without(dev)) return;
-  auto const plan = compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2);
-  std::size_t const b = 2, h = 2, n = 300, d = 64, m = 48, cut = 117;
-  for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
-    CAPTURE(cuda::name_of(dt));
-    auto one = [&](std::size_t cols, std::uint64_t seed) { return rounded(tensor<float>::random({b, h, n, cols}, seed), dt); };
-    auto q = one(d, 1), k = one(d, 2), v = one(d, 3), k2 = one(d, 4), v2 = one(m, 5);
-    cuda::state host(cuda::memory::host);
-    tensor<float> want({b, h, n, m});
-    auto go = [&]<class E>() {
-      cuda::state st;
-      cuda::tensor<E> out({b, h, n, m});
-      for (auto [from, to] : {std::pair<std::size_t, std::size_t>{0, cut}, {cut, n}}) {
-        auto rows = [&](tensor<float> const& x) { return test::tokens(x, from, to); };
-        cuda::emulate_into(plan, {dt, dt}, rows_of(want, from, to), host, Q = rows(q), K = rows(k), Vd = rows(v),
-                           K2 = rows(k2), V2 = rows(v2));
-        cuda::evaluate_into(plan, out.view().rows(from, to - from), st, nullptr, Q = cuda::to_device<E>(rows(q)),
-                            K = cuda::to_device<E>(rows(k)), Vd = cuda::to_device<E>(rows(v)),
-                            K2 = cuda::to_device<E>(rows(k2)), V2 = cuda::to_device<E>(rows(v2)));
-      }
-      CHECK(relative_rms(cuda::to_host(out), want) <= forward_tolerance(dt));
-      cuda::state const back = cuda::to_host(st);
-      REQUIRE(back.layers() == 2);
-      for (std::size_t x = 0; x < 2; ++x) CHECK(relative_rms(sums_of(back.layer(x)), sums_of(host.layer(x))) <= 1e-5);
-    };
-    if (dt == cuda::dtype::f32)
-      go.template operator()<float>();
-    else
-      go.template operator()<cuda::bf16>();
-  }
-}
-
-// On a device: a stack's two chained blocks differentiated last first
-// (device states, a layer each) against their emulation, gradients and every
-// layer's ∂initial.
-TEST_CASE("device: a stack's chained gradients = their emulation") {
+// On a device: a stack chained through device states (a layer each) against
+// its emulation — two blocks' outputs and states, then the two blocks
+// differentiated last first: gradients and every layer's ∂initial.
+TEST_CASE("device: a stack chained through device states = its emulation, forward and gradients") {
   auto dev = cuda::probe_device();
   if (skipped_without(dev)) return;
   auto const plan = compile(normalize(causal(phi<elu_plus_one>(layer1) * transpose(phi<elu_plus_one>(K2)))) * V2);
@@ -1019,16 +985,32 @@ TEST_CASE("device: a stack's chained gradients = their emulation") {
                                            K2 = second(k2), V2 = second(v2));
     auto [w1, e0] = cuda::emulate_gradient(plan, opt, first(dout), none, e1, Q = first(q), K = first(k), Vd = first(v),
                                            K2 = first(k2), V2 = first(v2));
+    cuda::state host(cuda::memory::host);
+    tensor<float> want({b, h, n, m});
     auto go = [&]<class E>() {
+      cuda::state st;
+      cuda::tensor<E> out({b, h, n, m});
+      for (auto [from, to] : {std::pair<std::size_t, std::size_t>{0, cut}, {cut, n}}) {
+        auto rows = [&](tensor<float> const& x) { return test::tokens(x, from, to); };
+        cuda::emulate_into(plan, {dt, dt}, rows_of(want, from, to), host, Q = rows(q), K = rows(k), Vd = rows(v),
+                           K2 = rows(k2), V2 = rows(v2));
+        cuda::evaluate_into(plan, out.view().rows(from, to - from), st, nullptr, Q = cuda::to_device<E>(rows(q)),
+                            K = cuda::to_device<E>(rows(k)), Vd = cuda::to_device<E>(rows(v)),
+                            K2 = cuda::to_device<E>(rows(k2)), V2 = cuda::to_device<E>(rows(v2)));
+      }
+      CHECK(relative_rms(cuda::to_host(out), want) <= forward_tolerance(dt));
+      cuda::state const back = cuda::to_host(st);
+      REQUIRE(back.layers() == 2);
+      for (std::size_t x = 0; x < 2; ++x) CHECK(relative_rms(sums_of(back.layer(x)), sums_of(host.layer(x))) <= 1e-5);
       auto up = [](tensor_view<float const> t) { return cuda::to_device<E>(t); };
       cuda::state const ds1 = cuda::to_device(s1);
       auto [g2, d1] = cuda::gradient(plan, up(second(dout)), ds1, cuda::state(), nullptr, Q = up(second(q)), K = up(second(k)),
                                      Vd = up(second(v)), K2 = up(second(k2)), V2 = up(second(v2)));
       auto [g1, d0] = cuda::gradient(plan, up(first(dout)), cuda::state(), d1, nullptr, Q = up(first(q)), K = up(first(k)),
                                      Vd = up(first(v)), K2 = up(first(k2)), V2 = up(first(v2)));
-      for (auto [got, want] : {std::pair{&g1, &w1}, std::pair{&g2, &w2}})
-        for (std::size_t i = 0; i < want->all().size(); ++i)
-          CHECK(relative_rms(cuda::to_host(got->all()[i]), want->all()[i]) <= gradient_tolerance(dt));
+      for (auto [got, wanted] : {std::pair{&g1, &w1}, std::pair{&g2, &w2}})
+        for (std::size_t i = 0; i < wanted->all().size(); ++i)
+          CHECK(relative_rms(cuda::to_host(got->all()[i]), wanted->all()[i]) <= gradient_tolerance(dt));
       cuda::state const h1 = cuda::to_host(d1), h0 = cuda::to_host(d0);
       REQUIRE(h0.layers() == 2);
       for (std::size_t l = 0; l < 2; ++l) {
