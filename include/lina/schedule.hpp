@@ -611,24 +611,17 @@ using state_scans =
 // ---- resolving run-time choices ------------------------------------------------------
 // The distinct run-time choices of a plan: each (dimension, threshold) once,
 // since every select with the same key and threshold takes the same branch.
+// Made over the tree's structure, each subtree's list once (a template is
+// instantiated once per type): its depth is the tree's, where a fold over
+// every node, repeats included, was as deep as the tree has nodes — past the
+// compiler's limit for a three-layer stack's backward.
 template <class N>
-struct selects_of {
-  template <class Acc, class X>
-  struct step {
-    using type = std::conditional_t<is_select_op<typename X::op_type>,
-                                    typename detail::add_unique<Acc, typename X::op_type>::type, Acc>;
-  };
-  template <class Acc, class Rest>
-  struct fold;
-  template <class Acc>
-  struct fold<Acc, detail::type_list<>> {
-    using type = Acc;
-  };
-  template <class Acc, class X, class... R>
-  struct fold<Acc, detail::type_list<X, R...>> {
-    using type = typename fold<typename step<Acc, X>::type, detail::type_list<R...>>::type;
-  };
-  using type = typename fold<detail::type_list<>, typename detail::all_nodes<std::remove_cvref_t<N>>::type>::type;
+struct selects_of : selects_of<std::remove_cvref_t<N>> {};
+template <class Op, class... K>
+struct selects_of<node<Op, K...>> {
+  using own = std::conditional_t<is_select_op<Op>, detail::type_list<Op>, detail::type_list<>>;
+  using type = typename detail::merge_unique<
+      own, typename detail::concat_lists<detail::type_list<>, typename selects_of<K>::type...>::type>::type;
 };
 
 namespace sched {
