@@ -45,6 +45,7 @@
 #include <string_view>
 #include <vector>
 
+#include "lina/detail/each_lane.hpp"
 #include "lina/detail/exp.hpp"
 #include "lina/detail/madd.hpp"
 
@@ -133,7 +134,9 @@ struct poly2 {
     std::size_t k = 0;
     for (std::size_t i = 0; i < d; ++i) {
       out[k++] = x[i] * x[i];
-      for (std::size_t j = i + 1; j < d; ++j) out[k++] = r2 * x[i] * x[j];
+      T const* after = x + i + 1;
+      detail::each_lane(out + k, d - i - 1, [r2, xi = x[i], after](std::size_t j) { return r2 * xi * after[j]; });
+      k += d - i - 1;
     }
   }
   template <class T>
@@ -167,7 +170,7 @@ struct favor {
     for (std::size_t i = 0; i < d; ++i) {
       T const xi = x[i];
       T const* wi = w + i * m;
-      for (std::size_t j = 0; j < m; ++j) out[j] = detail::madd(wi[j], xi, out[j]);
+      detail::each_lane(out, m, [wi, xi, out](std::size_t j) { return detail::madd(wi[j], xi, out[j]); });
     }
     finish(x, d, m, out);
   }
@@ -178,7 +181,7 @@ struct favor {
     T half_norm = 0;
     for (std::size_t i = 0; i < d; ++i) half_norm += x[i] * x[i];
     half_norm *= s * s / 2;
-    for (std::size_t j = 0; j < m; ++j) out[j] = detail::exp(s * out[j] - half_norm) * inv;
+    detail::each_lane(out, m, [s, half_norm, inv, out](std::size_t j) { return detail::exp(s * out[j] - half_norm) * inv; });
   }
   // ∂φ_j/∂x_i = φ_j (w_ij - x'_i) D^-1/4
   template <class T>
@@ -199,7 +202,7 @@ struct favor {
   static void param_vjp(T const* x, std::size_t d, T const* w, std::size_t m, T const* g, T* h) {
     apply(x, d, w, m, h);
     T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25));
-    for (std::size_t j = 0; j < m; ++j) h[j] *= g[j] * s;
+    detail::each_lane(h, m, [h, g, s](std::size_t j) { return h[j] * (g[j] * s); });
   }
 };
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 namespace lina::detail {
 
@@ -55,12 +56,18 @@ inline constexpr auto exp_coefficients = [] {
   return t;
 }();
 
-template <class T>
-inline T exp_poly(T r) {  // Horner form
+// Horner form, unrolled here: GCC unrolls a loop of constant length before it
+// vectorises only at -O3, and at -O2 the loop kept every exp scalar.
+template <class T, std::size_t... I>
+inline T exp_poly(T r, std::index_sequence<I...>) {
   constexpr int n = exp_constants<T>::degree;
   T p = exp_coefficients<T>.c[n];
-  for (int i = n - 1; i >= 0; --i) p = p * r + exp_coefficients<T>.c[i];
+  ((p = p * r + exp_coefficients<T>.c[n - 1 - static_cast<int>(I)]), ...);
   return p;
+}
+template <class T>
+inline T exp_poly(T r) {
+  return exp_poly(r, std::make_index_sequence<exp_constants<T>::degree>{});
 }
 
 template <class T>

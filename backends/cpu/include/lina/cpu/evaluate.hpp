@@ -81,10 +81,10 @@ struct row<op::phi<Map>> {
   template <class N, class T>
   static void run(N const&, index, T const* in, index cols, T* out) {
     if constexpr (concepts::elementwise_map<Map>) {
-      // (No `#pragma omp simd`: GCC vectorises lina's maps as well without it,
-      // and Clang, asked to, warns where a user's map calls the C library:
-      // tests/clang/user_map.cpp.)
-      for (index j = 0; j < cols; ++j) out[j] = Map::value(in[j]);
+      // (In fixed-width blocks, vectorised at -O2 too: simd::each_lane. No
+      // `#pragma omp simd`: Clang, asked to, warns where a user's map calls
+      // the C library: tests/clang/user_map.cpp.)
+      simd::each_lane(out, cols, [in](index j) { return Map::value(in[j]); });
     } else {
       Map::apply(in, static_cast<std::size_t>(cols), out);
     }
@@ -95,7 +95,7 @@ struct row<op::scale> {
   template <class N, class T>
   static void run(N const& n, index, T const* in, index cols, T* out) {
     T s = static_cast<T>(n.op.factor);
-    for (index j = 0; j < cols; ++j) out[j] = s * in[j];
+    simd::each_lane(out, cols, [s, in](index j) { return s * in[j]; });
   }
 };
 template <>
@@ -110,7 +110,7 @@ struct row<op::causal_t<D>> {  // keep decay^(i-j) S_ij for j <= i (head's decay
   template <class N, class T>
   static void run(N const& n, std::size_t head, index i, T const* in, index cols, T* out) {
     double const g = n.op.at(head);
-    for (index j = 0; j < cols; ++j) out[j] = j <= i ? in[j] : T(0);
+    simd::each_lane(out, cols, [i, in](index j) { return j <= i ? in[j] : T(0); });
     if (g == 1) return;
     double w = 1;  // g^(i-j), from the diagonal leftwards (in double: a relative error of (i-j) ulp of double)
     for (index j = std::min(i, cols - 1); j >= 0; --j, w *= g) out[j] = static_cast<T>(w) * out[j];
@@ -123,14 +123,14 @@ struct row<op::normalize> {  // S_ij / (sum_k S_ik + eps)
     T sum = 0;
     for (index j = 0; j < cols; ++j) sum += in[j];
     T den = sum + static_cast<T>(n.op.eps);
-    for (index j = 0; j < cols; ++j) out[j] = in[j] / den;
+    simd::each_lane(out, cols, [den, in](index j) { return in[j] / den; });
   }
 };
 template <>
 struct row<op::append_ones> {  // [x | 1]
   template <class N, class T>
   static void run(N const&, index, T const* in, index cols, T* out) {
-    for (index j = 0; j < cols; ++j) out[j] = in[j];
+    std::copy_n(in, cols, out);
     out[cols] = T(1);
   }
 };
@@ -139,8 +139,7 @@ struct row<op::row_divide> {  // x[:-1] / (x[-1] + eps)
   template <class N, class T>
   static void run(N const& n, index, T const* in, index cols, T* out) {
     T r = T(1) / (in[cols - 1] + static_cast<T>(n.op.eps));  // one division a row, not one per element
-#pragma omp simd
-    for (index j = 0; j < cols - 1; ++j) out[j] = in[j] * r;
+    simd::each_lane(out, cols - 1, [r, in](index j) { return in[j] * r; });
   }
 };
 
@@ -271,7 +270,7 @@ struct row<op::phi_vjp<Map>> {  // J_φ(x_i)ᵀ g_i
   template <class N, class T>
   static void run(N const&, index, T const* x, T const* g, index cols, index, T* out) {
     if constexpr (concepts::elementwise_map<Map>) {  // (no pragma: row<op::phi>)
-      for (index j = 0; j < cols; ++j) out[j] = g[j] * Map::derivative(x[j]);
+      simd::each_lane(out, cols, [x, g](index j) { return g[j] * Map::derivative(x[j]); });
     } else {
       Map::vjp(x, static_cast<std::size_t>(cols), g, out);
     }
@@ -281,16 +280,14 @@ template <>
 struct row<op::hadamard> {
   template <class N, class T>
   static void run(N const&, index, T const* x, T const* y, index cols, index, T* out) {
-#pragma omp simd
-    for (index j = 0; j < cols; ++j) out[j] = x[j] * y[j];
+    simd::each_lane(out, cols, [x, y](index j) { return x[j] * y[j]; });
   }
 };
 template <>
 struct row<op::add> {
   template <class N, class T>
   static void run(N const&, index, T const* x, T const* y, index cols, index, T* out) {
-#pragma omp simd
-    for (index j = 0; j < cols; ++j) out[j] = x[j] + y[j];
+    simd::each_lane(out, cols, [x, y](index j) { return x[j] + y[j]; });
   }
 };
 template <>
@@ -303,7 +300,7 @@ struct row<op::normalize_vjp> {  // g_j / d - (Σ_k g_k s_k) / d², d = Σ_k s_k
       dot += g[j] * s[j];
     }
     T den = sum + static_cast<T>(n.op.eps);
-    for (index j = 0; j < cols; ++j) out[j] = g[j] / den - dot / (den * den);
+    simd::each_lane(out, cols, [g, den, dot](index j) { return g[j] / den - dot / (den * den); });
   }
 };
 template <>
@@ -313,10 +310,8 @@ struct row<op::row_divide_vjp> {  // g_e / d for the leading columns, -Σ_e g_e 
     index m = cols - 1;
     T den = y[m] + static_cast<T>(n.op.eps);
     T dot = 0;
-    for (index e = 0; e < m; ++e) {
-      out[e] = g[e] / den;
-      dot += g[e] * y[e];
-    }
+    for (index e = 0; e < m; ++e) dot += g[e] * y[e];
+    simd::each_lane(out, m, [g, den](index e) { return g[e] / den; });
     out[m] = -dot / (den * den);
   }
 };

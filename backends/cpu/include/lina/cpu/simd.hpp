@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include "lina/detail/each_lane.hpp"
 #include "lina/detail/madd.hpp"
 
 namespace lina::cpu::simd {
@@ -166,6 +167,7 @@ inline V fold_segments(V const& v, std::index_sequence<I...>) {  // lane (k, e) 
 template <int P, int S, int L, class V>
 inline void pair_levels(V* w) {
   if constexpr (P > 1) {
+#pragma GCC unroll 16
     for (int k = 0; k < P / 2; ++k) w[k] = add_halves<V, L, S>(w[2 * k], w[2 * k + 1], std::make_index_sequence<L>{});
     pair_levels<P / 2, S / 2, L>(w);
   }
@@ -183,16 +185,21 @@ template <int P, class V, class T>
 inline void add_lane_sums(V const (&u)[P], T* out) {
   constexpr int L = static_cast<int>(sizeof(V) / sizeof(T));
   if constexpr (L > 1 && P <= L && (P & (P - 1)) == 0 && (L & (L - 1)) == 0) {
-    V w[P];
+    V w[P];  // (the loops unrolled by hand, -O2 keeps w in registers: -O3 would unroll them alone)
+#pragma GCC unroll 16
     for (int p = 0; p < P; ++p) w[p] = u[p];
     detail::pair_levels<P, L, L>(w);  // one vector: P segments of L / P lanes
     V v = detail::fold_levels<L / P, L>(w[0]);
     T t[L];
     std::memcpy(t, &v, sizeof(V));
+#pragma GCC unroll 16
     for (int p = 0; p < P; ++p) out[p] += t[p * (L / P)];
   } else {
+#pragma GCC unroll 16
     for (int p = 0; p < P; ++p) out[p] += lane_sum<V, T>(u[p]);
   }
 }
+
+using lina::detail::each_lane;  // (lina/detail/each_lane.hpp)
 
 }  // namespace lina::cpu::simd
