@@ -4,8 +4,9 @@
 // there the elementwise maps ran one element at a time — the CPU forward at a
 // quarter of its -O3 speed (docs/benchmarks.md, "At -O2"). So the row goes in
 // blocks of a fixed width, each made in a local array (nothing to alias) and
-// copied out, and what is left one by one. f(j) may read out[j] (and nothing
-// else of out): a block reads its elements before it writes them.
+// copied out, and what is left one by one (GCC; Clang needs none of it). f(j) may
+// read out[j] (and nothing else of out): a block reads its elements before it
+// writes them.
 #pragma once
 
 #include <cstring>
@@ -14,6 +15,11 @@ namespace lina::detail {
 
 template <class T, class I, class F>
 inline void each_lane(T* out, I n, F&& f) {
+#if defined(__clang__)
+  // Clang vectorises the plain loop at -O2 (with its own tail and alias check), and
+  // ran the forward ~9% slower through the blocks (Clang 14, 2026-12-05).
+  for (I j = 0; j < n; ++j) out[j] = f(j);
+#else
   constexpr I W = 64 / sizeof(T);  // a 512-bit vector, two 256-bit or four 128-bit ones
   I j = 0;
   for (; j + W <= n; j += W) {
@@ -22,6 +28,7 @@ inline void each_lane(T* out, I n, F&& f) {
     std::memcpy(out + j, block, sizeof block);
   }
   for (; j < n; ++j) out[j] = f(j);
+#endif
 }
 
 }  // namespace lina::detail
