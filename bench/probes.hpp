@@ -43,7 +43,7 @@ inline constexpr int vector_bytes = 16;
 // registers. (A fixed 128 lanes is 32 AVX2 vectors of doubles: they lived in
 // memory and the probe read a quarter of the fp64 peak. An array of scalars
 // under `omp simd` stayed in registers at -O3 only: at -O2 the probe read 40%
-// of the peak, so the accumulators are vectors, their loop unrolled by hand.)
+// of the peak, so the accumulators are vectors, their loop unrolled by pragma.)
 template <class T = float>
 double fma_gflops() {
   typedef T vec __attribute__((vector_size(vector_bytes)));

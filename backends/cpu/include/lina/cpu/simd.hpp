@@ -185,7 +185,7 @@ template <int P, class V, class T>
 inline void add_lane_sums(V const (&u)[P], T* out) {
   constexpr int L = static_cast<int>(sizeof(V) / sizeof(T));
   if constexpr (L > 1 && P <= L && (P & (P - 1)) == 0 && (L & (L - 1)) == 0) {
-    V w[P];  // (the loops unrolled by hand, -O2 keeps w in registers: -O3 would unroll them alone)
+    V w[P];  // (in registers only where these loops are unrolled: GCC does so alone at -O3, by pragma at -O2)
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) w[p] = u[p];
     detail::pair_levels<P, L, L>(w);  // one vector: P segments of L / P lanes
