@@ -460,7 +460,7 @@ struct block {
           }
           for (int c = 0; c < t.cols; ++c)
             t.at(r, c) = !valid(i, score_at(r0, r, c)) ? 0.0f
-                         : decayed                     ? std::exp(exponent(c) - shift)
+                         : i.decayed                   ? std::exp(exponent(c) - shift)
                                                        : std::exp(std::fma(i.scale, t.at(r, c), -shift));
         }
         break;
