@@ -27,7 +27,10 @@ inline void each_lane(T* out, I n, F&& f) {
     for (I l = 0; l < W; ++l) block[l] = f(j + l);
     std::memcpy(out + j, block, sizeof block);
   }
-  for (; j < n; ++j) out[j] = f(j);
+  // The tail, fewer than W. Bounded by W in the loop itself: written `j < n` alone,
+  // GCC 12 at -O3 warned (-Waggressive-loop-optimizations, "iteration 2^62 - 1
+  // invokes undefined behavior") inside a three-layer stack's backward.
+  for (I l = 0; l < W && j + l < n; ++l) out[j + l] = f(j + l);
 #endif
 }
 
