@@ -32,6 +32,7 @@
 #include "lina/cpu/matrix.hpp"
 #include "lina/cpu/path.hpp"
 #include "lina/cpu/state.hpp"
+#include "lina/detail/each_lane.hpp"
 #include "lina/node.hpp"
 #include "lina/schedule.hpp"
 #include "lina/tensor.hpp"
@@ -81,10 +82,10 @@ struct row<op::phi<Map>> {
   template <class N, class T>
   static void run(N const&, index, T const* in, index cols, T* out) {
     if constexpr (concepts::elementwise_map<Map>) {
-      // (In fixed-width blocks, vectorised at -O2 too: simd::each_lane. No
+      // (In fixed-width blocks, vectorised at -O2 too: lina::detail::each_lane. No
       // `#pragma omp simd`: Clang, asked to, warns where a user's map calls
       // the C library: tests/clang/user_map.cpp.)
-      simd::each_lane(out, cols, [in](index j) { return Map::value(in[j]); });
+      lina::detail::each_lane(out, cols, [in](index j) { return Map::value(in[j]); });
     } else {
       Map::apply(in, static_cast<std::size_t>(cols), out);
     }
@@ -95,7 +96,7 @@ struct row<op::scale> {
   template <class N, class T>
   static void run(N const& n, index, T const* in, index cols, T* out) {
     T s = static_cast<T>(n.op.factor);
-    simd::each_lane(out, cols, [s, in](index j) { return s * in[j]; });
+    lina::detail::each_lane(out, cols, [s, in](index j) { return s * in[j]; });
   }
 };
 template <>
@@ -110,7 +111,7 @@ struct row<op::causal_t<D>> {  // keep decay^(i-j) S_ij for j <= i (head's decay
   template <class N, class T>
   static void run(N const& n, std::size_t head, index i, T const* in, index cols, T* out) {
     double const g = n.op.at(head);
-    simd::each_lane(out, cols, [i, in](index j) { return j <= i ? in[j] : T(0); });
+    lina::detail::each_lane(out, cols, [i, in](index j) { return j <= i ? in[j] : T(0); });
     if (g == 1) return;
     double w = 1;  // g^(i-j), from the diagonal leftwards (in double: a relative error of (i-j) ulp of double)
     for (index j = std::min(i, cols - 1); j >= 0; --j, w *= g) out[j] = static_cast<T>(w) * out[j];
@@ -123,7 +124,7 @@ struct row<op::normalize> {  // S_ij / (sum_k S_ik + eps)
     T sum = 0;
     for (index j = 0; j < cols; ++j) sum += in[j];
     T den = sum + static_cast<T>(n.op.eps);
-    simd::each_lane(out, cols, [den, in](index j) { return in[j] / den; });
+    lina::detail::each_lane(out, cols, [den, in](index j) { return in[j] / den; });
   }
 };
 template <>
@@ -139,7 +140,7 @@ struct row<op::row_divide> {  // x[:-1] / (x[-1] + eps)
   template <class N, class T>
   static void run(N const& n, index, T const* in, index cols, T* out) {
     T r = T(1) / (in[cols - 1] + static_cast<T>(n.op.eps));  // one division a row, not one per element
-    simd::each_lane(out, cols - 1, [r, in](index j) { return in[j] * r; });
+    lina::detail::each_lane(out, cols - 1, [r, in](index j) { return in[j] * r; });
   }
 };
 
@@ -270,7 +271,7 @@ struct row<op::phi_vjp<Map>> {  // J_φ(x_i)ᵀ g_i
   template <class N, class T>
   static void run(N const&, index, T const* x, T const* g, index cols, index, T* out) {
     if constexpr (concepts::elementwise_map<Map>) {  // (no pragma: row<op::phi>)
-      simd::each_lane(out, cols, [x, g](index j) { return g[j] * Map::derivative(x[j]); });
+      lina::detail::each_lane(out, cols, [x, g](index j) { return g[j] * Map::derivative(x[j]); });
     } else {
       Map::vjp(x, static_cast<std::size_t>(cols), g, out);
     }
@@ -280,14 +281,14 @@ template <>
 struct row<op::hadamard> {
   template <class N, class T>
   static void run(N const&, index, T const* x, T const* y, index cols, index, T* out) {
-    simd::each_lane(out, cols, [x, y](index j) { return x[j] * y[j]; });
+    lina::detail::each_lane(out, cols, [x, y](index j) { return x[j] * y[j]; });
   }
 };
 template <>
 struct row<op::add> {
   template <class N, class T>
   static void run(N const&, index, T const* x, T const* y, index cols, index, T* out) {
-    simd::each_lane(out, cols, [x, y](index j) { return x[j] + y[j]; });
+    lina::detail::each_lane(out, cols, [x, y](index j) { return x[j] + y[j]; });
   }
 };
 template <>
@@ -300,7 +301,7 @@ struct row<op::normalize_vjp> {  // g_j / d - (Σ_k g_k s_k) / d², d = Σ_k s_k
       dot += g[j] * s[j];
     }
     T den = sum + static_cast<T>(n.op.eps);
-    simd::each_lane(out, cols, [g, den, dot](index j) { return g[j] / den - dot / (den * den); });
+    lina::detail::each_lane(out, cols, [g, den, dot](index j) { return g[j] / den - dot / (den * den); });
   }
 };
 template <>
@@ -311,7 +312,7 @@ struct row<op::row_divide_vjp> {  // g_e / d for the leading columns, -Σ_e g_e 
     T den = y[m] + static_cast<T>(n.op.eps);
     T dot = 0;
     for (index e = 0; e < m; ++e) dot += g[e] * y[e];
-    simd::each_lane(out, m, [g, den](index e) { return g[e] / den; });
+    lina::detail::each_lane(out, m, [g, den](index e) { return g[e] / den; });
     out[m] = -dot / (den * den);
   }
 };

@@ -104,9 +104,9 @@ struct second_output {
 // backward ran 5–20% slower for the call; compile times unchanged, -O2 and -Og.)
 template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level, bool Dual = false,
           fade F = fade::none, class T>
-[[gnu::always_inline]] inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, T const* __restrict b, index ldab,
-                      T const* __restrict c, index ldc, T* __restrict o, index ldo, index n,
-                      second_output<T> d = {}, T g = 1) {
+[[gnu::always_inline]] inline void scan_tile(T* __restrict s, index lds, T const* __restrict a,
+                                             T const* __restrict b, index ldab, T const* __restrict c, index ldc,
+                                             T* __restrict o, index ldo, index n, second_output<T> d = {}, T g = 1) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   constexpr bool two = Sums == sums::two_level;
   static_assert(Out || !Dual);

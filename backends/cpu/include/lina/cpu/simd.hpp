@@ -13,7 +13,6 @@
 #include <immintrin.h>
 #endif
 
-#include "lina/detail/each_lane.hpp"
 #include "lina/detail/madd.hpp"
 
 namespace lina::cpu::simd {
@@ -199,7 +198,5 @@ inline void add_lane_sums(V const (&u)[P], T* out) {
     for (int p = 0; p < P; ++p) out[p] += lane_sum<V, T>(u[p]);
   }
 }
-
-using lina::detail::each_lane;  // (lina/detail/each_lane.hpp)
 
 }  // namespace lina::cpu::simd
