@@ -531,24 +531,45 @@ struct schedule_of {
   static constexpr bool read_between(std::size_t j, std::size_t k, std::index_sequence<X...>) {
     return ((own_turn[X] > j && own_turn[X] <= k && reads_turn(j, operands<X>{})) || ...);
   }
-  template <std::size_t K, std::size_t... J>
-  static constexpr std::size_t dual_for(std::index_sequence<J...>) {
-    constexpr std::array<bool, sizeof...(J) + 1> fits{
-        (hosts_others<K> && transposed_scans<J, K>() && !read_between(J, K, std::make_index_sequence<size>{}))...,
+  // (Only suffix scans pair: the candidates are listed first, so that the
+  // pairs tried are theirs alone, not every pair of steps; a deep stack's
+  // backward has ~150 steps and a few dozen suffix scans.)
+  static constexpr std::size_t suffix_scans = [] {
+    std::size_t k = 0;
+    [&]<std::size_t... J>(std::index_sequence<J...>) { ((k += is_scan<J> && !is_prefix_scan<J>), ...); }(
+        std::make_index_sequence<size>{});
+    return k;
+  }();
+  static constexpr std::array<std::size_t, suffix_scans + 1> suffix_scan_steps = [] {
+    std::array<std::size_t, suffix_scans + 1> s{};
+    std::size_t k = 0;
+    [&]<std::size_t... J>(std::index_sequence<J...>) {
+      ((is_scan<J> && !is_prefix_scan<J> ? void(s[k++] = J) : void()), ...);
+    }(std::make_index_sequence<size>{});
+    s[k] = sched::none;
+    return s;
+  }();
+  // The first suffix scan before the KI-th that K = suffix_scan_steps[KI] may host, or none.
+  template <std::size_t KI, std::size_t... JI>
+  static constexpr std::size_t dual_for(std::index_sequence<JI...>) {
+    [[maybe_unused]] constexpr std::size_t K = suffix_scan_steps[KI];  // (unread when KI = 0)
+    constexpr std::array<bool, sizeof...(JI) + 1> fits{
+        (hosts_others<K> && transposed_scans<suffix_scan_steps[JI], K>() &&
+         !read_between(suffix_scan_steps[JI], K, std::make_index_sequence<size>{}))...,
         true};
     std::size_t j = 0;
     while (!fits[j]) ++j;
-    return j == sizeof...(J) ? sched::none : j;
+    return j == sizeof...(JI) ? sched::none : suffix_scan_steps[j];
   }
-  static constexpr std::array<std::size_t, size + 1> dual_of = []<std::size_t... K>(std::index_sequence<K...>) {
+  static constexpr std::array<std::size_t, size + 1> dual_of = []<std::size_t... KI>(std::index_sequence<KI...>) {
     std::array<std::size_t, size + 1> d{};
     d.fill(sched::none);
-    ((d[K] = dual_for<K>(std::make_index_sequence<K>{})), ...);
+    ((d[suffix_scan_steps[KI]] = dual_for<KI>(std::make_index_sequence<KI>{})), ...);
     for (std::size_t k = 0; k < size; ++k)  // each scan in one pair at most (the first that fits)
       for (std::size_t i = 0; i < k; ++i)
         if (d[k] != sched::none && d[i] != sched::none && (d[i] == d[k] || i == d[k])) d[k] = sched::none;
     return d;
-  }(std::make_index_sequence<size>{});
+  }(std::make_index_sequence<suffix_scans>{});
 
   // runs_in[J]: the step whose turn computes J's result (J itself, unless
   // its rows are made in another step's pass, or its scan runs paired in a

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <type_traits>
+#include <utility>
 
 namespace lina::detail {
 
@@ -76,15 +77,28 @@ struct front<type_list<T, R...>> {
 template <class List>
 using front_t = typename front<List>::type;
 
-// The I-th type of List.
-template <std::size_t I, class List>
-struct type_at;
-template <class T, class... R>
-struct type_at<0, type_list<T, R...>> {
+// The I-th type of List: one overload resolution against a class that
+// derives from (index, type) for each element, instantiated once per list,
+// rather than a recursion that instantiates every suffix of the list (the
+// schedule of a deep stack's gradient asks for each of ~150 steps).
+template <std::size_t I, class T>
+struct indexed {
   using type = T;
 };
-template <std::size_t I, class T, class... R>
-struct type_at<I, type_list<T, R...>> : type_at<I - 1, type_list<R...>> {};
+template <class Indices, class... T>
+struct indexer;
+template <std::size_t... I, class... T>
+struct indexer<std::index_sequence<I...>, T...> : indexed<I, T>... {};
+template <std::size_t I, class T>
+indexed<I, T> select_indexed(indexed<I, T> const*);
+template <std::size_t I, class List>
+struct type_at;
+template <std::size_t I, class... T>
+struct type_at<I, type_list<T...>> {
+  static_assert(I < sizeof...(T), "lina: type_at past the end of a type list");
+  using type = typename decltype(select_indexed<I>(
+      static_cast<indexer<std::index_sequence_for<T...>, T...> const*>(nullptr)))::type;
+};
 template <std::size_t I, class List>
 using type_at_t = typename type_at<I, List>::type;
 

@@ -836,9 +836,8 @@ class program {
       w.pooled[i] = false;
       slot[i] = matrix<T>{};
     };
-    [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((S::last_use[I] == J ? one(I) : void()), ...);
-    }(std::make_index_sequence<J + 1>{});
+    for (std::size_t i = 0; i <= J; ++i)  // (a loop, not a fold: steps² expressions for a deep stack's gradient)
+      if (S::last_use[i] == J) one(i);
   }
 
   Plan const& plan_;
