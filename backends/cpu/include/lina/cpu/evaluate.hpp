@@ -44,8 +44,10 @@ matrix<T> alias(matrix<T> const& m) {  // a view of m's elements, not owning the
   return view(m.data, m.rows, m.cols, m.rs, m.cs);
 }
 
-// lower<Op>::run(n, out, operands...): node n's result into `out`, sized by
-// the caller (rows contiguous), from its kids' values.
+// lower<Op>::run(o, out, operands...): the result of a node with op value o
+// (its eps, factor, decays) into `out`, sized by the caller (rows contiguous),
+// from its kids' values. It takes the op, not the node (whose type spells its
+// whole subtree): the code depends on the op alone, and nodes of one op share it.
 template <class Op>
 struct lower {
   static_assert(lina::detail::always_false<Op>,
@@ -55,15 +57,15 @@ struct lower {
 // Parametric maps read their projection W too (not row-wise: W is a whole matrix).
 template <class Map>
 struct lower<op::phi<Map>> {
-  template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w) {
+  template <class T>
+  static void run(op::phi<Map> const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w) {
     kernels::feature_map<Map>(x, w, out);
   }
 };
 template <>
 struct lower<op::product> {
-  template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& a, matrix<T> b) {
+  template <class T>
+  static void run(op::product const&, matrix<T>& out, matrix<T> const& a, matrix<T> b) {
     if (current_path() == path::simple)
       kernels::gemm_simple(a, b, out);
     else
@@ -71,7 +73,7 @@ struct lower<op::product> {
   }
 };
 
-// row<Op>::run(n, i, in, in_cols, out): row i of a row-wise op (sched::row_wise)
+// row<Op>::run(o, i, in, in_cols, out): row i of a row-wise op (sched::row_wise)
 // from row i of its operand (a causal mask also takes the slice's head before
 // i: its decay may be the head's). A fused group of row-wise steps runs these
 // one after another on each row, so its intermediate rows are never stored.
@@ -79,8 +81,8 @@ template <class Op>
 struct row;
 template <class Map>
 struct row<op::phi<Map>> {
-  template <class N, class T>
-  static void run(N const&, index, T const* in, index cols, T* out) {
+  template <class T>
+  static void run(op::phi<Map> const&, index, T const* in, index cols, T* out) {
     if constexpr (concepts::elementwise_map<Map>) {
       // (In fixed-width blocks, vectorised at -O2 too: lina::detail::each_lane. No
       // `#pragma omp simd`: Clang, asked to, warns where a user's map calls
@@ -93,24 +95,24 @@ struct row<op::phi<Map>> {
 };
 template <>
 struct row<op::scale> {
-  template <class N, class T>
-  static void run(N const& n, index, T const* in, index cols, T* out) {
-    T s = static_cast<T>(n.op.factor);
+  template <class T>
+  static void run(op::scale const& o, index, T const* in, index cols, T* out) {
+    T s = static_cast<T>(o.factor);
     lina::detail::each_lane(out, cols, [s, in](index j) { return s * in[j]; });
   }
 };
 template <>
 struct row<op::exp> {
-  template <class N, class T>
-  static void run(N const&, index, T const* in, index cols, T* out) {
+  template <class T>
+  static void run(op::exp const&, index, T const* in, index cols, T* out) {
     for (index j = 0; j < cols; ++j) out[j] = std::exp(in[j]);
   }
 };
 template <class D>
 struct row<op::causal_t<D>> {  // keep decay^(i-j) S_ij for j <= i (head's decay: it takes the head)
-  template <class N, class T>
-  static void run(N const& n, std::size_t head, index i, T const* in, index cols, T* out) {
-    double const g = n.op.at(head);
+  template <class T>
+  static void run(op::causal_t<D> const& o, std::size_t head, index i, T const* in, index cols, T* out) {
+    double const g = o.at(head);
     lina::detail::each_lane(out, cols, [i, in](index j) { return j <= i ? in[j] : T(0); });
     if (g == 1) return;
     double w = 1;  // g^(i-j), from the diagonal leftwards (in double: a relative error of (i-j) ulp of double)
@@ -119,27 +121,27 @@ struct row<op::causal_t<D>> {  // keep decay^(i-j) S_ij for j <= i (head's decay
 };
 template <>
 struct row<op::normalize> {  // S_ij / (sum_k S_ik + eps)
-  template <class N, class T>
-  static void run(N const& n, index, T const* in, index cols, T* out) {
+  template <class T>
+  static void run(op::normalize const& o, index, T const* in, index cols, T* out) {
     T sum = 0;
     for (index j = 0; j < cols; ++j) sum += in[j];
-    T den = sum + static_cast<T>(n.op.eps);
+    T den = sum + static_cast<T>(o.eps);
     lina::detail::each_lane(out, cols, [den, in](index j) { return in[j] / den; });
   }
 };
 template <>
 struct row<op::append_ones> {  // [x | 1]
-  template <class N, class T>
-  static void run(N const&, index, T const* in, index cols, T* out) {
+  template <class T>
+  static void run(op::append_ones const&, index, T const* in, index cols, T* out) {
     std::copy_n(in, cols, out);
     out[cols] = T(1);
   }
 };
 template <>
 struct row<op::row_divide> {  // x[:-1] / (x[-1] + eps)
-  template <class N, class T>
-  static void run(N const& n, index, T const* in, index cols, T* out) {
-    T r = T(1) / (in[cols - 1] + static_cast<T>(n.op.eps));  // one division a row, not one per element
+  template <class T>
+  static void run(op::row_divide const& o, index, T const* in, index cols, T* out) {
+    T r = T(1) / (in[cols - 1] + static_cast<T>(o.eps));  // one division a row, not one per element
     lina::detail::each_lane(out, cols - 1, [r, in](index j) { return in[j] * r; });
   }
 };
@@ -263,13 +265,13 @@ inline void release_cached_memory() {
 }
 
 // ---- backward ops ----
-// Row-local pairs (sched::row_local_pair): row<Op>::run(n, i, x, y, x_cols,
+// Row-local pairs (sched::row_local_pair): row<Op>::run(o, i, x, y, x_cols,
 // y_cols, out) makes row i from row i of each operand, so a step runs them
 // row by row and a scan can hand them its finished rows.
 template <class Map>
 struct row<op::phi_vjp<Map>> {  // J_φ(x_i)ᵀ g_i
-  template <class N, class T>
-  static void run(N const&, index, T const* x, T const* g, index cols, index, T* out) {
+  template <class T>
+  static void run(op::phi_vjp<Map> const&, index, T const* x, T const* g, index cols, index, T* out) {
     if constexpr (concepts::elementwise_map<Map>) {  // (no pragma: row<op::phi>)
       lina::detail::each_lane(out, cols, [x, g](index j) { return g[j] * Map::derivative(x[j]); });
     } else {
@@ -279,37 +281,37 @@ struct row<op::phi_vjp<Map>> {  // J_φ(x_i)ᵀ g_i
 };
 template <>
 struct row<op::hadamard> {
-  template <class N, class T>
-  static void run(N const&, index, T const* x, T const* y, index cols, index, T* out) {
+  template <class T>
+  static void run(op::hadamard const&, index, T const* x, T const* y, index cols, index, T* out) {
     lina::detail::each_lane(out, cols, [x, y](index j) { return x[j] * y[j]; });
   }
 };
 template <>
 struct row<op::add> {
-  template <class N, class T>
-  static void run(N const&, index, T const* x, T const* y, index cols, index, T* out) {
+  template <class T>
+  static void run(op::add const&, index, T const* x, T const* y, index cols, index, T* out) {
     lina::detail::each_lane(out, cols, [x, y](index j) { return x[j] + y[j]; });
   }
 };
 template <>
 struct row<op::normalize_vjp> {  // g_j / d - (Σ_k g_k s_k) / d², d = Σ_k s_k + eps
-  template <class N, class T>
-  static void run(N const& n, index, T const* s, T const* g, index cols, index, T* out) {
+  template <class T>
+  static void run(op::normalize_vjp const& o, index, T const* s, T const* g, index cols, index, T* out) {
     T sum = 0, dot = 0;
     for (index j = 0; j < cols; ++j) {
       sum += s[j];
       dot += g[j] * s[j];
     }
-    T den = sum + static_cast<T>(n.op.eps);
+    T den = sum + static_cast<T>(o.eps);
     lina::detail::each_lane(out, cols, [g, den, dot](index j) { return g[j] / den - dot / (den * den); });
   }
 };
 template <>
 struct row<op::row_divide_vjp> {  // g_e / d for the leading columns, -Σ_e g_e y_e / d² for the last
-  template <class N, class T>
-  static void run(N const& n, index, T const* y, T const* g, index cols, index, T* out) {
+  template <class T>
+  static void run(op::row_divide_vjp const& o, index, T const* y, T const* g, index cols, index, T* out) {
     index m = cols - 1;
-    T den = y[m] + static_cast<T>(n.op.eps);
+    T den = y[m] + static_cast<T>(o.eps);
     T dot = 0;
     for (index e = 0; e < m; ++e) dot += g[e] * y[e];
     lina::detail::each_lane(out, m, [g, den](index e) { return g[e] / den; });
@@ -319,15 +321,17 @@ struct row<op::row_divide_vjp> {  // g_e / d for the leading columns, -Σ_e g_e 
 // A parametric map's adjoints read the whole projection W: lowered as matrices.
 template <class Map>
 struct lower<op::phi_vjp<Map>> {
-  template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w, matrix<T> const& g) {
+  template <class T>
+  static void run(op::phi_vjp<Map> const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w,
+                  matrix<T> const& g) {
     kernels::feature_map_vjp<Map, false>(x, w, g, out);
   }
 };
 template <class Map>
 struct lower<op::phi_param_vjp<Map>> {
-  template <class N, class T>
-  static void run(N const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w, matrix<T> const& g) {
+  template <class T>
+  static void run(op::phi_param_vjp<Map> const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w,
+                  matrix<T> const& g) {
     kernels::feature_map_vjp<Map, true>(x, w, g, out);
   }
 };
@@ -508,7 +512,7 @@ class program {
           rows_of_pair<J>(slot, w);
         } else {
           [&]<class... O>(lina::detail::type_list<O...>) {
-            lower<typename N::op_type>::run(S::template node_at<J>(plan_), slot[J], operand<O>(slot, w)...);
+            lower<typename N::op_type>::run(S::template node_at<J>(plan_).op, slot[J], operand<O>(slot, w)...);
           }(typename S::template operands<J>{});
         }
       }
@@ -676,9 +680,9 @@ class program {
       using MN = typename S::template node_type<M>;
       T* to = M == Last ? dst : spare[which];
       if constexpr (is_causal_op<typename MN::op_type>)  // (its decay may be the head's)
-        row<typename MN::op_type>::run(S::template node_at<M>(plan_), head, i, cur, cols, to);
+        row<typename MN::op_type>::run(S::template node_at<M>(plan_).op, head, i, cur, cols, to);
       else
-        row<typename MN::op_type>::run(S::template node_at<M>(plan_), i, cur, cols, to);
+        row<typename MN::op_type>::run(S::template node_at<M>(plan_).op, i, cur, cols, to);
       cur = to;
       cols = static_cast<index>(MN::shape::cols::extent(in_.table));
       which ^= 1;
@@ -756,10 +760,10 @@ class program {
     matrix<T> x = operand<lina::detail::type_at_t<0, ops>>(slot, w);
     matrix<T> y = operand<lina::detail::type_at_t<1, ops>>(slot, w);
     lease copies(*this, w, static_cast<std::size_t>(x.cols + y.cols));
-    auto const& n = S::template node_at<K>(plan_);
+    auto const& o = S::template node_at<K>(plan_).op;
     using Op = typename S::template node_type<K>::op_type;
     for (index i = 0; i < x.rows; ++i)
-      row<Op>::run(n, i, source_row(x, i, copies.p), source_row(y, i, copies.p + x.cols), x.cols, y.cols,
+      row<Op>::run(o, i, source_row(x, i, copies.p), source_row(y, i, copies.p + x.cols), x.cols, y.cols,
                    slot[K].row_mut(i));
   }
   // A scan's finished rows as one operand of the row-local pair K (the
@@ -777,15 +781,15 @@ class program {
     index stride() const { return 0; }
     std::size_t work() const { return static_cast<std::size_t>(side_rows.cols); }
     void take(index first_row, index n, bool reverse, T const* rows, index ld, T* work) const {
-      auto const& node = S::template node_at<K>(p.plan_);
+      auto const& o = S::template node_at<K>(p.plan_).op;
       using Op = typename S::template node_type<K>::op_type;
       for (index t = 0; t < n; ++t) {
         index i = reverse ? first_row - t : first_row + t;
         T const* other = source_row(side_rows, i, work);
         if constexpr (scan_first)
-          row<Op>::run(node, i, rows + t * ld, other, cols, side_rows.cols, out.row_mut(i));
+          row<Op>::run(o, i, rows + t * ld, other, cols, side_rows.cols, out.row_mut(i));
         else
-          row<Op>::run(node, i, other, rows + t * ld, side_rows.cols, cols, out.row_mut(i));
+          row<Op>::run(o, i, other, rows + t * ld, side_rows.cols, cols, out.row_mut(i));
       }
     }
   };
