@@ -515,14 +515,9 @@ struct schedule_of {
   };
   template <std::size_t J, std::size_t I>
   using operand_up_to_twin = typename up_to_twin<detail::type_at_t<I, operands<J>>>::type;
-  template <std::size_t J, std::size_t K>
-  static constexpr bool transposed_scans() {
-    if constexpr (J < K && is_scan<J> && is_scan<K> && !is_prefix_scan<J> && !is_prefix_scan<K>)
-      return std::is_same_v<operand_up_to_twin<J, 1>, operand_up_to_twin<K, 2>> &&
-             std::is_same_v<operand_up_to_twin<J, 2>, operand_up_to_twin<K, 1>>;
-    else
-      return false;
-  }
+  template <std::size_t J, std::size_t K>  // (two suffix scans: dual_for asks of no other steps)
+  static constexpr bool transposed_scans = std::is_same_v<operand_up_to_twin<J, 1>, operand_up_to_twin<K, 2>> &&
+                                           std::is_same_v<operand_up_to_twin<J, 2>, operand_up_to_twin<K, 1>>;
   template <class... O>
   static constexpr bool reads_turn(std::size_t turn, detail::type_list<O...>) {  // an operand made in `turn`
     return ((sched::reads<O>::step != sched::none && own_turn[sched::reads<O>::step] == turn) || ...);
@@ -534,19 +529,18 @@ struct schedule_of {
   // (Only suffix scans pair: the candidates are listed first, so that the
   // pairs tried are theirs alone, not every pair of steps; a deep stack's
   // backward has ~150 steps and a few dozen suffix scans.)
+  static constexpr std::array<bool, size + 1> is_suffix_scan = []<std::size_t... J>(std::index_sequence<J...>) {
+    return std::array<bool, size + 1>{(is_scan<J> && !is_prefix_scan<J>)..., false};
+  }(std::make_index_sequence<size>{});
   static constexpr std::size_t suffix_scans = [] {
     std::size_t k = 0;
-    [&]<std::size_t... J>(std::index_sequence<J...>) { ((k += is_scan<J> && !is_prefix_scan<J>), ...); }(
-        std::make_index_sequence<size>{});
+    for (bool b : is_suffix_scan) k += b;
     return k;
   }();
-  static constexpr std::array<std::size_t, suffix_scans + 1> suffix_scan_steps = [] {
-    std::array<std::size_t, suffix_scans + 1> s{};
-    std::size_t k = 0;
-    [&]<std::size_t... J>(std::index_sequence<J...>) {
-      ((is_scan<J> && !is_prefix_scan<J> ? void(s[k++] = J) : void()), ...);
-    }(std::make_index_sequence<size>{});
-    s[k] = sched::none;
+  static constexpr std::array<std::size_t, suffix_scans> suffix_scan_steps = [] {
+    std::array<std::size_t, suffix_scans> s{};
+    for (std::size_t j = 0, k = 0; j < size; ++j)
+      if (is_suffix_scan[j]) s[k++] = j;
     return s;
   }();
   // The first suffix scan before the KI-th that K = suffix_scan_steps[KI] may host, or none.
@@ -554,7 +548,7 @@ struct schedule_of {
   static constexpr std::size_t dual_for(std::index_sequence<JI...>) {
     [[maybe_unused]] constexpr std::size_t K = suffix_scan_steps[KI];  // (unread when KI = 0)
     constexpr std::array<bool, sizeof...(JI) + 1> fits{
-        (hosts_others<K> && transposed_scans<suffix_scan_steps[JI], K>() &&
+        (hosts_others<K> && transposed_scans<suffix_scan_steps[JI], K> &&
          !read_between(suffix_scan_steps[JI], K, std::make_index_sequence<size>{}))...,
         true};
     std::size_t j = 0;
