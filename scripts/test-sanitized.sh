@@ -24,15 +24,20 @@ export OMP_WAIT_POLICY=PASSIVE UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # ones: tests/support.hpp, test::trials): the same code paths unoptimised under ASan,
 # where their quadratic oracles took 180 of the run's 276 CPU-seconds.
 export LINA_TEST_TRIALS_DIVISOR=3
-tests=./build/sanitize/tests/lina_tests
-if [ $# -gt 0 ]; then exec "$tests" "$@"; fi
+# (two binaries: the kernels' properties and the plans', tests/CMakeLists.txt)
+run() {
+  local status=0
+  for t in ./build/sanitize/tests/lina_tests ./build/sanitize/tests/lina_plan_tests; do "$t" "$@" || status=1; done
+  return $status
+}
+if [ $# -gt 0 ]; then run "$@"; exit; fi
 
 # The instrumented tests run on one core each, so two halves run side by side:
 # the <double> instances of the typed tests, and everything else (the two take
 # about as long: 2 × ~2 min instead of ~4.5 min in a row on a 2-core machine).
 logs=$(mktemp -d)
-"$tests" -tc='*<double>*' >"$logs/double.log" 2>&1 & double=$!
-"$tests" -tce='*<double>*' >"$logs/rest.log" 2>&1 & rest=$!
+run -tc='*<double>*' >"$logs/double.log" 2>&1 & double=$!
+run -tce='*<double>*' >"$logs/rest.log" 2>&1 & rest=$!
 status=0
 wait "$double" || status=1
 wait "$rest" || status=1
