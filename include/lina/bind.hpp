@@ -187,7 +187,7 @@ template <class Op, class... K, class F>
 void for_each_head_decays(node<Op, K...> const& n, F&& f) {
   if constexpr (requires { n.op.decays; }) f(n.op);
   [&]<std::size_t... I>(std::index_sequence<I...>) {
-    (for_each_head_decays(hana::at_c<I>(n.kids), f), ...);
+    (for_each_head_decays(kid<I>(n), f), ...);
   }(std::index_sequence_for<K...>{});
 }
 // Each against the bound number of heads: one decay per head, else

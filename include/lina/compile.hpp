@@ -33,6 +33,8 @@
 
 namespace lina {
 
+namespace hana = boost::hana;
+
 enum class order {
   automatic,  // cheapest by the cost model, per sequence length
   quadratic,  // materialise the N x N similarity where there is one
@@ -66,7 +68,7 @@ inline constexpr auto canonical_rules = hana::make_tuple(
 template <class X>
 constexpr auto factors(X const& x) {
   if constexpr (std::is_same_v<typename X::op_type, op::chain>)
-    return hana::to_tuple(x.kids);
+    return unpack_kids(x, [](auto const&... k) { return hana::make_tuple(k...); });
   else
     return hana::make_tuple(x);
 }
@@ -112,7 +114,7 @@ constexpr auto split_at(F const& f) {
 template <std::size_t I, std::size_t J, class F>
 constexpr auto brackets(F const& f) {
   if constexpr (J - I == 1) {
-    return hana::make_tuple(hana::at_c<I>(f));
+    return hana::make_tuple(kid<I>(f));
   } else {
     return [&]<std::size_t... S>(std::index_sequence<S...>) {
       return hana::flatten(hana::make_tuple(split_at<I, I + 1 + S, J>(f)...));
@@ -203,7 +205,7 @@ struct order_chain {
   template <class B>
   constexpr auto operator()(B const& b) const {
     auto const& ch = get<13>(b);
-    auto cands = brackets<0, std::remove_cvref_t<decltype(ch)>::arity>(ch.kids);
+    auto cands = brackets<0, std::remove_cvref_t<decltype(ch)>::arity>(ch);
     using choice = chain_choice<O, Key, Model, std::remove_cvref_t<decltype(cands)>>;
     return build_choice<choice, Key, 0>(cands);
   }

@@ -13,7 +13,6 @@
 // is not the default).
 #pragma once
 
-#include <boost/hana/for_each.hpp>
 #include <fmt/format.h>
 
 #include <string>
@@ -105,7 +104,7 @@ struct printer {
     out += name;
     out += '(';
     bool first = true;
-    hana::for_each(n.kids, [&](auto const& k) {
+    for_each_kid(n, [&](auto const& k) {
       if (!first) out += ", ";
       first = false;
       (*this)(k);

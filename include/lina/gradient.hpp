@@ -48,6 +48,8 @@
 
 namespace lina {
 
+namespace hana = boost::hana;
+
 inline constexpr fixed_string cotangent_symbol = "dout";
 
 // ∂L/∂In, as an expression over the inputs and dout.
@@ -105,7 +107,7 @@ constexpr auto backprop(N const& n, G const& g) {
   } else {
     auto cot = op_traits<Op>::adjoint(n, g);
     return hana::flatten(hana::zip_with([](auto const& k, auto const& c) { return backprop(k, c); },
-                                        hana::to_tuple(n.kids), cot));
+                                        unpack_kids(n, [](auto const&... k) { return hana::make_tuple(k...); }), cot));
   }
 }
 
@@ -150,7 +152,7 @@ constexpr auto hoist_at(N const& n) {
 
 template <class N>
 constexpr auto hoist_selects(N const& n) {
-  auto kids_done = hana::unpack(n.kids, [&](auto const&... k) { return make_node(n.op, hoist_selects(k)...); });
+  auto kids_done = unpack_kids(n, [&](auto const&... k) { return make_node(n.op, hoist_selects(k)...); });
   return hoist_at<0>(kids_done);
 }
 
@@ -333,7 +335,7 @@ namespace detail {
 // Visit every subtree value, parents first; f returns whether to descend.
 template <class N, class F>
 void walk(N const& n, F& f) {
-  if (f(n)) hana::for_each(n.kids, [&](auto const& k) { walk(k, f); });
+  if (f(n)) for_each_kid(n, [&](auto const& k) { walk(k, f); });
 }
 
 // Counts how often each subtree occurs, by identity (type and values); a named
@@ -357,7 +359,7 @@ struct repeat_counter {
           defined.push_back(e.id.node);
           first = true;
         }
-      if (first) hana::for_each(n.kids, [&](auto const& k) { walk(k, *this); });
+      if (first) for_each_kid(n, [&](auto const& k) { walk(k, *this); });
       return false;
     }
     auto it = std::find_if(counts.begin(), counts.end(), [&](seen const& c) { return c.id.is(n); });

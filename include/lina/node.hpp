@@ -10,8 +10,6 @@
 // says which it belongs to in its comment. Backends dispatch on the op tag.
 #pragma once
 
-#include <boost/hana/at.hpp>
-#include <boost/hana/basic_tuple.hpp>
 #include <cstddef>
 #include <memory>
 #include <tuple>
@@ -24,8 +22,6 @@
 #include "lina/tensor.hpp"
 
 namespace lina {
-
-namespace hana = boost::hana;
 
 namespace op {
 // Shape rules: `shape_of<KidShapes...>` gives the node's shape.
@@ -241,11 +237,42 @@ inline constexpr bool is_input_op_v = false;
 template <fixed_string N, class R, class C>
 inline constexpr bool is_input_op_v<op::input<N, R, C>> = true;
 
+// A node's kids: a plain aggregate, one member per kid, so that a node type
+// instantiates no constructor (a Boost.Hana tuple's, one set per node type,
+// made a third of the length of the names GCC mangles for a deep stack's
+// gradient: docs/gradients.md).
+template <class... K>
+struct kid_list;
+template <>
+struct kid_list<> {};
+template <class A>
+struct kid_list<A> {
+  [[no_unique_address]] A k0;
+};
+template <class A, class B>
+struct kid_list<A, B> {
+  [[no_unique_address]] A k0;
+  [[no_unique_address]] B k1;
+};
+template <class A, class B, class C>
+struct kid_list<A, B, C> {
+  [[no_unique_address]] A k0;
+  [[no_unique_address]] B k1;
+  [[no_unique_address]] C k2;
+};
+template <class A, class B, class C, class D, class... R>
+struct kid_list<A, B, C, D, R...> {  // (more: a bundle's or a chain's)
+  [[no_unique_address]] A k0;
+  [[no_unique_address]] B k1;
+  [[no_unique_address]] C k2;
+  [[no_unique_address]] kid_list<D, R...> rest;
+};
+
 template <class Op, class... Kids>
 struct node {
   using op_type = Op;
   using shape = typename Op::template shape_of<typename Kids::shape...>;
-  using kids_type = hana::basic_tuple<Kids...>;
+  using kids_type = kid_list<Kids...>;
   static constexpr std::size_t arity = sizeof...(Kids);
 
   [[no_unique_address]] Op op{};
@@ -259,14 +286,55 @@ struct node {
   }
 };
 
+namespace detail {
+// Four kids and more, each list in its own braces (no brace elision: Clang
+// warns of it).
+template <class A, class B, class C, class D, class... R>
+constexpr kid_list<A, B, C, D, R...> long_kid_list(A const& a, B const& b, C const& c, D const& d, R const&... r) {
+  if constexpr (sizeof...(R) < 3)
+    return {a, b, c, {d, r...}};
+  else
+    return {a, b, c, long_kid_list(d, r...)};
+}
+}  // namespace detail
+
 template <class Op, class... Kids>
 constexpr node<Op, Kids...> make_node(Op op, Kids const&... kids) {
-  return {op, hana::make_basic_tuple(kids...)};
+  if constexpr (sizeof...(Kids) <= 3)
+    return {op, {kids...}};
+  else
+    return {op, detail::long_kid_list(kids...)};
 }
+
+namespace detail {
+template <std::size_t I, class L>
+constexpr auto const& kid_at(L const& l) {
+  if constexpr (I == 0)
+    return l.k0;
+  else if constexpr (I == 1)
+    return l.k1;
+  else if constexpr (I == 2)
+    return l.k2;
+  else
+    return kid_at<I - 3>(l.rest);
+}
+}  // namespace detail
 
 template <std::size_t I, class N>
 constexpr auto const& kid(N const& n) {
-  return hana::at_c<I>(n.kids);
+  return detail::kid_at<I>(n.kids);
+}
+// f(kid<0>(n), kid<1>(n), ...): what f returns.
+template <class N, class F>
+constexpr decltype(auto) unpack_kids(N const& n, F&& f) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
+    return f(kid<I>(n)...);
+  }(std::make_index_sequence<N::arity>{});
+}
+// f(kid) for each kid of n, in order.
+template <class N, class F>
+constexpr void for_each_kid(N const& n, F&& f) {
+  [&]<std::size_t... I>(std::index_sequence<I...>) { (f(kid<I>(n)), ...); }(std::make_index_sequence<N::arity>{});
 }
 
 // Two nodes of one type are the same computation when their ops carry the
@@ -280,7 +348,7 @@ constexpr bool same_value(node<Op, K...> const& a, node<Op, K...> const& b) {
       return a.op == b.op;
   }();
   return ops && [&]<std::size_t... I>(std::index_sequence<I...>) {
-    return (same_value(hana::at_c<I>(a.kids), hana::at_c<I>(b.kids)) && ...);
+    return (same_value(kid<I>(a), kid<I>(b)) && ...);
   }(std::index_sequence_for<K...>{});
 }
 
@@ -438,7 +506,7 @@ constexpr auto longest_branch(N const& n) {
   if constexpr (is_select_op<typename N::op_type>)
     return longest_branch(kid<1>(n));
   else
-    return hana::unpack(n.kids, [&](auto const&... k) { return make_node(n.op, longest_branch(k)...); });
+    return unpack_kids(n, [&](auto const&... k) { return make_node(n.op, longest_branch(k)...); });
 }
 
 // No op in N carries a value (every op type is empty): two subtrees of N's

@@ -29,6 +29,8 @@
 
 namespace lina {
 
+namespace hana = boost::hana;
+
 enum class prec { sum = 1, product = 2, atom = 3 };
 
 struct cost_estimate {

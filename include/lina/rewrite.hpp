@@ -34,6 +34,8 @@
 
 namespace lina::rewrite {
 
+namespace hana = boost::hana;
+
 // ---- pattern variables -----------------------------------------------------
 // var<I>: matches any subexpression and binds it to I.
 template <int I>
@@ -176,12 +178,12 @@ constexpr auto merge_bindings(Acc const& acc, New const& m) {
     return hana::nothing;
 }
 
-template <std::size_t I, std::size_t N, class Acc, class PK, class EK>
-constexpr auto match_kids(Acc const& acc, PK const& pk, EK const& ek) {
+template <std::size_t I, std::size_t N, class Acc, class P, class E>
+constexpr auto match_kids(Acc const& acc, P const& p, E const& e) {
   if constexpr (I == N) {
     return hana::just(acc);
   } else {
-    auto m = match(hana::at_c<I>(pk), hana::at_c<I>(ek));
+    auto m = match(kid<I>(p), kid<I>(e));
     if constexpr (decltype(hana::is_nothing(m))::value) {
       return hana::nothing;
     } else {
@@ -189,7 +191,7 @@ constexpr auto match_kids(Acc const& acc, PK const& pk, EK const& ek) {
       if constexpr (decltype(hana::is_nothing(merged))::value)
         return hana::nothing;
       else
-        return match_kids<I + 1, N>(merged.value(), pk, ek);
+        return match_kids<I + 1, N>(merged.value(), p, e);
     }
   }
 }
@@ -211,12 +213,11 @@ constexpr auto match(P const& p, E const& e) {
     return hana::nothing;
   } else if constexpr (is_op_var<POp>) {
     if constexpr (same_op_family<typename POp::op, EOp>)
-      return match_kids<0, P::arity>(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e.op)), p.kids,
-                                     e.kids);
+      return match_kids<0, P::arity>(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e.op)), p, e);
     else
       return hana::nothing;
   } else if constexpr (std::is_same_v<POp, EOp>) {
-    return match_kids<0, P::arity>(hana::make_map(), p.kids, e.kids);
+    return match_kids<0, P::arity>(hana::make_map(), p, e);
   } else {
     return hana::nothing;
   }
@@ -235,7 +236,7 @@ constexpr auto subst(P const& p, B const& b) {
       else
         return p.op;
     }();
-    return hana::unpack(p.kids, [&](auto const&... k) { return make_node(op, subst(k, b)...); });
+    return unpack_kids(p, [&](auto const&... k) { return make_node(op, subst(k, b)...); });
   }
 }
 
@@ -301,7 +302,7 @@ constexpr auto rewrite(Rules const& rules, E const& e) {
   static_assert(Round < max_rounds,
                 "lina: the rewrite rules did not reach a fixed point (a rule table cycles); "
                 "this is a bug in lina, please report the expression");
-  auto e1 = hana::unpack(e.kids, [&](auto const&... k) { return make_node(e.op, rewrite(rules, k)...); });
+  auto e1 = unpack_kids(e, [&](auto const&... k) { return make_node(e.op, rewrite(rules, k)...); });
   auto r = apply_first<0>(rules, e1);
   if constexpr (decltype(hana::is_just(r))::value)
     return rewrite<Round + 1>(rules, r.value());

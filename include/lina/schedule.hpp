@@ -29,7 +29,6 @@
 #pragma once
 
 #include <array>
-#include <boost/hana/at.hpp>
 #include <cstddef>
 #include <type_traits>
 #include <utility>
@@ -652,7 +651,7 @@ constexpr auto resolve(N const& n) {
     else
       return resolve<Selects, Mask>(kid<1>(n));
   } else {
-    return hana::unpack(n.kids, [&](auto const&... k) { return make_node(n.op, resolve<Selects, Mask>(k)...); });
+    return unpack_kids(n, [&](auto const&... k) { return make_node(n.op, resolve<Selects, Mask>(k)...); });
   }
 }
 template <class Selects, std::size_t Mask, class N, class F>

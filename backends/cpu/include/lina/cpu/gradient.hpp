@@ -26,6 +26,8 @@
 
 namespace lina::cpu {
 
+namespace hana = boost::hana;
+
 namespace detail {
 // The backward plan's bundle bound to the inputs and dout.
 template <class BP, class D, class... B>
