@@ -167,18 +167,36 @@ struct occurrences {
   using type = decltype(pick());
 };
 
-// Drop an occurrence whose node type is value-free and already scheduled.
-template <class Done, class Rest>
+// Drop an occurrence whose node type is value-free and already scheduled (an
+// earlier occurrence has its type). Which occurrences stay is one constexpr
+// table, and they are picked by index (type_at), not by a recursion over the
+// occurrences that carried both lists through each of them (a three-layer
+// gradient has ~320: the largest cost of Clang's front end for it).
+template <class X, class Nodes>
+constexpr std::size_t first_of_type() {  // where X first occurs, if it is value-free
+  if constexpr (value_free<X>())
+    return detail::index_of_v<X, Nodes>;
+  else
+    return static_cast<std::size_t>(-1);
+}
+template <class Occurrences>
 struct dedupe;
-template <class Done>
-struct dedupe<Done, type_list<>> {
-  using type = Done;
-};
-template <class... D, class O, class... R>
-struct dedupe<type_list<D...>, type_list<O, R...>> {
-  static constexpr bool repeat =
-      value_free<typename O::node_type>() && (std::is_same_v<typename D::node_type, typename O::node_type> || ...);
-  using type = typename dedupe<std::conditional_t<repeat, type_list<D...>, type_list<D..., O>>, type_list<R...>>::type;
+template <class... O>
+struct dedupe<type_list<O...>> {
+  struct kept {
+    std::array<std::size_t, sizeof...(O) + 1> at{};
+    std::size_t size = 0;
+  };
+  static constexpr kept keep = [] {
+    using nodes = type_list<typename O::node_type...>;
+    kept k;
+    std::size_t i = 0;
+    ((first_of_type<typename O::node_type, nodes>() < i ? void() : void(k.at[k.size++] = i), ++i), ...);
+    return k;
+  }();
+  template <std::size_t... K>
+  static type_list<detail::type_at_t<keep.at[K], type_list<O...>>...> pick(std::index_sequence<K...>);
+  using type = decltype(pick(std::make_index_sequence<keep.size>{}));
 };
 
 // ---- operands: where a step reads a kid ------------------------------------------
@@ -288,8 +306,7 @@ struct outputs_of {
 // The schedule of a select-free plan (see the top of this file).
 template <class Plan>
 struct schedule_of {
-  using steps = typename sched::dedupe<detail::type_list<>,
-                                       typename sched::occurrences<Plan, std::index_sequence<>>::type>::type;
+  using steps = typename sched::dedupe<typename sched::occurrences<Plan, std::index_sequence<>>::type>::type;
   static constexpr std::size_t size = steps::size;
 
   template <std::size_t J>
