@@ -167,6 +167,8 @@ struct occurrences {
   using type = decltype(pick());
 };
 
+inline constexpr std::size_t none = static_cast<std::size_t>(-1);
+
 // Drop an occurrence whose node type is value-free and already scheduled (an
 // earlier occurrence has its type). Which occurrences stay is one constexpr
 // table, and they are picked by index (type_at), not by a recursion over the
@@ -177,7 +179,7 @@ constexpr std::size_t first_of_type() {  // where X first occurs, if it is value
   if constexpr (value_free<X>())
     return detail::index_of_v<X, Nodes>;
   else
-    return static_cast<std::size_t>(-1);
+    return none;
 }
 template <class Occurrences>
 struct dedupe;
@@ -216,8 +218,6 @@ template <class Of>
 struct without_last_operand {  // dropcol: all but the last column
   using of = Of;
 };
-
-inline constexpr std::size_t none = static_cast<std::size_t>(-1);
 
 template <class Steps, class Path, class K>
 constexpr std::size_t step_index() {
