@@ -186,9 +186,7 @@ void for_each_head_decays(X const&, F&&) {}
 template <class Op, class... K, class F>
 void for_each_head_decays(node<Op, K...> const& n, F&& f) {
   if constexpr (requires { n.op.decays; }) f(n.op);
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    (for_each_head_decays(kid<I>(n), f), ...);
-  }(std::index_sequence_for<K...>{});
+  for_each_kid(n, [&](auto const& k) { for_each_head_decays(k, f); });
 }
 // Each against the bound number of heads: one decay per head, else
 // lina::shape_error "decay per head" before anything runs.

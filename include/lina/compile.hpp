@@ -68,7 +68,7 @@ inline constexpr auto canonical_rules = hana::make_tuple(
 template <class X>
 constexpr auto factors(X const& x) {
   if constexpr (std::is_same_v<typename X::op_type, op::chain>)
-    return unpack_kids(x, [](auto const&... k) { return hana::make_tuple(k...); });
+    return rewrite::kids_tuple(x);
   else
     return hana::make_tuple(x);
 }

@@ -107,7 +107,7 @@ constexpr auto backprop(N const& n, G const& g) {
   } else {
     auto cot = op_traits<Op>::adjoint(n, g);
     return hana::flatten(hana::zip_with([](auto const& k, auto const& c) { return backprop(k, c); },
-                                        unpack_kids(n, [](auto const&... k) { return hana::make_tuple(k...); }), cot));
+                                        rewrite::kids_tuple(n), cot));
   }
 }
 

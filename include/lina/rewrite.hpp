@@ -36,6 +36,12 @@ namespace lina::rewrite {
 
 namespace hana = boost::hana;
 
+// A node's kids as a Hana tuple, for the algorithms (zip, concat) over them.
+template <class N>
+constexpr auto kids_tuple(N const& n) {
+  return unpack_kids(n, [](auto const&... k) { return hana::make_tuple(k...); });
+}
+
 // ---- pattern variables -----------------------------------------------------
 // var<I>: matches any subexpression and binds it to I.
 template <int I>
