@@ -5,6 +5,11 @@
 // including the workspace it keeps for the next call.
 //
 //   backward [--max-n 65536] [--quadratic-max-n 4096]
+//
+// --rate instead times the linear backward into the caller's buffers
+// (cpu::gradient_into, no fresh tensors to first-touch) at B = 1, H = 8 and
+// N = 4096, 16384: best of R calls (--reps R, default 30 and a quarter of that
+// at 16384), GFLOP/s by the suite's count (8·H·N·D·M) and its forward's.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -29,6 +34,18 @@ constexpr auto K = input<"K">(N, D);
 constexpr auto V = input<"V">(N, M);
 constexpr auto attn = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
 
+// The fastest of `reps` calls of f, in milliseconds.
+template <class F>
+double best_ms(int reps, F&& f) {
+  double b = 1e300;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    f();
+    b = std::min(b, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return b;
+}
+
 struct result {
   double fwd_ms, bwd_ms;
   std::size_t peak;
@@ -39,16 +56,7 @@ result measure(Plan const& plan, std::size_t n) {
   std::size_t heads = 2;
   auto q = tensor<float>::random({1, heads, n, 64}, 1), k = tensor<float>::random({1, heads, n, 64}, 2);
   auto v = tensor<float>::random({1, heads, n, 64}, 3), dout = tensor<float>::random({1, heads, n, 64}, 4);
-  using clock = std::chrono::steady_clock;
-  auto best = [](auto&& f) {
-    double b = 1e300;
-    for (int r = 0; r < 3; ++r) {
-      auto t0 = clock::now();
-      f();
-      b = std::min(b, std::chrono::duration<double, std::milli>(clock::now() - t0).count());
-    }
-    return b;
-  };
+  auto best = [](auto&& f) { return best_ms(3, f); };
   double fwd = best([&] { auto o = cpu::evaluate(plan, Q = q, K = k, V = v); });
   // Finished calls keep their workspaces for the next ones, and those count as
   // live memory: without this, the peak would include what the forward and the
@@ -58,18 +66,48 @@ result measure(Plan const& plan, std::size_t n) {
   double bwd = best([&] { auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v); });
   return {fwd, bwd, cpu::memory().peak.load()};
 }
+
+// The backward into reused buffers, and the forward, at B = 1, H = 8, N = n.
+void rate(std::size_t n, int reps) {
+  auto plan = compile<order::linear>(attn);
+  std::size_t heads = 8;
+  auto q = tensor<float>::random({1, heads, n, 64}, 1), k = tensor<float>::random({1, heads, n, 64}, 2);
+  auto v = tensor<float>::random({1, heads, n, 64}, 3), dout = tensor<float>::random({1, heads, n, 64}, 4);
+  auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  auto into = cpu::gradient_views<float>(plan);
+  into[Q] = g[Q].view();
+  into[K] = g[K].view();
+  into[V] = g[V].view();
+  auto o = cpu::evaluate(plan, Q = q, K = k, V = v);
+  double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); });
+  double fwd = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), Q = q, K = k, V = v); });
+  double flops = 4.0 * double(heads) * double(n) * 64 * 64;  // the forward's; the backward counts twice that
+  fmt::print("{:>6} | {:>9.2f} {:>8.1f} | {:>9.2f} {:>8.1f}\n", n, bwd, 2 * flops / bwd / 1e6, fwd, flops / fwd / 1e6);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   std::size_t max_n = 65536, quad_max = 4096;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool rates = false;
+  int reps = 30;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--rate")) rates = true;
+    if (i + 1 == argc) break;
     if (!std::strcmp(argv[i], "--max-n")) max_n = std::strtoull(argv[i + 1], nullptr, 10);
     if (!std::strcmp(argv[i], "--quadratic-max-n")) quad_max = std::strtoull(argv[i + 1], nullptr, 10);
+    if (!std::strcmp(argv[i], "--reps")) reps = std::max(1, std::atoi(argv[i + 1]));
   }
   int threads = 1;
 #ifdef _OPENMP
   threads = omp_get_max_threads();
 #endif
+  if (rates) {
+    fmt::print("causal elu+1 attention, B=1 H=8 D=M=64 float, {} threads, into reused buffers\n", threads);
+    fmt::print("{:>6} | {:>9} {:>8} | {:>9} {:>8}\n", "N", "bwd ms", "GFLOP/s", "fwd ms", "GFLOP/s");
+    rate(4096, reps);
+    rate(16384, std::max(1, reps / 4));
+    return 0;
+  }
   fmt::print("causal elu+1 attention, B=1 H=2 D=M=64 float, {} threads; peak = extra memory of the backward\n",
              threads);
   fmt::print("{:>6} | {:>9} {:>9} {:>10} {:>12} | {:>9} {:>10} {:>12}\n", "N", "lin fwd", "lin bwd", "peak MiB",

@@ -51,8 +51,9 @@ struct scan_tile_shape {
 //   s[p][:] += b_i[p] c_i[:]     (the state after row i, p = 0..P-1)
 //   o_i[:]  += a_i[p] s[p][:]    (p in order)
 // `s` is the P x (V x lanes) tile of the state (row stride lds), `a`, `b` the
-// packed rows' first of these P columns (row stride ldab), `c`, `o` the rows'
-// first of these columns (row strides ldc, ldo; negative in a reverse scan).
+// rows' first of these P columns (row strides lda, ldb), `c`, `o` the rows'
+// first of these columns (row strides ldc, ldo); every stride is negative in a
+// reverse scan.
 // Every element sees the same operations in the same order whatever n is, so
 // a scan split into several calls gives the same bits as one call. Out =
 // false: the state only (the sums of scan_sums), `a` and `o` untouched.
@@ -104,8 +105,8 @@ struct second_output {
 // backward ran 5–20% slower for the call; compile times unchanged, -O2 and -Og.)
 template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level, bool Dual = false,
           fade F = fade::none, class T>
-[[gnu::always_inline]] inline void scan_tile(T* __restrict s, index lds, T const* __restrict a,
-                                             T const* __restrict b, index ldab, T const* __restrict c, index ldc,
+[[gnu::always_inline]] inline void scan_tile(T* __restrict s, index lds, T const* __restrict a, index lda,
+                                             T const* __restrict b, index ldb, T const* __restrict c, index ldc,
                                              T* __restrict o, index ldo, index n, second_output<T> d = {}, T g = 1) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   constexpr bool two = Sums == sums::two_level;
@@ -120,8 +121,8 @@ template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level,
   for (index i = 0; i < n; ++i) {
     T const* ci = c + i * ldc;
     T* oi = o + i * ldo;
-    T const* ai = a + i * ldab;
-    T const* bi = b + i * ldab;
+    T const* ai = a + i * lda;
+    T const* bi = b + i * ldb;
     Vec cv[V], ov[V], xv[Dual ? V : 1], u[Dual ? P : 1];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
@@ -166,18 +167,18 @@ template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level,
 // zero).
 // (Dual: o2's rows are at least whole tiles wide; the zero rows add zeros.)
 template <int P, int V, class Vec, bool Out, sums Sums, bool Dual, fade F, class T>
-void scan_strip(T* state, index da, index db, index q0, T const* a, T const* b, index ldab, T const* c, index ldc,
-                T* o, index ldo, index n, second_output<T> d, T g) {
+void scan_strip(T* state, index da, index db, index q0, T const* a, index lda, T const* b, index ldb, T const* c,
+                index ldc, T* o, index ldo, index n, second_output<T> d, T g) {
   constexpr int W = V * static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
   for (; p0 + P <= da; p0 += P)
-    scan_tile<P, V, Vec, Out, Sums, Dual, F>(state + p0 * db + q0, db, a + p0, b + p0, ldab, c + q0, ldc, o + q0,
-                                             ldo, n, d.at(p0, q0), g);
+    scan_tile<P, V, Vec, Out, Sums, Dual, F>(state + p0 * db + q0, db, a + p0, lda, b + p0, ldb, c + q0, ldc,
+                                             o + q0, ldo, n, d.at(p0, q0), g);
   if (p0 == da) return;
   alignas(64) T tile[P * W] = {};
   for (index p = 0; p < da - p0; ++p) std::copy_n(state + (p0 + p) * db + q0, W, tile + p * W);
-  scan_tile<P, V, Vec, Out, Sums, Dual, F>(tile, W, a + p0, b + p0, ldab, c + q0, ldc, o + q0, ldo, n, d.at(p0, q0),
-                                           g);
+  scan_tile<P, V, Vec, Out, Sums, Dual, F>(tile, W, a + p0, lda, b + p0, ldb, c + q0, ldc, o + q0, ldo, n,
+                                           d.at(p0, q0), g);
   for (index p = 0; p < da - p0; ++p) std::copy_n(tile + p * W, W, state + (p0 + p) * db + q0);
 }
 
@@ -187,8 +188,8 @@ void scan_strip(T* state, index da, index db, index q0, T const* a, T const* b, 
 // lanes. Rows of `a` and `b` are zero from da up to whole vectors (and o2's
 // rows, Dual, at least that wide: the second output is a vector along them).
 template <int K, class Vec, bool Out, sums Sums, bool Dual, fade F, class T>
-inline void scan_column_block(T* state, index da, index db, index q, index p0, T const* __restrict a,
-                              T const* __restrict b, index ldab, T const* __restrict c, index ldc, T* __restrict o,
+inline void scan_column_block(T* state, index da, index db, index q, index p0, T const* __restrict a, index lda,
+                              T const* __restrict b, index ldb, T const* __restrict c, index ldc, T* __restrict o,
                               index ldo, index n, second_output<T> d, T g) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   alignas(64) T col[K * L] = {};
@@ -202,8 +203,8 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
   for (int k = 0; k < K; ++k) s[k] = two ? Vec{} : simd::load<Vec>(col + k * L);
   for (index i = 0; i < n; ++i) {
     Vec cq = simd::broadcast<Vec>(c[i * ldc + q]);
-    T const* ai = a + i * ldab + p0;
-    T const* bi = b + i * ldab + p0;
+    T const* ai = a + i * lda + p0;
+    T const* bi = b + i * ldb + p0;
     Vec ov{};
     [[maybe_unused]] Vec xq{};
     if constexpr (Dual) xq = simd::broadcast<Vec>(d.x[i * d.ldx + q]);
@@ -229,12 +230,12 @@ inline void scan_column_block(T* state, index da, index db, index q, index p0, T
 }
 
 template <class Vec, bool Out, sums Sums, bool Dual, fade F, class T>
-void scan_column(T* state, index da, index db, index q, T const* a, T const* b, index ldab, T const* c, index ldc,
-                 T* o, index ldo, index n, second_output<T> d, T g) {
+void scan_column(T* state, index da, index db, index q, T const* a, index lda, T const* b, index ldb, T const* c,
+                 index ldc, T* o, index ldo, index n, second_output<T> d, T g) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   index p0 = 0;
   auto block = [&]<int K>() {
-    scan_column_block<K, Vec, Out, Sums, Dual, F>(state, da, db, q, p0, a, b, ldab, c, ldc, o, ldo, n, d, g);
+    scan_column_block<K, Vec, Out, Sums, Dual, F>(state, da, db, q, p0, a, lda, b, ldb, c, ldc, o, ldo, n, d, g);
     p0 += K * L;
   };
   while (p0 + 4 * L <= da) block.template operator()<4>();
@@ -339,8 +340,9 @@ inline constexpr index two_level_rows = [] {
 // sum on entry and on exit, so scans can be chained.
 //
 // The rows go in chunks: a chunk's rows of A and B are packed into small
-// contiguous buffers (zero-padded to whole tiles and vectors; C too when its
-// rows are not contiguous), then every register tile of the state streams
+// contiguous buffers (zero-padded to whole tiles and vectors; rows already
+// that wide and contiguous are read where they are, as C's rows are whenever
+// contiguous), then every register tile of the state streams
 // through the chunk (detail::scan_tile), so the state is loaded and stored
 // once per chunk instead of once per row. Each state element still adds
 // b_i c_i^T one row at a time and each output sums over the state's rows in a
@@ -484,11 +486,18 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
   T* px = pbuf + lay.o_size;
   T* po2 = px + lay.x_size;
   T* work = po2 + lay.o2_size;
-  // rows `first`, first +- 1, ... of a source: where they are, or packed into `to`
-  auto rows_of = [&](auto const& src, index first, index m, T* to) -> std::pair<T const*, index> {
-    if (T const* in = src.in_place()) return {in + first * src.stride(), reverse ? -src.stride() : src.stride()};
-    src.pack(first, m, reverse, to, lay.ldc, work);
-    return {to, lay.ldc};
+  // Rows `first`, first +- 1, ... of a source: where they are, or packed into
+  // `to`, `ld` wide. Rows of A and B stay where they are only when they need
+  // no zeros (da whole tiles and vectors: ldab == da); copying them was 12% of
+  // a backward's time that reads them from materialised matrices (perf, one
+  // thread, N = 4096, D = M = 64).
+  bool const ab_padded = ldab != da;
+  auto rows_of = [&](auto const& src, index first, index m, T* to, index ld,
+                     bool padded = false) -> std::pair<T const*, index> {
+    T const* in = src.in_place();
+    if (in && !padded) return {in + first * src.stride(), reverse ? -src.stride() : src.stride()};
+    src.pack(first, m, reverse, to, ld, work);
+    return {to, ld};
   };
   for (index t0 = 0; t0 < n; t0 += lay.rows) {
     index m = std::min(lay.rows, n - t0);
@@ -499,33 +508,33 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
       for (index t = 0; t < m; ++t) std::fill_n(po + t * ldo, db, T(0));
     if constexpr (Dual) std::fill_n(po2, m * ldab, T(0));
     if (da > 0) {
-      if constexpr (Outputs) a.pack(first, m, reverse, pa, ldab, work);
-      b.pack(first, m, reverse, pb, ldab, work);
-      // (not a structured binding: the lambda below reads both, which C++20
+      // (not structured bindings: the lambda below reads them, which C++20
       // allows but Clang before 16 refuses)
-      auto const c_rows = rows_of(c, first, m, pc);
-      T const* const pc_rows = c_rows.first;
-      index const ldc = c_rows.second;
+      auto const a_rows = Outputs ? rows_of(a, first, m, pa, ldab, ab_padded) : std::pair<T const*, index>{};
+      auto const b_rows = rows_of(b, first, m, pb, ldab, ab_padded);
+      auto const c_rows = rows_of(c, first, m, pc, lay.ldc);
+      T const *const ra = a_rows.first, *const rb = b_rows.first, *const rc = c_rows.first;
+      index const lda = a_rows.second, ldb = b_rows.second, ldc = c_rows.second;
       detail::second_output<T> d;
       if constexpr (Dual) {
-        auto [px_rows, ldx] = rows_of(sec.x, first, m, px);
+        auto [px_rows, ldx] = rows_of(sec.x, first, m, px, lay.ldc);
         d = {px_rows, ldx, po2, ldab};
       }
       auto strips = [&]<detail::sums Sums, detail::fade F = detail::fade::none>() {
         index q0 = 0;
         if (Outputs && !Dual && m == 1) {  // a step: whole vectors row by row
           q0 = db / L * L;
-          detail::scan_one_row<vec, F>(state, da, db, db / L, pa, pb, pc_rows, po, decay);
+          detail::scan_one_row<vec, F>(state, da, db, db / L, ra, rb, rc, po, decay);
         }
         for (; q0 + V * L <= db; q0 += V * L)
-          detail::scan_strip<P, V, vec, Outputs, Sums, Dual, F>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po,
-                                                                ldo, m, d, decay);
+          detail::scan_strip<P, V, vec, Outputs, Sums, Dual, F>(state, da, db, q0, ra, lda, rb, ldb, rc, ldc, po, ldo,
+                                                                m, d, decay);
         for (; q0 + L <= db; q0 += L)
-          detail::scan_strip<P, 1, vec, Outputs, Sums, Dual, F>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po,
-                                                                ldo, m, d, decay);
+          detail::scan_strip<P, 1, vec, Outputs, Sums, Dual, F>(state, da, db, q0, ra, lda, rb, ldb, rc, ldc, po, ldo,
+                                                                m, d, decay);
         for (; q0 < db; ++q0)
-          detail::scan_column<vec, Outputs, Sums, Dual, F>(state, da, db, q0, pa, pb, ldab, pc_rows, ldc, po, ldo, m,
-                                                           d, decay);
+          detail::scan_column<vec, Outputs, Sums, Dual, F>(state, da, db, q0, ra, lda, rb, ldb, rc, ldc, po, ldo, m, d,
+                                                           decay);
       };
       if (decay != T(1) && reverse)
         strips.template operator()<detail::sums::one_level, detail::fade::after>();
