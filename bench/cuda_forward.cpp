@@ -577,7 +577,7 @@ bool time_packed(pack const& pk, bool backward, double budget, double copy_bw, s
   auto [k, hk] = upload(22);
   auto [v, hv] = upload(23);
   cuda::tensor<cuda::bf16> o(sh), alone_o(sh);
-  auto const in = cuda::detail::check_sequences<std::remove_cvref_t<decltype(plan)>>(o.view(), seqs, Q = q, K = k, V = v);
+  auto const in = cuda::detail::check_sequences<std::remove_cvref_t<decltype(plan)>>(o.view(), "cuda::evaluate_into", seqs, Q = q, K = k, V = v);
   bool const one = cuda::detail::one_launch(plan, bf16, in, seqs, false, sms);
   bool const one_backward = cuda::detail::one_launch(plan, bf16, in, seqs, false, sms, true);
 

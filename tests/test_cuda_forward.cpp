@@ -289,15 +289,62 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
   CHECK(out.data()[0] == 7.0f);
 }
 
+// An output (or a gradient's view) in memory an input may share is refused
+// before anything runs, on the device and in its emulation alike: the
+// kernel's blocks read inputs while others write, in no order. (The CPU
+// backend computes through a copy instead: tests/test_errors.cpp.)
+TEST_CASE("an output or a gradient view in an input's memory: alias_error, nothing written") {
+  constexpr auto plan = compile<order::linear>(causal_expr);
+  std::size_t const b = 1, h = 2, n = 10, d = 4;
+  auto q = tensor<float>::random({b, h, n, d}, 1), k = tensor<float>::random({b, h, n, d}, 2);
+  auto v = tensor<float>::random({b, h, n, d}, 3), dout = tensor<float>::random({b, h, n, d}, 4);
+  auto const q0 = q, v0 = v, dout0 = dout;
+  auto refused = [](auto const& f, std::string const& says) {
+    CAPTURE(says);
+    try {
+      f();
+      FAIL("no alias_error");
+    } catch (alias_error const& e) {
+      CHECK(std::string(e.what()).find(says) != std::string::npos);
+    }
+  };
+  refused([&] { cuda::emulate_into(plan, {}, v.view(), Q = q, K = k, V = v); },
+          "lina::alias_error: cuda::emulate_into: the output may share memory with input V");
+  cuda::state st(plan, b, h, cuda::memory::host);
+  refused([&] { cuda::emulate_into(plan, {}, q.view().rows(0, n), st, Q = q, K = k, V = v); }, "with input Q");
+  CHECK(!st.sized());
+  // device views (over host memory: the check comes before the device is asked for)
+  cuda::device_view<float const> dq(q.data(), q.shape()), dk(k.data(), k.shape()), dv(v.data(), v.shape());
+  refused([&] { cuda::evaluate_into(plan, cuda::device_view<float>(k.data(), k.shape()), nullptr, Q = dq, K = dk, V = dv); },
+          "cuda::evaluate_into: the output may share memory with input K");
+  auto rnn = cuda::recurrent(plan, b, h, {}, cuda::memory::host);
+  refused([&] { rnn.step_into(v.view().rows(0, 1), Q = q.rows(0, 1), K = k.rows(0, 1), V = v.rows(0, 1)); }, "with input V");
+  // gradients: over an input, over dout, over each other
+  auto into = cuda::emulate_gradient_views(plan);
+  tensor<float> gq({b, h, n, d}), gk({b, h, n, d});
+  into[Q] = gq.view(), into[K] = gk.view(), into[V] = q.view();
+  refused([&] { cuda::emulate_gradient_into(plan, {}, into, dout, Q = q, K = k, V = v); },
+          "cuda::emulate_gradient_into: the view of ∂V may share memory with input Q");
+  into[V] = dout.view();
+  refused([&] { cuda::emulate_gradient_into(plan, {}, into, dout, Q = q, K = k, V = v); },
+          "the view of ∂V may share memory with dout");
+  into[V] = gq.view();
+  refused([&] { cuda::emulate_gradient_into(plan, {}, into, dout, Q = q, K = k, V = v); },
+          "the view of ∂V may share memory with the view of ∂Q: give each gradient memory of its own");
+  CHECK(max_abs_diff(q, q0) == 0);
+  CHECK(max_abs_diff(v, v0) == 0);
+  CHECK(max_abs_diff(dout, dout0) == 0);
+}
+
 // Launches take a schedule after the stream (evaluate_into, evaluate, gradient, each
 // chained too): a request that is no schedule throws before anything runs, device
 // or not, and without a device the launch is the usual cuda_error.
 TEST_CASE("requested tiles on launches: checked before anything runs") {
   constexpr auto plan = compile<order::linear>(causal_expr);
   shape4 const sq{1, 2, 10, 4}, sv{1, 2, 10, 3};
-  std::vector<float> fake(80, 5.0f);  // never read: nothing is launched
+  std::vector<float> fake(80, 5.0f), fake_out(80, 5.0f);  // never read: nothing is launched
   cuda::device_view<float const> const dq(fake.data(), sq), dv(fake.data(), sv);
-  cuda::device_view<float> const dout(fake.data(), sv);
+  cuda::device_view<float> const dout(fake_out.data(), sv);
   cuda::state st(plan, 1, 2);
   auto no_schedule = [](auto const& f) {
     CHECK_THROWS_WITH_AS(f(), doctest::Contains("a chunk of 24 rows was requested"), std::invalid_argument);
@@ -306,7 +353,7 @@ TEST_CASE("requested tiles on launches: checked before anything runs") {
   no_schedule([&] { cuda::evaluate_into(plan, dout, nullptr, bad, Q = dq, K = dq, V = dv); });
   no_schedule([&] { cuda::evaluate_into(plan, dout, st, nullptr, bad, Q = dq, K = dq, V = dv); });
   no_schedule([&] { (void)cuda::gradient(plan, dv, nullptr, bad, Q = dq, K = dq, V = dv); });
-  CHECK(std::all_of(fake.begin(), fake.end(), [](float x) { return x == 5.0f; }));
+  CHECK(std::all_of(fake_out.begin(), fake_out.end(), [](float x) { return x == 5.0f; }));
   if (!cuda::probe_device().available) {
     CHECK_THROWS_AS(cuda::evaluate_into(plan, dout, nullptr, cuda::tile_request{32, 2, true}, Q = dq, K = dq, V = dv),
                     cuda::cuda_error);
@@ -467,12 +514,12 @@ TEST_CASE("requested groups: N split into the groups asked for, = the same rows 
   spec.tiles.groups = -1;
   CHECK_THROWS_WITH_AS(cuda::program_of(spec), doctest::Contains("-1 groups of rows were requested"), std::invalid_argument);
   shape4 const sq{1, 2, 10, 4};
-  std::vector<float> fake(80, 5.0f);
+  std::vector<float> fake(80, 5.0f), fake_out(80, 5.0f);
   cuda::device_view<float const> const dq(fake.data(), sq);
-  cuda::device_view<float> const dout(fake.data(), sq);
+  cuda::device_view<float> const dout(fake_out.data(), sq);
   CHECK_THROWS_WITH_AS(cuda::evaluate_into(plan_of(causal_expr), dout, nullptr, cuda::tile_request{.groups = -2}, Q = dq, K = dq, V = dq),
                        doctest::Contains("-2 groups"), std::invalid_argument);
-  CHECK(std::all_of(fake.begin(), fake.end(), [](float x) { return x == 5.0f; }));
+  CHECK(std::all_of(fake_out.begin(), fake_out.end(), [](float x) { return x == 5.0f; }));
 }
 
 TEST_CASE("device: launches at a requested schedule = their emulation at it") {

@@ -264,9 +264,9 @@ TEST_CASE("chained: a state of another plan, batch, heads or extent is refused b
                        doctest::Contains("the state is in device memory"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(on_device.sums(), doctest::Contains("cuda::to_host"), std::invalid_argument);
   shape4 sq{2, 3, 10, 4}, sv{2, 3, 10, 6};
-  std::vector<float> fake(2 * 3 * 10 * 6);  // never read: every check comes before the launch
+  std::vector<float> fake(2 * 3 * 10 * 6), fake_out(2 * 3 * 10 * 6);  // never read: every check comes before the launch
   cuda::device_view<float const> dq(fake.data(), sq), dv(fake.data(), sv);
-  cuda::device_view<float> dout(fake.data(), sv);
+  cuda::device_view<float> dout(fake_out.data(), sv);
   CHECK_THROWS_WITH_AS(cuda::evaluate_into(plan, dout, st, nullptr, Q = dq, K = dq, V = dv),
                        doctest::Contains("the state is in host memory"), std::invalid_argument);
   // A device state of another plan or batch: refused before any launch or allocation.

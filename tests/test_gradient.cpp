@@ -188,3 +188,41 @@ TEST_CASE("gradient_into writes the gradients into caller views, in any layout, 
   for (std::size_t i = 0; i < dq2.size(); ++i) untouched = untouched && dq2.data()[i] == -7.0;
   CHECK(untouched);
 }
+
+// A gradient may go into its own input's memory (into[Q] = q, as a training
+// step that overwrites what it no longer needs) or into dout's: the backend
+// computes through a copy. Two gradients in shared memory would overwrite
+// each other: lina::alias_error naming both, before anything is written.
+TEST_CASE("gradient_into: over an input or dout the numbers of fresh memory, and two gradients sharing memory throw") {
+  std::size_t b = 2, h = 2, n = 90, d = 4;
+  auto q = tensor<double>::random({b, h, n, d}, 1), k = tensor<double>::random({b, h, n, d}, 2);
+  auto v = tensor<double>::random({b, h, n, d}, 3), dout = tensor<double>::random({b, h, n, d}, 4);
+  auto plan = compile(causal_attn<elu_plus_one>);
+  auto const g = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  auto q2 = q, k2 = k, v2 = v, dout2 = dout;
+  auto into = cpu::gradient_views<double>(plan);
+  into[Q] = q2.view();     // ∂Q over Q
+  into[K] = dout2.view();  // ∂K over dout
+  into[V] = k2.view();     // ∂V over K
+  cpu::gradient_into(plan, into, dout2, Q = q2, K = k2, V = v2);
+  CHECK(max_abs_diff(q2, g[Q]) == 0);
+  CHECK(max_abs_diff(dout2, g[K]) == 0);
+  CHECK(max_abs_diff(k2, g[V]) == 0);
+
+  tensor<double> dq({b, h, n, d}, -7.0), dkv({b, h, n, d}, -7.0);
+  into[Q] = dq.view();
+  into[K] = dkv.view();
+  into[V] = dkv.view().rows(1, n - 1);  // wrong shape and shared: the shape is checked first
+  test::expect_shape_error([&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); }, "∂V", "rows", n - 1, n);
+  into[V] = dkv.view();
+  try {
+    cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v);
+    FAIL("no alias_error");
+  } catch (lina::alias_error const& e) {
+    CHECK(std::string(e.what()) ==
+          "lina::alias_error: the views of ∂K and ∂V may share memory; give each gradient memory of its own");
+  }
+  bool untouched = true;
+  for (std::size_t i = 0; i < dq.size(); ++i) untouched = untouched && dq.data()[i] == -7.0 && dkv.data()[i] == -7.0;
+  CHECK(untouched);
+}

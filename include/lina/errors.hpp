@@ -43,4 +43,11 @@ class state_error : public std::invalid_argument {
   explicit state_error(std::string const& what) : std::invalid_argument("lina::state_error: " + what) {}
 };
 
+// Two outputs of one call (gradient views) in memory they may share: each
+// would overwrite the other. `what` names both.
+class alias_error : public std::invalid_argument {
+ public:
+  explicit alias_error(std::string const& what) : std::invalid_argument("lina::alias_error: " + what) {}
+};
+
 }  // namespace lina

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "lina/fixed_string.hpp"
@@ -36,6 +37,88 @@ View row_block(View const& v, std::size_t first, std::size_t count) {
   shape4 s = v.shape();
   s[2] = count;
   return View(v.data() + static_cast<std::ptrdiff_t>(first) * v.strides()[2], s, v.strides());
+}
+// The bytes a view reaches, as a base and up to four (extent, stride) pairs
+// in bytes: strides made positive (the same addresses from the other end),
+// dimensions of one element or of stride 0 (a broadcast) dropped.
+struct memory_piece {
+  std::uintptr_t base = 0;
+  std::size_t element = 0;  // bytes
+  int dims = 0;
+  std::array<std::size_t, 4> extent{}, stride{};
+  std::uintptr_t last() const {  // one past the last byte
+    std::uintptr_t end = base + element;
+    for (int d = 0; d < dims; ++d) end += (extent[d] - 1) * stride[d];
+    return end;
+  }
+  template <class V>
+  static memory_piece of(V const& v) {  // (element == 0: empty, or no memory)
+    using E = std::remove_cv_t<std::remove_pointer_t<decltype(v.data())>>;
+    memory_piece p;
+    p.base = reinterpret_cast<std::uintptr_t>(v.data());
+    for (int d = 0; d < 4; ++d)
+      if (v.shape()[d] == 0) return {};
+    if (!v.data()) return {};
+    p.element = sizeof(E);
+    for (int d = 0; d < 4; ++d) {
+      std::ptrdiff_t const s = v.strides()[d] * static_cast<std::ptrdiff_t>(sizeof(E));
+      if (v.shape()[d] == 1 || s == 0) continue;
+      if (s < 0) p.base -= (v.shape()[d] - 1) * static_cast<std::size_t>(-s);  // (unsigned: wraps as the address would)
+      p.extent[p.dims] = v.shape()[d];
+      p.stride[p.dims++] = static_cast<std::size_t>(s < 0 ? -s : s);
+    }
+    return p;
+  }
+};
+// Do two pieces reach a common byte? Where their spans meet, the piece whose
+// outermost dimension (largest stride) holds slices that cannot meet each
+// other is cut into them, and each slice that meets the other piece's span
+// is asked again: exact for the layouts of strided tensors (heads or
+// operands interleaved in one buffer share no element), up to `budget`
+// slices compared; past it, or where no dimension can be cut, "may".
+inline bool pieces_meet(memory_piece const& a, memory_piece const& b, std::size_t& budget) {
+  if (!a.element || !b.element || a.last() <= b.base || b.last() <= a.base) return false;
+  if (budget == 0) return true;
+  --budget;
+  auto cut = [](memory_piece const& p) {  // the dimension to cut p along, or -1
+    int outer = -1;
+    for (int d = 0; d < p.dims; ++d)
+      if (p.extent[d] > 1 && (outer < 0 || p.stride[d] > p.stride[outer])) outer = d;
+    if (outer < 0) return -1;
+    memory_piece inner = p;
+    inner.extent[outer] = 1;
+    return inner.last() - inner.base <= p.stride[outer] ? outer : -1;  // its slices cannot meet
+  };
+  bool const a_wider = a.last() - a.base >= b.last() - b.base;
+  memory_piece const& wide = a_wider ? a : b;
+  memory_piece const& other = a_wider ? b : a;
+  int d = cut(wide);
+  memory_piece const& split = d >= 0 ? wide : other;
+  memory_piece const& rest = d >= 0 ? other : wide;
+  if (d < 0) d = cut(other);
+  if (d < 0) return true;
+  memory_piece slice = split;
+  slice.extent[d] = 1;
+  // only the slices k that reach into rest's span [r0, r1): base + k·stride < r1
+  // and base + k·stride + width > r0
+  std::uintptr_t const width = slice.last() - slice.base, stride = split.stride[d], r0 = rest.base, r1 = rest.last();
+  std::size_t k = r0 >= split.base + width ? (r0 - split.base - width) / stride + 1 : 0;
+  std::size_t const last = std::min<std::size_t>(split.extent[d] - 1, (r1 - 1 - split.base) / stride);
+  for (; k <= last; ++k) {
+    slice.base = split.base + k * stride;
+    if (pieces_meet(slice, rest, budget)) return true;
+  }
+  return false;
+}
+// Can two views (tensor_view, cuda::device_view) reach a common byte? An
+// empty view, or one without memory (null data), reaches none. (Exact for
+// dimensions that nest, e.g. heads or operands interleaved in one buffer; a
+// view whose dimensions overlap one another, or past 2^18 slices compared,
+// counts as sharing.)
+template <class V1, class V2>
+bool may_share_memory(V1 const& a, V2 const& b) {
+  std::size_t budget = std::size_t{1} << 18;
+  return pieces_meet(memory_piece::of(a), memory_piece::of(b), budget);
 }
 }  // namespace detail
 

@@ -1233,6 +1233,21 @@ void chain_stack(state& st, L const& linear, std::size_t count, std::size_t head
   st.run_stacked(linear, count, heads, layer_count<L>(),
                  [&](state* layers) { run_stack(linear, layers, alloc, one, out, bindings...); });
 }
+// An output that may share memory with an input is refused before anything
+// runs: the kernel's blocks read inputs while others write the output, in no
+// order (cpu::evaluate_into computes through a copy instead; on the device
+// that would be an allocation and a copy the caller can make). `what` names
+// the output.
+template <class Out, class Bound>
+void refuse_shared_memory(Out const& out, Bound const& in, std::string const& what, char const* call) {
+  auto one = [&]<class In>() {
+    if (lina::detail::may_share_memory(out, in.views[Bound::template input_index<In>()]))
+      throw alias_error(std::string(call) + ": " + what + " may share memory with input " +
+                        std::string(In::name.view()) + ", which its kernel reads while it writes: give " + what +
+                        " memory of its own");
+  };
+  [&]<class... In>(lina::detail::type_list<In...>) { (one.template operator()<In>(), ...); }(typename Bound::inputs{});
+}
 }  // namespace detail
 
 // Evaluate `plan` through the host emulation of its generated kernel into
@@ -1250,6 +1265,7 @@ template <class Plan, class... B>
 void emulate_into(Plan const& plan, options opt, tensor_view<float> out, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
   check_result_shape<Plan>(out.shape(), in);
+  detail::refuse_shared_memory(out, in, "the output", "cuda::emulate_into");
   if constexpr (detail::forward_plan<Plan>::stacked)
     detail::through_layers(
         plan, [&](auto const& layer, auto const&... b) { return emulate(layer, opt, b...); },
@@ -1271,6 +1287,7 @@ void emulate_into(Plan const& plan, options opt, tensor_view<float> out, state& 
   using L = decltype(linear);
   auto in = bind<L>(bindings...);
   check_result_shape<L>(out.shape(), in);
+  detail::refuse_shared_memory(out, in, "the output", "cuda::emulate_into");
   detail::require_state_in(st, memory::host, "cuda::emulate_into");
   if constexpr (detail::forward_plan<L>::stacked) {
     auto one = [&](auto const& layer, state& s, tensor_view<float> o, auto const&... b) { emulate_into(layer, opt, o, s, b...); };
@@ -1402,6 +1419,7 @@ void evaluate_into(Plan const& plan, device_view<O> out, void* stream, tile_requ
   check_tile_request(tiles);
   auto in = bind<Plan>(bindings...);
   check_result_shape<Plan>(out.shape(), in);
+  detail::refuse_shared_memory(out, in, "the output", "cuda::evaluate_into");
   if constexpr (detail::forward_plan<Plan>::stacked) {  // one launch per layer; the intermediates die with the call
     using T = std::remove_const_t<typename decltype(in)::value_type>;
     detail::through_layers(
@@ -1431,6 +1449,7 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
   using L = decltype(linear);
   auto in = bind<L>(bindings...);
   check_result_shape<L>(out.shape(), in);
+  detail::refuse_shared_memory(out, in, "the output", "cuda::evaluate_into");
   detail::require_state_in(st, memory::device, "cuda::evaluate_into");
   if constexpr (detail::forward_plan<L>::stacked) {  // a state per layer; the intermediates die with the call
     using T = std::remove_const_t<typename decltype(in)::value_type>;
@@ -1514,10 +1533,11 @@ auto evaluate(Plan const& plan, state& st, void* stream, B const&... bindings) {
 namespace detail {
 // The checks of a packed evaluation into `out`; the bound inputs.
 template <class Plan, class Out, class... B>
-auto check_sequences(Out const& out, sequences const& seqs, B const&... bindings) {
+auto check_sequences(Out const& out, char const* call, sequences const& seqs, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
   check_packed<packed_dim<Plan>>(in, seqs);
   check_result_shape<Plan>(out.shape(), in);
+  refuse_shared_memory(out, in, "the output", call);
   return in;
 }
 // each(s, out rows of s, bindings of s...) for every sequence s, in order.
@@ -1558,7 +1578,7 @@ bool one_launch(Plan const& plan, options opt, Bound const& in, sequences const&
 template <class L, class Out, class Packs, class Run, class... B>
 void chained_sequences(L const& linear, Out const& out, state& st, sequences const& seqs, void* stream, char const* call,
                        Packs const& packs, Run const& run, B const&... bindings) {
-  auto in = check_sequences<L>(out, seqs, bindings...);
+  auto in = check_sequences<L>(out, call, seqs, bindings...);
   st.prepare(linear, in, stream, call, seqs.count(), "sequences (of packed sequences)");
   if (packs(in))
     run(out, in, run_with{.st = &st, .packed = &seqs});
@@ -1573,7 +1593,7 @@ void chained_sequences(L const& linear, Out const& out, state& st, sequences con
 template <class Plan, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 void emulate_into(Plan const& plan, options opt, tensor_view<float> out, sequences const& seqs, B const&... bindings) {
-  auto in = detail::check_sequences<Plan>(out, seqs, bindings...);
+  auto in = detail::check_sequences<Plan>(out, "cuda::emulate_into", seqs, bindings...);
   if (detail::one_launch(plan, opt, in, seqs, false, 0)) {
     detail::emulate_bound(plan, opt, out, in, {.packed = &seqs});
     return;
@@ -1595,7 +1615,7 @@ void evaluate_into(Plan const& plan, device_view<O> out, void* stream, tile_requ
                    B const&... bindings) {
   static_assert(!std::is_const_v<O>, "lina::cuda::evaluate_into: the output view must be writable");
   check_tile_request(tiles);
-  auto in = detail::check_sequences<Plan>(out, seqs, bindings...);
+  auto in = detail::check_sequences<Plan>(out, "cuda::evaluate_into", seqs, bindings...);
   using T = std::remove_const_t<typename decltype(in)::value_type>;
   int const sms = require_device("cuda::evaluate_into").sms;
   if (detail::one_launch(plan, detail::device_options<T, O>(tiles), in, seqs, false, sms)) {
@@ -1634,7 +1654,7 @@ void emulate_into(Plan const& plan, options opt, tensor_view<float> out, state& 
   using L = decltype(linear);
   detail::require_state_in(st, memory::host, "cuda::emulate_into");
   if constexpr (detail::forward_plan<L>::stacked) {  // layer by layer over the whole pack, a state row per sequence
-    auto in = detail::check_sequences<L>(out, seqs, bindings...);
+    auto in = detail::check_sequences<L>(out, "cuda::emulate_into", seqs, bindings...);
     auto one = [&](auto const& layer, state& s, tensor_view<float> o, auto const&... b) {
       emulate_into(layer, opt, o, s, seqs, b...);
     };
@@ -1666,7 +1686,7 @@ void evaluate_into(Plan const& plan, device_view<O> out, state& st, void* stream
   using L = decltype(linear);
   detail::require_state_in(st, memory::device, "cuda::evaluate_into");
   if constexpr (detail::forward_plan<L>::stacked) {  // layer by layer over the whole pack, a state row per sequence
-    auto in = detail::check_sequences<L>(out, seqs, bindings...);
+    auto in = detail::check_sequences<L>(out, "cuda::evaluate_into", seqs, bindings...);
     using T = std::remove_const_t<typename decltype(in)::value_type>;
     auto one = [&](auto const& layer, state& s, auto o, auto const&... b) {
       evaluate_into(layer, o, s, stream, tiles, seqs, b...);
@@ -2109,6 +2129,36 @@ template <class G, class... In, class Bound>
 void check_into(gradients<G, In...>& into, Bound const& in) {
   ((void)caller_view<In>(into, in.views[Bound::template input_index<In>()].shape()), ...);
 }
+// The caller's gradient views refused (alias_error) where one may share memory
+// with an input, with dout or with another gradient's view, as
+// refuse_shared_memory refuses an output.
+template <class G, class... In, class Bound, class Dout>
+void refuse_shared_gradients(gradients<G, In...>& into, Bound const& in, Dout const& dout, char const* call) {
+  std::array<std::string, sizeof...(In)> const names{std::string(In::name.view())...};
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    std::string const what = "the view of ∂" + names[i];
+    refuse_shared_memory(into.all()[i], in, what, call);
+    auto refuse = [&](std::string const& other) {
+      throw alias_error(std::string(call) + ": " + what + " may share memory with " + other +
+                        ": give each gradient memory of its own");
+    };
+    if (lina::detail::may_share_memory(into.all()[i], view_of(dout))) refuse("dout");
+    for (std::size_t j = 0; j < i; ++j)
+      if (lina::detail::may_share_memory(into.all()[i], into.all()[j])) refuse("the view of ∂" + names[j]);
+  }
+}
+// The same for the emulation's gradient_into ([seqs,] bindings...), which
+// refuses what a launch would, though it copies results made elsewhere.
+template <class Plan, class G, class... In, class Dout, class... B>
+void refuse_shared_gradients(gradients<G, In...>& into, Dout const& dout, B const&... bindings) {
+  auto const in = bind<Plan>(bindings...);
+  check_into(into, in);
+  refuse_shared_gradients(into, in, dout, "cuda::emulate_gradient_into");
+}
+template <class Plan, class G, class... In, class Dout, class... B>
+void refuse_shared_gradients(gradients<G, In...>& into, Dout const& dout, sequences const&, B const&... bindings) {
+  refuse_shared_gradients<Plan>(into, dout, bindings...);
+}
 // The emulation's gradients g copied into the caller's views, every view
 // checked first.
 template <class... In, class G>
@@ -2224,6 +2274,7 @@ auto gradient_impl(Plan const& plan, Dout const& dout, void* stream, tile_reques
       vv = caller_view<typename F::v::input>(*into, sv);
       if constexpr (F::parametric) vw[0] = caller_view<typename F::q::param>(*into, sw);
       if constexpr (F::own_k_w) vw[1] = caller_view<typename F::k::param>(*into, sw);
+      refuse_shared_gradients(*into, in, dout, call);
     } else {
       tensor<T>& gq = detail::gradient_slot<typename F::q::input>(g);
       tensor<T>& gk = detail::gradient_slot<typename F::k::input>(g);
@@ -2366,8 +2417,10 @@ void emulate_gradient_into(Plan const& plan, options opt, gradients<tensor_view<
                            B const&... bindings) {
   static_assert(std::is_same_v<gradients<tensor_view<float>, In...>, gradients_for<tensor_view<float>, Plan>>,
                 "lina::cuda::emulate_gradient_into: `into` must be cuda::emulate_gradient_views(plan) of this plan");
-  if constexpr (diagnose::gradient_into_plan<!detail::forward_plan<Plan>::stacked>::ok)
+  if constexpr (diagnose::gradient_into_plan<!detail::forward_plan<Plan>::stacked>::ok) {
+    detail::refuse_shared_gradients<Plan>(into, dout, bindings...);
     detail::copy_gradients(into, emulate_gradient(plan, opt, dout, bindings...));
+  }
 }
 
 // ---- packed sequences' gradients ----
@@ -2423,6 +2476,7 @@ void gradient_into(Plan const& plan, gradients<device_view<T>, In...>& into, Dou
     detail::check_dout<Plan>(view_of(dout).shape(), in);
     detail::check_into(into, in);
     char const* call = "cuda::gradient_into";
+    detail::refuse_shared_gradients(into, in, dout, call);
     int const sms = require_device(call).sms;
     if (detail::one_launch(plan, detail::device_options<T, T>(tiles), in, seqs, false, sms, true)) {
       detail::gradient_impl(plan, dout, stream, tiles, static_cast<void const*>(nullptr), &seqs, &into, bindings...);
@@ -2459,6 +2513,7 @@ void emulate_gradient_into(Plan const& plan, options opt, gradients<tensor_view<
     check_packed<packed_dim<Plan>>(in, seqs);
     detail::check_dout<Plan>(view_of(dout).shape(), in);
     detail::check_into(into, in);
+    detail::refuse_shared_gradients(into, in, dout, "cuda::emulate_gradient_into");
     if (detail::one_launch(plan, opt, in, seqs, false, 0, true)) {
       detail::copy_gradients(into, detail::emulate_gradient_impl(plan, opt, dout, static_cast<void const*>(nullptr),
                                                                  &seqs, bindings...));
@@ -2617,6 +2672,7 @@ state emulate_gradient_into(Plan const& plan, options opt, gradients<tensor_view
   static_assert(std::is_same_v<gradients<tensor_view<float>, In...>, gradients_for<tensor_view<float>, Plan>>,
                 "lina::cuda::emulate_gradient_into: `into` must be cuda::emulate_gradient_views(plan) of this plan");
   static_assert(diagnose::gradient_into_plan<!detail::forward_plan<decltype(longest_branch(plan))>::stacked>::ok || true);
+  detail::refuse_shared_gradients<decltype(longest_branch(plan))>(into, dout, rest...);
   auto [g, d_initial] = emulate_gradient(plan, opt, dout, initial, d_final, rest...);
   detail::copy_gradients(into, g);
   return std::move(d_initial);
@@ -2746,6 +2802,7 @@ class rnn {
   void run_on_host(tensor_view<float> out, bool step, sequences const* seqs, char const* call, B const&... bindings) {
     auto in = bind<L>(bindings...);
     check_result_shape<L>(out.shape(), in);
+    detail::refuse_shared_memory(out, in, "the output", call);
     if (step) check_one_token(in);
     if (state_.where() != memory::host)
       throw std::invalid_argument(std::string("lina::") + call +
@@ -2773,6 +2830,7 @@ class rnn {
     static_assert(diagnose::device_bindings<is_device_view<typename Bound::view_type>>::ok || true);
     if constexpr (is_device_view<typename Bound::view_type>) {
       check_result_shape<L>(out.shape(), in);
+      detail::refuse_shared_memory(out, in, "the output", call);
       if (step) check_one_token(in);
       if (state_.where() != memory::device)
         throw std::invalid_argument(std::string("lina::") + call +
@@ -3018,9 +3076,6 @@ class stack_rnn {
   std::size_t step_bytes_ = 0;
   lina::tensor<float> host_rows_;
 };
-
-namespace detail {
-}  // namespace detail
 
 // recurrent(plan, B, H, options, memory): the plan's linear form as an RNN
 // over B × H sequences, from zero sums; its state in device memory (launches)

@@ -375,6 +375,15 @@ void store(matrix<T> const& m, tensor_view<T> out, std::size_t b, std::size_t h)
   for (index i = 0; i < m.rows; ++i)
     for (index j = 0; j < m.cols; ++j) out(b, h, static_cast<std::size_t>(i), static_cast<std::size_t>(j)) = m(i, j);
 }
+// Every element of `from` into `to`, of the same shape, in any layouts.
+template <class T>
+void copy_elements(tensor_view<T const> from, tensor_view<T> to) {
+  auto const& s = from.shape();
+  for (std::size_t b = 0; b < s[0]; ++b)
+    for (std::size_t h = 0; h < s[1]; ++h)
+      for (std::size_t i = 0; i < s[2]; ++i)
+        for (std::size_t j = 0; j < s[3]; ++j) to(b, h, i, j) = from(b, h, i, j);
+}
 // Slice [b, h] of a bound input or an output as a matrix.
 template <class V>
 auto slice_of(V const& t, std::size_t b, std::size_t h) {
@@ -859,6 +868,19 @@ template <class T, class Plan, class Bound, std::size_t Outputs>
 void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st = nullptr,
                 workspace<T>* ws = nullptr) {
   check_head_decays(plan, in.heads);
+  // An output in memory an input may share (evaluate_into(plan, q.view(),
+  // Q = q, …), a gradient into its own input) is made in a fresh tensor and
+  // copied in at the end: a scan zeroes and writes its first output rows
+  // before it has read its inputs' later rows.
+  std::array<tensor<T>, Outputs> spare;
+  auto const callers = outs;
+  for (std::size_t k = 0; k < Outputs; ++k) {
+    auto shared = [&](auto const& v) { return lina::detail::may_share_memory(outs[k], v); };
+    if (std::any_of(in.views.begin(), in.views.end(), shared)) {
+      spare[k] = tensor<T>(outs[k].shape());
+      outs[k] = spare[k].view();
+    }
+  }
   std::optional<cached_workspace<T>> per_call;  // from the pool only when the caller brings none (a step does)
   bool per_thread = ws == nullptr;
   if (per_thread) {
@@ -884,6 +906,8 @@ void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Ou
 #pragma omp parallel for schedule(dynamic, 1) if (threads)
     for (long bh = 0; bh < total; ++bh) run(bh);
   }
+  for (std::size_t k = 0; k < Outputs; ++k)
+    if (spare[k].size()) copy_elements<T>(spare[k].view(), callers[k]);
 }
 
 template <class T, class Plan, class Bound>

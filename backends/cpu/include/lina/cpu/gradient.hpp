@@ -16,6 +16,7 @@
 #include <boost/hana/range.hpp>
 #include <cstddef>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -66,6 +67,17 @@ auto new_gradients_into(P const& plan, D const& dout, B const&... bindings) {
   for (std::size_t i = 0; i < outs.size(); ++i) into.all()[i] = outs[i];
   return std::pair{std::move(g), into};
 }
+// The name of the input gradient i is of.
+template <class BP, class Bound>
+std::string gradient_name(std::size_t i) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    std::string name;
+    ((i == I ? void(name = lina::detail::type_at_t<gradient_input_index<BP, Bound, I>(), typename Bound::inputs>::name.view())
+             : void()),
+     ...);
+    return name;
+  }(std::make_index_sequence<gradient_count<BP>>{});
+}
 // The caller's gradient views, each checked against the shape of its input.
 template <class BP, class Bound, class T, class... In>
 auto checked_gradient_views(Bound const& in, gradients<tensor_view<T>, In...>& into) {
@@ -84,6 +96,13 @@ auto checked_gradient_views(Bound const& in, gradients<tensor_view<T>, In...>& i
     };
     (one.template operator()<gradient_input_index<BP, Bound, I>()>(I), ...);
   }(std::make_index_sequence<gradient_count<BP>>{});
+  // (A view may share memory with an input, dout included: run_slices goes
+  // through a copy. Two gradients cannot: one would overwrite the other.)
+  for (std::size_t i = 0; i < outs.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (lina::detail::may_share_memory(outs[i], outs[j]))
+        throw alias_error("the views of ∂" + gradient_name<BP, Bound>(j) + " and ∂" + gradient_name<BP, Bound>(i) +
+                          " may share memory; give each gradient memory of its own");
   return outs;
 }
 }  // namespace detail
