@@ -289,9 +289,10 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
   CHECK(out.data()[0] == 7.0f);
 }
 
-// An output (or a gradient's view) in memory an input may share is refused
-// before anything runs, on the device and in its emulation alike: the
-// kernel's blocks read inputs while others write, in no order. (The CPU
+// An output (or a gradient's view) in memory an input may share, or one that
+// reaches an element twice, is refused before anything runs, on the device
+// and in its emulation alike: the kernel's blocks read inputs while others
+// write, in no order. (The CPU
 // backend computes through a copy instead: tests/test_errors.cpp.)
 TEST_CASE("an output or a gradient view in an input's memory: alias_error, nothing written") {
   constexpr auto plan = compile<order::linear>(causal_expr);
@@ -310,6 +311,9 @@ TEST_CASE("an output or a gradient view in an input's memory: alias_error, nothi
   };
   refused([&] { cuda::emulate_into(plan, {}, v.view(), Q = q, K = k, V = v); },
           "lina::alias_error: cuda::emulate_into: the output may share memory with input V");
+  std::vector<float> one_head(n * d);
+  refused([&] { cuda::emulate_into(plan, {}, tensor_view<float>(one_head.data(), {b, h, n, d}, {0, 0, 4, 1}), Q = q, K = k, V = v); },
+          "cuda::emulate_into: the output (shape [1, 2, 10, 4], strides [0, 0, 4, 1]) reaches some of its elements twice");
   cuda::state st(plan, b, h, cuda::memory::host);
   refused([&] { cuda::emulate_into(plan, {}, q.view().rows(0, n), st, Q = q, K = k, V = v); }, "with input Q");
   CHECK(!st.sized());

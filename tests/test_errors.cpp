@@ -256,3 +256,29 @@ TEST_CASE("may_share_memory: never false where two random views share an element
   }
   CHECK(shared > 0);
 }
+
+// An output view that reaches one element twice (a zero or an overlapping
+// stride) would get two results there, written by two threads: alias_error,
+// with the view's shape and strides, before anything is written.
+TEST_CASE("an output view that reaches an element twice is an alias_error") {
+  using detail::overlaps_itself;
+  std::vector<float> buf(2 * 3 * 10 * 4);
+  CHECK(!overlaps_itself(tensor_view<float>(buf.data(), {2, 3, 10, 4})));
+  CHECK(!overlaps_itself(tensor_view<float>(buf.data(), {2, 3, 10, 4}, {120, 4, 12, 1})));  // [B, N, H, D]
+  CHECK(!overlaps_itself(tensor_view<float>(buf.data() + 39, {1, 1, 10, 4}, {0, 0, -4, -1})));  // reversed
+  CHECK(!overlaps_itself(tensor_view<float>(buf.data(), {1, 1, 10, 1}, {0, 0, 4, 7})));  // one column: its stride unused
+  CHECK(overlaps_itself(tensor_view<float>(buf.data(), {2, 3, 10, 4}, {120, 0, 12, 1})));  // heads on one another
+  CHECK(!overlaps_itself(tensor_view<float>(buf.data(), {2, 3, 0, 4}, {0, 0, 4, 1})));  // empty: no element at all
+  CHECK(overlaps_itself(tensor_view<float>(buf.data(), {2, 3, 10, 4}, {120, 40, 2, 1})));  // rows overlapping
+  auto q = tensor<float>::random({1, 2, 10, 4}, 1), v = tensor<float>::random({1, 2, 10, 3}, 3);
+  std::vector<float> out(30, -7.f);
+  tensor_view<float> heads_shared(out.data(), {1, 2, 10, 3}, {30, 0, 3, 1});
+  try {
+    cpu::evaluate_into(compile(attn), heads_shared, Q = q, K = q, V = v);
+    FAIL("no alias_error");
+  } catch (alias_error const& e) {
+    CHECK(std::string(e.what()) == "lina::alias_error: an output view (shape [1, 2, 10, 3], strides [30, 0, 3, 1]) "
+                                   "reaches some of its elements twice: give each element memory of its own");
+  }
+  CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.f; }));
+}

@@ -110,6 +110,34 @@ inline bool pieces_meet(memory_piece const& a, memory_piece const& b, std::size_
   }
   return false;
 }
+// "(shape [2, 3, 10, 4], strides [120, 40, 4, 1])", for messages.
+template <class V>
+std::string layout_text(V const& v) {
+  auto list = [](auto const& a) {
+    std::string r = "[";
+    for (std::size_t i = 0; i < a.size(); ++i) r += (i ? ", " : "") + std::to_string(a[i]);
+    return r + "]";
+  };
+  return "(shape " + list(v.shape()) + ", strides " + list(v.strides()) + ")";
+}
+// Can two elements of one view be the same memory (a zero or an overlapping
+// stride)? Its dimensions, outermost first, must each step past all that the
+// dimensions inside it reach; a layout that interleaves them otherwise
+// without overlap (rare) counts as overlapping too.
+template <class V>
+bool overlaps_itself(V const& v) {
+  if (std::find(v.shape().begin(), v.shape().end(), std::size_t{0}) != v.shape().end()) return false;  // empty
+  for (int d = 0; d < 4; ++d)
+    if (v.shape()[d] > 1 && v.strides()[d] == 0) return true;  // (memory_piece drops these)
+  memory_piece const p = memory_piece::of(v);
+  for (int d = 0; d < p.dims; ++d) {
+    std::size_t inner = p.element;  // bytes the dimensions inside d reach (of equal strides, the earlier)
+    for (int e = 0; e < p.dims; ++e)
+      if (p.stride[e] < p.stride[d] || (p.stride[e] == p.stride[d] && e < d)) inner += (p.extent[e] - 1) * p.stride[e];
+    if (p.stride[d] < inner) return true;
+  }
+  return false;
+}
 // Can two views (tensor_view, cuda::device_view) reach a common byte? An
 // empty view, or one without memory (null data), reaches none. (Exact for
 // dimensions that nest, e.g. heads or operands interleaved in one buffer; a

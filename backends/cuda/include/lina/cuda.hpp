@@ -1233,13 +1233,16 @@ void chain_stack(state& st, L const& linear, std::size_t count, std::size_t head
   st.run_stacked(linear, count, heads, layer_count<L>(),
                  [&](state* layers) { run_stack(linear, layers, alloc, one, out, bindings...); });
 }
-// An output that may share memory with an input is refused before anything
-// runs: the kernel's blocks read inputs while others write the output, in no
-// order (cpu::evaluate_into computes through a copy instead; on the device
-// that would be an allocation and a copy the caller can make). `what` names
-// the output.
+// An output that may share memory with an input, or that reaches one of its
+// elements twice, is refused before anything runs: the kernel's blocks read
+// inputs while others write the output, in no order (cpu::evaluate_into
+// computes the first case through a copy instead; on the device that would
+// be an allocation and a copy the caller can make). `what` names the output.
 template <class Out, class Bound>
 void refuse_shared_memory(Out const& out, Bound const& in, std::string const& what, char const* call) {
+  if (lina::detail::overlaps_itself(out))
+    throw alias_error(std::string(call) + ": " + what + " " + lina::detail::layout_text(out) +
+                      " reaches some of its elements twice: give each element memory of its own");
   auto one = [&]<class In>() {
     if (lina::detail::may_share_memory(out, in.views[Bound::template input_index<In>()]))
       throw alias_error(std::string(call) + ": " + what + " may share memory with input " +

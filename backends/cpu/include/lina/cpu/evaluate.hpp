@@ -872,6 +872,12 @@ void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Ou
   // Q = q, …), a gradient into its own input) is made in a fresh tensor and
   // copied in at the end: a scan zeroes and writes its first output rows
   // before it has read its inputs' later rows.
+  // An output that reaches one element twice (a zero or an overlapping
+  // stride) would have two results written there, by two threads.
+  for (auto const& o : outs)
+    if (lina::detail::overlaps_itself(o))
+      throw alias_error("an output view " + lina::detail::layout_text(o) +
+                        " reaches some of its elements twice: give each element memory of its own");
   std::array<tensor<T>, Outputs> spare;
   auto const callers = outs;
   for (std::size_t k = 0; k < Outputs; ++k) {
