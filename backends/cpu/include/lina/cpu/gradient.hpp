@@ -67,31 +67,21 @@ auto new_gradients_into(P const& plan, D const& dout, B const&... bindings) {
   for (std::size_t i = 0; i < outs.size(); ++i) into.all()[i] = outs[i];
   return std::pair{std::move(g), into};
 }
-// The name of the input gradient i is of.
-template <class BP, class Bound>
-std::string gradient_name(std::size_t i) {
-  return [&]<std::size_t... I>(std::index_sequence<I...>) {
-    std::string name;
-    ((i == I ? void(name = lina::detail::type_at_t<gradient_input_index<BP, Bound, I>(), typename Bound::inputs>::name.view())
-             : void()),
-     ...);
-    return name;
-  }(std::make_index_sequence<gradient_count<BP>>{});
-}
 // The caller's gradient views, each checked against the shape of its input.
 template <class BP, class Bound, class T, class... In>
 auto checked_gradient_views(Bound const& in, gradients<tensor_view<T>, In...>& into) {
   std::array<tensor_view<T>, gradient_count<BP>> outs;
+  std::array<std::string, gradient_count<BP>> names;  // ∂Q, ...
   [&]<std::size_t... I>(std::index_sequence<I...>) {
     auto one = [&]<std::size_t K>(std::size_t i) {
       auto const& want = in.views[K].shape();
       auto const& got = into.all()[i].shape();
       using Input = lina::detail::type_at_t<K, typename Bound::inputs>;
+      names[i] = "∂" + std::string(Input::name.view());
       static constexpr char const* dims[4] = {"B (batch)", "H (heads)", "rows", "cols"};
       for (std::size_t d = 0; d < 4; ++d)
         if (got[d] != want[d])
-          throw shape_error("∂" + std::string(Input::name.view()), dims[d], got[d], want[d],
-                            "of input " + std::string(Input::name.view()));
+          throw shape_error(names[i], dims[d], got[d], want[d], "of input " + std::string(Input::name.view()));
       outs[i] = into.all()[i];
     };
     (one.template operator()<gradient_input_index<BP, Bound, I>()>(I), ...);
@@ -101,7 +91,7 @@ auto checked_gradient_views(Bound const& in, gradients<tensor_view<T>, In...>& i
   for (std::size_t i = 0; i < outs.size(); ++i)
     for (std::size_t j = 0; j < i; ++j)
       if (lina::detail::may_share_memory(outs[i], outs[j]))
-        throw alias_error("the views of ∂" + gradient_name<BP, Bound>(j) + " and ∂" + gradient_name<BP, Bound>(i) +
+        throw alias_error("the views of " + names[j] + " and " + names[i] +
                           " may share memory; give each gradient memory of its own");
   return outs;
 }
