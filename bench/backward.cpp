@@ -9,7 +9,9 @@
 // --rate instead times the linear backward into the caller's buffers
 // (cpu::gradient_into, no fresh tensors to first-touch) at B = 1, H = 8 and
 // N = 4096, 16384: best of R calls (--reps R, default 30 and a quarter of that
-// at 16384), GFLOP/s by the suite's count (8·H·N·D·M) and its forward's.
+// at 16384), GFLOP/s by the suite's count (8·H·N·D·M) and its forward's;
+// then the same forward keeping its values in a cpu::tape and the backward
+// reading them, and how much faster a training step (forward + backward) is so.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -79,10 +81,15 @@ void rate(std::size_t n, int reps) {
   into[K] = g[K].view();
   into[V] = g[V].view();
   auto o = cpu::evaluate(plan, Q = q, K = k, V = v);
+  cpu::tape<float> tp;
   double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); });
   double fwd = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), Q = q, K = k, V = v); });
+  double fwd_tape = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), tp, Q = q, K = k, V = v); });
+  double bwd_tape = best_ms(reps, [&] { cpu::gradient_into(plan, into, tp, dout, Q = q, K = k, V = v); });
   double flops = 4.0 * double(heads) * double(n) * 64 * 64;  // the forward's; the backward counts twice that
-  fmt::print("{:>6} | {:>9.2f} {:>8.1f} | {:>9.2f} {:>8.1f}\n", n, bwd, 2 * flops / bwd / 1e6, fwd, flops / fwd / 1e6);
+  fmt::print("{:>6} | {:>9.2f} {:>8.1f} | {:>9.2f} {:>8.1f} | {:>9.2f} {:>9.2f} {:>8.1f} | {:>6.2f}x\n", n, bwd,
+             2 * flops / bwd / 1e6, fwd, flops / fwd / 1e6, fwd_tape, bwd_tape, 2 * flops / bwd_tape / 1e6,
+             (fwd + bwd) / (fwd_tape + bwd_tape));
 }
 }  // namespace
 
@@ -103,7 +110,8 @@ int main(int argc, char** argv) {
 #endif
   if (rates) {
     fmt::print("causal elu+1 attention, B=1 H=8 D=M=64 float, {} threads, into reused buffers\n", threads);
-    fmt::print("{:>6} | {:>9} {:>8} | {:>9} {:>8}\n", "N", "bwd ms", "GFLOP/s", "fwd ms", "GFLOP/s");
+    fmt::print("{:>6} | {:>9} {:>8} | {:>9} {:>8} | {:>9} {:>9} {:>8} | {:>7}\n", "N", "bwd ms", "GFLOP/s", "fwd ms",
+               "GFLOP/s", "fwd+tape", "bwd(tape)", "GFLOP/s", "step");
     rate(4096, reps);
     rate(16384, std::max(1, reps / 4));
     return 0;

@@ -1,5 +1,6 @@
 // Derived gradients: the forward plan and the backward plan lina derives from
-// it, for the linear and the quadratic order; then every order's gradients
+// it, for the linear and the quadratic order, and the linear backward that
+// reads what a training forward kept (cpu::tape); then every order's gradients
 // checked against central finite differences, and the backward's extra memory.
 #include <fmt/core.h>
 
@@ -41,6 +42,12 @@ int main() {
   fmt::print("expression: {}\n\n", attn);
   side_by_side("linear order", compile<order::linear>(attn));
   side_by_side("quadratic order", compile<order::quadratic>(attn));
+  // In training the forward has just run: a cpu::tape keeps Y, and the
+  // backward reads it (saved1) instead of running that scan again.
+  auto saving = lines(to_string(save_for_backward(compile<order::linear>(attn))));
+  fmt::print("linear order, reading what the forward kept (cpu::tape)\n");
+  for (std::size_t i = 0; i < saving.size(); ++i) fmt::print("  {:9} {}\n", i == 0 ? "backward" : "", saving[i]);
+  fmt::print("\n");
 
   // Every order's gradients against central differences of L = sum(dout ⊙ out)
   // in double, at random extents (N up to 64): lina::check, what to run on a

@@ -113,20 +113,34 @@ struct names_an_input;
 template <fixed_string S, class... I>
 struct names_an_input<S, lina::detail::type_list<I...>> : std::bool_constant<((I::name == S) || ...)> {};
 
+// A base dimension's extent is set by the first input that has it (or by its
+// static extent) and checked against every later one; a derived one (M+1: a
+// value the forward saved, save_for_backward) is checked once the bases are
+// known (check_derived_extent).
 template <class Table, class Dim>
 void check_extent(Table& t, std::size_t got, std::string const& symbol) {
-  constexpr std::size_t k = Table::template index_of<Dim>();
-  if constexpr (Dim::is_static) {
-    if (got != Dim::static_extent)
-      throw shape_error(symbol, Dim::label(), got, Dim::static_extent,
-                        "declared static by dim<\"" + Dim::label() + "\", " + std::to_string(Dim::static_extent) +
-                            ">");
-    t.value[k] = got;
-  } else if (t.bound_by[k].empty()) {
-    t.value[k] = got;
-    t.bound_by[k] = symbol;
-  } else if (t.value[k] != got) {
-    throw shape_error(symbol, Dim::label(), got, t.value[k], "bound by input " + t.bound_by[k]);
+  if constexpr (is_dim_t<Dim>) {
+    constexpr std::size_t k = Table::template index_of<Dim>();
+    if constexpr (Dim::is_static) {
+      if (got != Dim::static_extent)
+        throw shape_error(symbol, Dim::label(), got, Dim::static_extent,
+                          "declared static by dim<\"" + Dim::label() + "\", " + std::to_string(Dim::static_extent) +
+                              ">");
+      t.value[k] = got;
+    } else if (t.bound_by[k].empty()) {
+      t.value[k] = got;
+      t.bound_by[k] = symbol;
+    } else if (t.value[k] != got) {
+      throw shape_error(symbol, Dim::label(), got, t.value[k], "bound by input " + t.bound_by[k]);
+    }
+  }
+}
+
+template <class Table, class Dim>
+void check_derived_extent(Table const& t, std::size_t got, std::string const& symbol) {
+  if constexpr (!is_dim_t<Dim>) {
+    auto const want = static_cast<std::size_t>(Dim::extent(t));
+    if (got != want) throw shape_error(symbol, Dim::label(), got, want, "of the plan's inputs");
   }
 }
 
@@ -176,6 +190,14 @@ auto bind(B const&... bs) {
       ++k;
     };
     (one.template operator()<I>(), ...);
+    k = 0;
+    auto derived = [&]<class In>() {
+      std::string symbol(In::name.view());
+      detail::check_derived_extent<typename bound_type::table_type, typename In::rows>(r.table, r.views[k].shape()[2], symbol);
+      detail::check_derived_extent<typename bound_type::table_type, typename In::cols>(r.table, r.views[k].shape()[3], symbol);
+      ++k;
+    };
+    (derived.template operator()<I>(), ...);
   }(inputs{});
   return r;
 }

@@ -43,6 +43,13 @@ class state_error : public std::invalid_argument {
   explicit state_error(std::string const& what) : std::invalid_argument("lina::state_error: " + what) {}
 };
 
+// A backward given a tape (cpu::tape) that holds no forward's values, or the
+// values of another plan's forward.
+class tape_error : public std::invalid_argument {
+ public:
+  explicit tape_error(std::string const& what) : std::invalid_argument("lina::tape_error: " + what) {}
+};
+
 // Two outputs of one call (gradient views) in memory they may share: each
 // would overwrite the other. `what` names both.
 class alias_error : public std::invalid_argument {

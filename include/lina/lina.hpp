@@ -13,4 +13,5 @@
 #include "lina/node.hpp"
 #include "lina/random_features.hpp"
 #include "lina/rewrite.hpp"
+#include "lina/saved.hpp"
 #include "lina/tensor.hpp"

@@ -453,8 +453,9 @@ struct inputs_of<node<Op, K...>> {
 template <class Inputs>
 struct dims_of_inputs;  // type_list of the distinct base dims of inputs
 template <class... I>
-struct dims_of_inputs<type_list<I...>> {
-  using type = typename merge_unique<type_list<>, type_list<typename I::rows..., typename I::cols...>>::type;
+struct dims_of_inputs<type_list<I...>> {  // (an input of a derived dimension, M+1, counts its base M)
+  using type = typename merge_unique<
+      type_list<>, typename concat_lists<typename I::rows::bases..., typename I::cols::bases...>::type>::type;
 };
 }  // namespace detail
 

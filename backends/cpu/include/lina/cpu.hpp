@@ -11,3 +11,4 @@
 #include "lina/cpu/path.hpp"
 #include "lina/cpu/recurrent.hpp"
 #include "lina/cpu/state.hpp"
+#include "lina/cpu/tape.hpp"
