@@ -12,6 +12,7 @@
 // at 16384), GFLOP/s by the suite's count (8·H·N·D·M) and its forward's;
 // then the same forward keeping its values in a cpu::tape and the backward
 // reading them, and how much faster a training step (forward + backward) is so.
+// --favor does the same for FAVOR+ (m = 64) at N = 4096.
 #include <fmt/core.h>
 
 #include <algorithm>
@@ -91,14 +92,41 @@ void rate(std::size_t n, int reps) {
              2 * flops / bwd / 1e6, fwd, flops / fwd / 1e6, fwd_tape, bwd_tape, 2 * flops / bwd_tape / 1e6,
              (fwd + bwd) / (fwd_tape + bwd_tape));
 }
+// FAVOR+ (m = 64 random features of D = 64) at B = 1, H = 8, N = n: the
+// forward, the backward into reused buffers (∂W included), and both through a tape.
+void rate_favor(std::size_t n, int reps) {
+  constexpr auto F = dim<"F", 64>;
+  constexpr auto W = input<"W">(D, F);
+  auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+  std::size_t heads = 8;
+  auto q = tensor<float>::random({1, heads, n, 64}, 1), k = tensor<float>::random({1, heads, n, 64}, 2);
+  auto v = tensor<float>::random({1, heads, n, 64}, 3), dout = tensor<float>::random({1, heads, n, 64}, 4);
+  auto w = tensor<float>::random({1, heads, 64, 64}, 5);
+  for (std::size_t i = 0; i < w.size(); ++i) w.data()[i] *= 0.125f;  // |w·x'| ~ 1
+  auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v, W = w);
+  auto into = cpu::gradient_views<float>(plan);
+  into[Q] = g[Q].view();
+  into[K] = g[K].view();
+  into[V] = g[V].view();
+  into[W] = g[W].view();
+  auto o = cpu::evaluate(plan, Q = q, K = k, V = v, W = w);
+  cpu::tape<float> tp;
+  double fwd = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), Q = q, K = k, V = v, W = w); });
+  double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v, W = w); });
+  double fwd_tape = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), tp, Q = q, K = k, V = v, W = w); });
+  double bwd_tape = best_ms(reps, [&] { cpu::gradient_into(plan, into, tp, dout, Q = q, K = k, V = v, W = w); });
+  fmt::print("{:>6} | {:>9.2f} {:>9.2f} | {:>9.2f} {:>9.2f} | {:>6.2f}x\n", n, fwd, bwd, fwd_tape, bwd_tape,
+             (fwd + bwd) / (fwd_tape + bwd_tape));
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   std::size_t max_n = 65536, quad_max = 4096;
-  bool rates = false;
+  bool rates = false, favor_rates = false;
   int reps = 30;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--rate")) rates = true;
+    if (!std::strcmp(argv[i], "--favor")) favor_rates = true;
     if (i + 1 == argc) break;
     if (!std::strcmp(argv[i], "--max-n")) max_n = std::strtoull(argv[i + 1], nullptr, 10);
     if (!std::strcmp(argv[i], "--quadratic-max-n")) quad_max = std::strtoull(argv[i + 1], nullptr, 10);
@@ -108,6 +136,12 @@ int main(int argc, char** argv) {
 #ifdef _OPENMP
   threads = omp_get_max_threads();
 #endif
+  if (favor_rates) {
+    fmt::print("causal FAVOR+ attention (m = 64), B=1 H=8 D=M=64 float, {} threads, into reused buffers\n", threads);
+    fmt::print("{:>6} | {:>9} {:>9} | {:>9} {:>9} | {:>7}\n", "N", "fwd ms", "bwd ms", "fwd+tape", "bwd(tape)", "step");
+    rate_favor(4096, reps);
+    return 0;
+  }
   if (rates) {
     fmt::print("causal elu+1 attention, B=1 H=8 D=M=64 float, {} threads, into reused buffers\n", threads);
     fmt::print("{:>6} | {:>9} {:>8} | {:>9} {:>8} | {:>9} {:>9} {:>8} | {:>7}\n", "N", "bwd ms", "GFLOP/s", "fwd ms",

@@ -21,3 +21,56 @@ TEST_CASE("gradients equal central differences: poly2, favor, random Fourier fea
   check_fd(phi<favor>(Q, W) * transpose(phi<favor>(K, W)) * V, 23);
   check_fd(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W))) * V, 24);
 }
+
+// A parametric map with finish_vjp differentiates through products on the
+// fast path (Z = X·W, each row's h from its z, dX = its direct part + H·Wᵀ)
+// and row by row, through the map's own vjp and param_vjp, on the simple path
+// (the oracle): the two agree to rounding, at lengths and widths past the
+// products' tiles and blocks (512 rows) that the finite differences above
+// (N ≤ 7) do not reach.
+namespace {
+constexpr auto favor_causal = normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V;
+}
+
+TEST_CASE("parametric maps: gradients through products equal the map's vjp row by row, and through a tape") {
+  struct restore {
+    cpu::path was = cpu::current_path();
+    ~restore() { cpu::use_path(was); }
+  } guard;
+  test::rng r{25};
+  auto one = [&](auto const& expr, double w_scale, std::size_t kept) {
+    auto const plan = compile<order::linear>(expr);
+    std::size_t b = r.in(1, 2), h = r.in(1, 2), n = r.next() % 2 ? r.in(1, 60) : r.in(500, 700), d = r.in(1, 40),
+                m = r.in(1, 24), f = r.in(1, 40);
+    CAPTURE(n); CAPTURE(d); CAPTURE(m); CAPTURE(f);
+    auto q = tensor<double>::random({b, h, n, d}, r.next()), k = tensor<double>::random({b, h, n, d}, r.next());
+    auto v = tensor<double>::random({b, h, n, m}, r.next()), dout = tensor<double>::random({b, h, n, m}, r.next());
+    auto w = tensor<double>::random({b, h, d, f}, r.next());
+    for (std::size_t i = 0; i < w.size(); ++i) w.data()[i] *= w_scale;
+    cpu::use_path(cpu::path::fast);
+    auto fast = cpu::gradient(plan, dout, Q = q, K = k, V = v, W = w);
+    cpu::use_path(cpu::path::simple);
+    auto simple = cpu::gradient(plan, dout, Q = q, K = k, V = v, W = w);
+    for (std::size_t i = 0; i < fast.all().size(); ++i) {
+      CAPTURE(i);
+      double scale = 1 + test::max_abs(simple.all()[i]);
+      CHECK(max_abs_diff(fast.all()[i], simple.all()[i]) <= test::rounding_bound<double>(double(n * (d + f) * m), scale));
+    }
+    // Through a tape (tests/test_tape.cpp), the values kept are φ(Q; W) and φ(K; W)
+    // (each a product with W), and Y where a normaliser reads it; the gradients
+    // are the recomputing path's.
+    cpu::use_path(cpu::path::fast);
+    cpu::tape<double> tp;
+    auto out = cpu::evaluate(plan, tp, Q = q, K = k, V = v, W = w);
+    CHECK(tp.size() == kept);
+    auto taped = cpu::gradient(plan, tp, dout, Q = q, K = k, V = v, W = w);
+    for (std::size_t i = 0; i < fast.all().size(); ++i) {
+      CAPTURE(i);
+      CHECK(max_abs_diff(taped.all()[i], fast.all()[i]) <= 1e-12 * (1 + test::max_abs(fast.all()[i])));
+    }
+  };
+  for (int trial = 0; trial < test::trials(4); ++trial) {
+    one(favor_causal, 0.3, 3);
+    one(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W))) * V, 1.0, 2);
+  }
+}

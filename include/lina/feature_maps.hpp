@@ -37,6 +37,13 @@
 //     template <class T> static void finish(T const* x, std::size_t d, std::size_t m, T* out);
 // (out[0, m) holds z on entry, the features on exit): a backend then projects
 // every row at once, as one product, instead of calling apply row by row.
+// Its gradients may say the same with
+//     template <class T> static void finish_vjp(T const* x, std::size_t d, std::size_t m, T const* z, T const* g,
+//                                               T* h, T* dx);
+// (z = x·W and the features' cotangent g on entry; h[0, m) = ∂L/∂z, which is
+// param_vjp's h — h may be z itself — and dx[0, d) the part of ∂L/∂x not
+// through z): a backend then makes vjp's dx as that part plus W·h, over all
+// rows as one product, instead of a d x m loop per row.
 #pragma once
 
 #include <cmath>
@@ -204,6 +211,22 @@ struct favor {
     T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25));
     detail::each_lane(h, m, [h, g, s](std::size_t j) { return h[j] * (g[j] * s); });
   }
+  // Through z = x·W: h_j = g_j φ_j D^-1/4 (as param_vjp), and the part of dx
+  // from |x'|²: -D^-1/2 x Σ_j g_j φ_j (vjp's dx is that plus W·h).
+  template <class T>
+  static void finish_vjp(T const* x, std::size_t d, std::size_t m, T const* z, T const* g, T* h, T* dx) {
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
+    T half_norm = 0;
+    for (std::size_t i = 0; i < d; ++i) half_norm += x[i] * x[i];
+    half_norm *= s * s / 2;
+    detail::each_lane(h, m, [s, half_norm, inv, z, g](std::size_t j) {
+      return g[j] * (detail::exp(s * z[j] - half_norm) * inv) * s;
+    });
+    T gphi = 0;  // Σ_j g_j φ_j
+    for (std::size_t j = 0; j < m; ++j) gphi += h[j];
+    gphi /= s;
+    for (std::size_t i = 0; i < d; ++i) dx[i] = -s * s * x[i] * gphi;
+  }
 };
 
 // Random Fourier features of the Gaussian kernel: with x' = x D^-1/4,
@@ -242,6 +265,17 @@ struct random_fourier {
       for (std::size_t i = 0; i < d; ++i) z += w[i * m + j] * x[i];
       h[j] = s * inv * (-g[j] * std::sin(s * z) + g[m + j] * std::cos(s * z));
     }
+  }
+  // Through z = x·W: h as param_vjp's; no part of dx outside z.
+  template <class T>
+  static void finish_vjp(T const* x, std::size_t d, std::size_t m, T const* z, T const* g, T* h, T* dx) {
+    (void)x;
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
+    for (std::size_t j = 0; j < m; ++j) {
+      T const zj = s * z[j];
+      h[j] = s * inv * (-g[j] * std::sin(zj) + g[m + j] * std::cos(zj));
+    }
+    for (std::size_t i = 0; i < d; ++i) dx[i] = 0;
   }
 };
 

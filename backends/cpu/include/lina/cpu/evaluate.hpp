@@ -324,7 +324,7 @@ struct lower<op::phi_vjp<Map>> {
   template <class T>
   static void run(op::phi_vjp<Map> const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w,
                   matrix<T> const& g) {
-    kernels::feature_map_vjp<Map, false>(x, w, g, out);
+    kernels::feature_map_vjp<Map, false>(x, w, g, out, current_path() == path::simple);
   }
 };
 template <class Map>
@@ -332,7 +332,7 @@ struct lower<op::phi_param_vjp<Map>> {
   template <class T>
   static void run(op::phi_param_vjp<Map> const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w,
                   matrix<T> const& g) {
-    kernels::feature_map_vjp<Map, true>(x, w, g, out);
+    kernels::feature_map_vjp<Map, true>(x, w, g, out, current_path() == path::simple);
   }
 };
 
