@@ -59,6 +59,20 @@ TEST_CASE("tape: the output and gradients of every order equal the recomputing p
     agrees(compile<order::linear>(e), r, 1);     // Y = contract(φQ, prefix(φK⊗[V|1]))
     agrees(compile<order::quadratic>(e), r, 1);  // causal(φQ·φKᵀ)·[V|1] (not the N x N factor)
   }
+  // One long sequence (B·H = 1) is split across idle threads (cpu::sequence_parts):
+  // the kept Y is written by both parts of the forward's scan.
+  {
+    auto plan = compile<order::linear>(e);
+    std::size_t const n = 2 * static_cast<std::size_t>(cpu::sequence_split_min_rows) + 5;
+    auto q = tensor<double>::random({1, 1, n, 3}, 7), k = tensor<double>::random({1, 1, n, 3}, 8);
+    auto v = tensor<double>::random({1, 1, n, 2}, 9), dout = tensor<double>::random({1, 1, n, 2}, 10);
+    cpu::tape<double> tp;
+    auto out = cpu::evaluate(plan, tp, Q = q, K = k, V = v);
+    CHECK(close(out, cpu::evaluate(plan, Q = q, K = k, V = v), 1e-13));
+    auto g = cpu::gradient(plan, tp, dout, Q = q, K = k, V = v);
+    auto want = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+    for (std::size_t i = 0; i < g.all().size(); ++i) CHECK(close(g.all()[i], want.all()[i], 1e-12));
+  }
   // As written, the backward reads only N x N values of the forward: none is kept.
   static_assert(decltype(save_for_backward(e))::size == 0);
   // (FAVOR+ through a tape: tests/test_gradient_fd_maps.cpp, beside its other checks.)
@@ -200,6 +214,7 @@ TEST_CASE("tape: misuse is an error before anything is written") {
   test::expect_shape_error([&] { cpu::evaluate_into(plan, wrong.view(), tp, Q = q, K = k, V = v); }, "out", "cols", 4, 3);
   CHECK_FALSE(tp.filled());
   cpu::evaluate(plan, tp, Q = q, K = k, V = v);
+  CHECK(contains(tp.plan(), "rowdiv(contract("));
   // The values of another plan: another type, or the same type with another eps.
   auto other = compile<order::quadratic>(causal_attn<elu_plus_one>);
   try {

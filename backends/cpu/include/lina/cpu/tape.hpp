@@ -52,7 +52,7 @@ class tape {
     return n;
   }
   // The plan whose forward filled it, as text ("" when none did).
-  std::string const& plan() const noexcept { return plan_text_; }
+  std::string plan() const { return plan_ ? print_(plan_.get()) : std::string(); }
   // Forget the values and free their memory.
   void clear() {
     *this = tape{};
@@ -62,7 +62,7 @@ class tape {
   friend struct detail::tape_access;
   std::type_info const* plan_type_ = nullptr;  // the select-free plan that ran
   std::shared_ptr<void const> plan_;           // a copy of it: its values (eps, decays) must match too
-  std::string plan_text_;
+  std::string (*print_)(void const*) = nullptr;  // to_string of that copy (for errors: not made each call)
   bool recompute_ = false;  // its saved form was not exact: nothing kept, the backward recomputes
   std::vector<tensor<T>> values_;
 };
@@ -93,7 +93,7 @@ struct tape_access {
     }
     tp.plan_type_ = &typeid(P);
     tp.plan_ = std::make_shared<P const>(p);
-    tp.plan_text_ = to_string(p);
+    tp.print_ = [](void const* q) { return to_string(*static_cast<P const*>(q)); };
     tp.recompute_ = !sv.exact;
   }
 
@@ -104,7 +104,7 @@ struct tape_access {
     if (!tp.filled())
       throw tape_error("this tape holds no forward's values: run cpu::evaluate(plan, tape, …) first");
     if (*tp.plan_type_ != typeid(P) || !same_value(*static_cast<P const*>(tp.plan_.get()), p))
-      throw tape_error("this tape holds the values of the plan " + tp.plan_text_ + ", not of " + to_string(p) +
+      throw tape_error("this tape holds the values of the plan " + tp.plan() + ", not of " + to_string(p) +
                        " (another plan, or this one at extents where it runs another order)");
     auto const sv = save_for_backward(p);
     using SV = std::remove_cvref_t<decltype(sv)>;
