@@ -148,11 +148,8 @@ void evaluate_into(Plan const& plan, tensor_view<T> out, tape<T>& tp, B const&..
 template <class Plan, class T, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto evaluate(Plan const& plan, tape<T>& tp, B const&... bindings) {
-  auto in = bind<Plan>(bindings...);
-  static_assert(std::is_same_v<typename decltype(in)::value_type, T>,
-                "lina::cpu::evaluate (tape): the tape and the inputs must have one element type");
-  tensor<T> out(result_shape<Plan>(in));
-  with_resolved_plan(plan, in.table, [&](auto const& p) { detail::tape_access::forward<T>(p, in, out.view(), tp); });
+  tensor<T> out(result_shape<Plan>(bind<Plan>(bindings...)));
+  evaluate_into(plan, out.view(), tp, bindings...);
   return out;
 }
 
