@@ -137,10 +137,10 @@ void check_extent(Table& t, std::size_t got, std::string const& symbol) {
 }
 
 template <class Table, class Dim>
-void check_derived_extent(Table const& t, std::size_t got, std::string const& symbol) {
+void check_derived_extent(Table const& t, std::size_t got, std::string_view symbol) {
   if constexpr (!is_dim_t<Dim>) {
     auto const want = static_cast<std::size_t>(Dim::extent(t));
-    if (got != want) throw shape_error(symbol, Dim::label(), got, want, "of the plan's inputs");
+    if (got != want) throw shape_error(std::string(symbol), Dim::label(), got, want, "of the plan's inputs");
   }
 }
 
@@ -191,10 +191,11 @@ auto bind(B const&... bs) {
     };
     (one.template operator()<I>(), ...);
     k = 0;
-    auto derived = [&]<class In>() {
-      std::string symbol(In::name.view());
-      detail::check_derived_extent<typename bound_type::table_type, typename In::rows>(r.table, r.views[k].shape()[2], symbol);
-      detail::check_derived_extent<typename bound_type::table_type, typename In::cols>(r.table, r.views[k].shape()[3], symbol);
+    auto derived = [&]<class In>() {  // (no work for an input of base dimensions)
+      detail::check_derived_extent<typename bound_type::table_type, typename In::rows>(r.table, r.views[k].shape()[2],
+                                                                                        In::name.view());
+      detail::check_derived_extent<typename bound_type::table_type, typename In::cols>(r.table, r.views[k].shape()[3],
+                                                                                        In::name.view());
       ++k;
     };
     (derived.template operator()<I>(), ...);
