@@ -50,6 +50,78 @@ void agrees(P const& plan, test::rng& r, std::size_t kept) {
   }
 }
 
+// Layer 2 reads two layer-1 attentions of one type that may differ in their decay only.
+auto stack(double g1, double g2) {
+  auto a = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{g1})) * V;
+  auto c = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{g2})) * V;
+  return compile<order::linear>(normalize(causal(phi<elu_plus_one>(a) * transpose(phi<elu_plus_one>(c)))) * V2);
+}
+
+// Plan p over blocks of one random sequence cut at random rows, each block's
+// forward through the state into its own tape and its backward from that
+// tape, last block first: outputs, states, gradients and ∂initial equal the
+// recomputing chained path's block by block, and joined they are the
+// one-pass output and gradients.
+template <bool Stacked, class P>
+void chained_agrees(P const& plan, test::rng& r, std::size_t kept) {
+  std::size_t const b = r.in(1, 2), h = r.in(1, 2), n = r.in(1, 3) == 1 ? r.in(0, 12) : r.in(13, 160), d = r.in(1, 6),
+                    m = r.in(1, 6);
+  std::size_t cut[4] = {0, r.in(0, n), r.in(0, n), n};
+  if (cut[1] > cut[2]) std::swap(cut[1], cut[2]);
+  CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m); CAPTURE(cut[1]); CAPTURE(cut[2]);
+  auto q = tensor<double>::random({b, h, n, d}, r.next()), k = tensor<double>::random({b, h, n, d}, r.next());
+  auto v = tensor<double>::random({b, h, n, m}, r.next()), v2 = tensor<double>::random({b, h, n, m}, r.next());
+  auto dout = tensor<double>::random({b, h, n, m}, r.next());
+  auto rows = [&](tensor<double> const& t, int x) { return t.rows(cut[x], cut[x + 1] - cut[x]); };
+  auto run = [&](int x, auto const& body) {
+    if constexpr (Stacked)
+      return body(Q = rows(q, x), K = rows(k, x), V = rows(v, x), V2 = rows(v2, x));
+    else
+      return body(Q = rows(q, x), K = rows(k, x), V = rows(v, x));
+  };
+  auto whole = [&](auto const& body) {
+    if constexpr (Stacked)
+      return body(Q = q, K = k, V = v, V2 = v2);
+    else
+      return body(Q = q, K = k, V = v);
+  };
+  auto copy = [](auto const& view) {  // a view (a block's rows, a state's sums) as a tensor
+    tensor<double> t(view.shape());
+    for_each_index(view.shape(), [&](auto... i) { t.view()(i...) = view(i...); });
+    return t;
+  };
+  auto const out = whole([&](auto const&... in) { return cpu::evaluate(plan, in...); });
+  auto const grads = whole([&](auto const&... in) { return cpu::gradient(plan, dout, in...); });
+  cpu::state<double> st, st_recomputed, begin[3];
+  cpu::tape<double> tp[3];
+  for (int x = 0; x < 3; ++x) {
+    begin[x] = st;
+    auto y = run(x, [&](auto const&... in) { return cpu::evaluate(plan, st, tp[x], in...); });
+    auto y_recomputed = run(x, [&](auto const&... in) { return cpu::evaluate(plan, st_recomputed, in...); });
+    CHECK(close(y, y_recomputed, 1e-13));
+    CHECK(close(y, copy(rows(out, x)), 1e-12));
+    CHECK(tp[x].size() == kept);
+    for (std::size_t l = 0; l < st.scans(); ++l) CHECK(close(copy(st[l]), copy(st_recomputed[l]), 1e-13));
+  }
+  cpu::state<double> d_final;  // (unsized: zeros after the last block)
+  auto joined = grads;
+  for (int x = 2; x >= 0; --x) {
+    auto [g, d0] = run(x, [&](auto const&... in) { return cpu::gradient(plan, tp[x], rows(dout, x), begin[x], d_final, in...); });
+    auto [gw, dw] = run(x, [&](auto const&... in) { return cpu::gradient(plan, rows(dout, x), begin[x], d_final, in...); });
+    for (std::size_t i = 0; i < g.all().size(); ++i) {
+      CAPTURE(i);
+      CHECK(close(g.all()[i], gw.all()[i], 1e-12));
+      for_each_index(g.all()[i].shape(), [&](std::size_t b0, std::size_t h0, std::size_t t, std::size_t c) {
+        joined.all()[i].view()(b0, h0, cut[x] + t, c) = g.all()[i].view()(b0, h0, t, c);
+      });
+    }
+    REQUIRE(d0.scans() == dw.scans());
+    for (std::size_t l = 0; l < d0.scans(); ++l) CHECK(close(copy(d0[l]), copy(dw[l]), 1e-12));
+    d_final = d0;
+  }
+  for (std::size_t i = 0; i < joined.all().size(); ++i) CHECK(close(joined.all()[i], grads.all()[i], 1e-10));
+}
+
 }  // namespace
 
 TEST_CASE("tape: the output and gradients of every order equal the recomputing path's") {
@@ -130,12 +202,6 @@ TEST_CASE("tape: the saved backward prints what it reads, and reads Y instead of
 
 TEST_CASE("tape: a stack keeps each layer's scan once, and two reads of one type with other values recompute") {
   test::rng r{74};
-  // Layer 2 reads two layer-1 attentions of one type that may differ in their decay only.
-  auto stack = [](double g1, double g2) {
-    auto a = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{g1})) * V;
-    auto c = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{g2})) * V;
-    return compile<order::linear>(normalize(causal(phi<elu_plus_one>(a) * transpose(phi<elu_plus_one>(c)))) * V2);
-  };
   CHECK(save_for_backward(stack(0.9, 0.9)).exact);
   CHECK_FALSE(save_for_backward(stack(0.9, 0.5)).exact);
   for (int trial = 0; trial < test::trials(4); ++trial) {
@@ -156,6 +222,18 @@ TEST_CASE("tape: a stack keeps each layer's scan once, and two reads of one type
       auto want = cpu::gradient(plan, dout, Q = q, K = k, V = v, V2 = v2);
       for (std::size_t i = 0; i < g.all().size(); ++i) CHECK(close(g.all()[i], want.all()[i], 1e-12));
     }
+  }
+}
+
+TEST_CASE("tape: chained blocks, a tape each, give the recomputing chained path's results and join to one pass") {
+  test::rng r{75};
+  constexpr auto decayed = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)), decay{0.9})) * V;
+  // Two layers (a state each), layer 1's output layer 2's query, V2 its keys and values.
+  constexpr auto two = normalize(causal(phi<elu_plus_one>(decayed) * transpose(phi<elu_plus_one>(V2)))) * V2;
+  for (int trial = 0; trial < test::trials(3); ++trial) {
+    chained_agrees<false>(compile<order::linear>(causal_attn<elu_plus_one>), r, 1);
+    chained_agrees<false>(compile<order::linear>(decayed), r, 1);  // the kept Y's scan a twin of the forward's (a decay is a value)
+    chained_agrees<true>(compile<order::linear>(two), r, 2);
   }
 }
 
@@ -242,4 +320,26 @@ TEST_CASE("tape: misuse is an error before anything is written") {
   into[V] = wrong.view();
   test::expect_shape_error([&] { cpu::gradient_into(plan, into, tp, dout, Q = q, K = k, V = v); }, "∂V", "cols", 4, 3);
   for (std::size_t i = 0; i < dv.size(); ++i) REQUIRE(dv.data()[i] == 0);  // nothing was written
+  // A tape filled without a state read by a block's backward, and one filled
+  // through a state (its values are the block's from that state) by the
+  // stateless backward.
+  cpu::state<double> st, d_final;
+  try {
+    cpu::gradient(plan, tp, dout, st, d_final, Q = q, K = k, V = v);
+    FAIL("no tape_error");
+  } catch (lina::tape_error const& e) {
+    CHECK(contains(e.what(), "filled without a state"));
+  }
+  cpu::tape<double> block;
+  cpu::evaluate(plan, st, block, Q = q, K = k, V = v);
+  try {
+    cpu::gradient(plan, block, dout, Q = q, K = k, V = v);
+    FAIL("no tape_error");
+  } catch (lina::tape_error const& e) {
+    CHECK(contains(e.what(), "filled through a state"));
+  }
+  // A state of other heads: refused before the tape or the state changes.
+  cpu::state<double> other_heads(plan, 1, 3);
+  CHECK_THROWS_AS(cpu::evaluate(plan, other_heads, block, Q = q, K = k, V = v), lina::shape_error);
+  CHECK(block.filled());
 }

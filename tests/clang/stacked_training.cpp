@@ -1,4 +1,5 @@
-// A three-layer stack trained as a user writes it, with and without a tape:
+// A three-layer stack trained as a user writes it, with and without a tape
+// (and one layer's block of a chained step through a tape):
 // its backward's schedule has ~320 occurrences of nodes, past the 256 terms
 // of a fold expression Clang nests by default (ctest clang.stacked_training,
 // parsed and instantiated: it once stopped with "exceeded expression nesting
@@ -26,5 +27,11 @@ int main() {
   auto out = cpu::evaluate(plan, tp, Q = x, K = x, V = x, K2 = x, V2 = x, K3 = x, V3 = x);
   auto g = cpu::gradient(plan, tp, out, Q = x, K = x, V = x, K2 = x, V2 = x, K3 = x, V3 = x);
   auto h = cpu::gradient(plan, out, Q = x, K = x, V = x, K2 = x, V2 = x, K3 = x, V3 = x);
-  return g[Q].size() == h[Q].size() ? 0 : 1;
+  // A block of a chained training step through its tape (cpu/tape.hpp's chained forms).
+  constexpr auto one = compile<order::linear>(layer1);
+  cpu::state<float> st, none;
+  cpu::tape<float> block;
+  auto y = cpu::evaluate(one, st, block, Q = x, K = x, V = x);
+  auto [gb, d0] = cpu::gradient(one, block, y, none, none, Q = x, K = x, V = x);
+  return g[Q].size() == h[Q].size() && gb[Q].size() == x.size() && d0.scans() == 1 ? 0 : 1;
 }

@@ -24,6 +24,7 @@
 #include "lina/bind.hpp"
 #include "lina/cpu/evaluate.hpp"
 #include "lina/gradient.hpp"
+#include "lina/saved.hpp"
 
 namespace lina::cpu {
 
@@ -159,16 +160,44 @@ struct scan_operands<node<op::contract_rows, A, node<Op, node<op::outer_rows, B,
   using b = B;
   using c = C;
 };
-// The forward's K-th scan, contract(A, prefix(B⊗C)): its state is B's columns x C's.
-template <class L, std::size_t K>
+// The forward plan L as a backward reads it: as it is, or, as a tape's saved
+// backward reads it (cpu/tape.hpp), with its kept values (Kept, lina/saved.hpp)
+// read as inputs saved1, saved2, …: there layer 2's scan reads φ(rowdiv(saved1)),
+// not layer 1's scan.
+template <class L, class Kept>
+struct reading_saved {};
+template <class L>
+struct plan_of {
+  using type = L;
+};
+template <class L, class Kept>
+struct plan_of<reading_saved<L, Kept>> {
+  using type = L;
+};
+template <class R, class X>
+struct as_read {
+  using type = X;
+};
+template <class L, class Kept, class X>
+struct as_read<reading_saved<L, Kept>, X> {
+  using type = std::remove_cvref_t<decltype(lina::detail::read_saved<L, Kept>(std::declval<X const&>()))>;
+};
+// The forward's K-th scan, contract(A, prefix(B⊗C)): its state is B's columns
+// x C's. (R: the forward plan, or reading_saved<plan, Kept>.)
+template <class R, std::size_t K>
 struct forward_scan {
-  using S = schedule_of<L>;
+  using S = schedule_of<typename plan_of<R>::type>;
   static constexpr std::size_t step = [] {
     std::size_t j = 0, seen = 0;
     for (;; ++j)
       if (S::scan_index[j] != sched::none && seen++ == K) return j;
   }();
-  using parts = scan_operands<typename S::template node_type<step>>;
+  using scan = scan_operands<typename S::template node_type<step>>;
+  struct parts {
+    using a = typename as_read<R, typename scan::a>::type;
+    using b = typename as_read<R, typename scan::b>::type;
+    using c = typename as_read<R, typename scan::c>::type;
+  };
 };
 // Does scan step J of the backward's schedule SB sum forward scan K's state (a
 // prefix scan: its B⊗C or C⊗B) or that state's gradient (a suffix scan: A⊗G
@@ -188,7 +217,7 @@ struct scan_match {
 // sums are that state's transpose.
 template <class L, class SB, std::size_t J>
 struct layer_of_scan {
-  static constexpr std::size_t layers = state_scans<L>::size;
+  static constexpr std::size_t layers = state_scans<typename plan_of<L>::type>::size;
   static constexpr std::size_t matches = [] {
     return [&]<std::size_t... K>(std::index_sequence<K...>) {
       return (std::size_t{scan_match<L, SB, J, K>::found} + ... + 0);
@@ -253,25 +282,18 @@ void copy_sums(T const* from, T* to, std::size_t rows, std::size_t cols, bool tr
 }
 }  // namespace detail
 
-// gradient_into(plan, into, dout, initial, d_final, Q = q, …) -> ∂initial: the
-// same into the caller's views (checked first, as gradient_into's).
-template <class P, class T, class... In, class D, class... B>
-  requires(is_binding<B> && ...)
-state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D const& dout, state<T> const& initial,
-                       state<T> const& d_final, B const&... bindings) {
-  auto const linear = longest_branch(plan);
-  using L = std::remove_cvref_t<decltype(linear)>;
-  static_assert(check_stateful<L>());
-  auto const bp = backward_of(linear);
-  using BP = std::remove_cvref_t<decltype(bp)>;
-  static_assert(std::is_same_v<gradients<tensor_view<T>, In...>, gradients_of<tensor_view<T>, BP>>,
-                "lina::cpu::gradient_into: `into` must be cpu::gradient_views<T>(plan) of this plan");
-  auto in = detail::bind_backward(bp, dout, bindings...);
-  static_assert(std::is_same_v<typename decltype(in)::value_type, T>,
+namespace detail {
+// The chained backward bp of the linear form `linear` into the views `outs`
+// (checked), its bundle bound in `in` and the forward's inputs in `fwd`: the
+// derived backward (R = L), or a tape's saved form of it (cpu/tape.hpp; R =
+// reading_saved<L, its kept values>), whose scans are the same but for the
+// forward's that it reads as saved values.
+template <class T, class R, class L, class BP, class Bound, class FwdBound, std::size_t G>
+state<T> chained_backward(L const& linear, BP const& bp, Bound const& in, FwdBound const& fwd,
+                          std::array<tensor_view<T>, G> const& outs, state<T> const& initial, state<T> const& d_final) {
+  static_assert(std::is_same_v<typename Bound::value_type, T>,
                 "lina::cpu::gradient (chained): the states and the inputs must have one element type");
-  auto outs = detail::checked_gradient_views<BP>(in, into);
   // The states checked against this block (plan, batch, heads, extents), unsized ones as zeros.
-  auto fwd = bind<L>(bindings...);
   state<T> s0 = initial, ds1 = d_final, ds0(linear, fwd.batch, fwd.heads);
   s0.prepare(linear, fwd);
   ds1.prepare(linear, fwd);
@@ -284,7 +306,7 @@ state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D 
   // backward; its sums are its layer's state's size, C x W, or that laid out
   // transposed.
   auto each_scan = [&](auto const& f) {
-    detail::for_each_backward_scan<L, SB>([&](std::size_t j, std::size_t layer, bool prefix, bool transposed, std::size_t part) {
+    for_each_backward_scan<R, SB>([&](std::size_t j, std::size_t layer, bool prefix, bool transposed, std::size_t part) {
       auto const& have = sums.scan(SB::scan_index[j]);
       if (have.a * have.b != s0.scan(layer).a * s0.scan(layer).b)
         throw std::logic_error("lina::cpu::gradient (chained): a backward scan's sums are not its layer's state's size");
@@ -301,12 +323,12 @@ state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D 
     for (std::size_t b = 0; b < in.batch; ++b)
       for (std::size_t h = 0; h < in.heads; ++h)
         if (prefix || part == first_part[layer])
-          detail::copy_sums(prefix ? s0.at(layer, b, h) : ds1.at(layer, b, h), sums.at(SB::scan_index[j], b, h), c, w,
-                            transposed);
+          copy_sums(prefix ? s0.at(layer, b, h) : ds1.at(layer, b, h), sums.at(SB::scan_index[j], b, h), c, w,
+                    transposed);
         else
           std::fill_n(sums.at(SB::scan_index[j], b, h), c * w, T(0));
   });
-  detail::run_slices<T>(bundle, in, outs, &sums);
+  run_slices<T>(bundle, in, outs, &sums);
   // Each layer's ∂initial: the sum of its parts, each what the first of its
   // suffix scans that ran ends with (a paired one runs in its dual's pass).
   std::vector<bool> added(SB::size);
@@ -316,9 +338,28 @@ state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D 
     std::size_t const c = s0.scan(layer).a, w = s0.scan(layer).b, rows = transposed ? w : c;
     for (std::size_t b = 0; b < in.batch; ++b)
       for (std::size_t h = 0; h < in.heads; ++h)
-        detail::copy_sums(sums.at(SB::scan_index[j], b, h), ds0.at(layer, b, h), rows, c * w / rows, transposed, true);
+        copy_sums(sums.at(SB::scan_index[j], b, h), ds0.at(layer, b, h), rows, c * w / rows, transposed, true);
   });
   return ds0;
+}
+}  // namespace detail
+
+// gradient_into(plan, into, dout, initial, d_final, Q = q, …) -> ∂initial: the
+// same into the caller's views (checked first, as gradient_into's).
+template <class P, class T, class... In, class D, class... B>
+  requires(is_binding<B> && ...)
+state<T> gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D const& dout, state<T> const& initial,
+                       state<T> const& d_final, B const&... bindings) {
+  auto const linear = longest_branch(plan);
+  using L = std::remove_cvref_t<decltype(linear)>;
+  static_assert(check_stateful<L>());
+  auto const bp = backward_of(linear);
+  using BP = std::remove_cvref_t<decltype(bp)>;
+  static_assert(std::is_same_v<gradients<tensor_view<T>, In...>, gradients_of<tensor_view<T>, BP>>,
+                "lina::cpu::gradient_into: `into` must be cpu::gradient_views<T>(plan) of this plan");
+  auto in = detail::bind_backward(bp, dout, bindings...);
+  auto outs = detail::checked_gradient_views<BP>(in, into);
+  return detail::chained_backward<T, L>(linear, bp, in, bind<L>(bindings...), outs, initial, d_final);
 }
 template <class P, class D, class T, class... B>
   requires(is_binding<B> && ...)
