@@ -235,6 +235,26 @@ TEST_CASE("tape: chained blocks, a tape each, give the recomputing chained path'
     chained_agrees<false>(compile<order::linear>(decayed), r, 1);  // the kept Y's scan a twin of the forward's (a decay is a value)
     chained_agrees<true>(compile<order::linear>(two), r, 2);
   }
+  // Layer 2 reading two layer-1 attentions of one type: twin scans in the plan's
+  // own state. Through a tape, blocks leave every scan's sums as the recomputing
+  // forward does. (Its chained backward cannot tell the twins' layers apart: it
+  // is refused at compile time, tape or not.)
+  auto const twins = stack(0.9, 0.9);
+  auto q = tensor<double>::random({1, 2, 30, 3}, 1), k = tensor<double>::random({1, 2, 30, 3}, 2);
+  auto v = tensor<double>::random({1, 2, 30, 4}, 3), v2 = tensor<double>::random({1, 2, 30, 4}, 4);
+  cpu::state<double> st, st_recomputed;
+  cpu::tape<double> tp;
+  for (std::size_t at : {0, 13}) {
+    std::size_t const rows = at ? 17 : 13;
+    auto y = cpu::evaluate(twins, st, tp, Q = q.rows(at, rows), K = k.rows(at, rows), V = v.rows(at, rows),
+                           V2 = v2.rows(at, rows));
+    auto want = cpu::evaluate(twins, st_recomputed, Q = q.rows(at, rows), K = k.rows(at, rows), V = v.rows(at, rows),
+                              V2 = v2.rows(at, rows));
+    CHECK(close(y, want, 1e-13));
+    REQUIRE(st.scans() == 3);
+    for (std::size_t l = 0; l < st.scans(); ++l)
+      for_each_index(st[l].shape(), [&](auto... i) { CHECK(st[l](i...) == doctest::Approx(st_recomputed[l](i...)).epsilon(1e-13)); });
+  }
 }
 
 TEST_CASE("tape: its memory is reused while the extents repeat, and gradient_into writes caller views") {

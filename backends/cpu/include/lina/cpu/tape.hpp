@@ -128,8 +128,8 @@ struct tape_access {
   // Run fb, the bundle of the linear form L and its kept values, from and into
   // L's state st. fb's scans are L's (a kept value's scan is a twin of one of
   // L's: the same node, summing the same rows), so each starts from the sums
-  // of L's scan of its type, and L's scans take what the first of that type
-  // ends with.
+  // of L's first scan of its type, and each of L's scans (twins in L too)
+  // takes what fb's first scan of its type ends with.
   template <class T, class L, class FB, class Bound, std::size_t O>
   static void run_through_state(L const&, FB const& fb, Bound const& in, std::array<tensor_view<T>, O> const& outs,
                                 state<T>& st) {
@@ -146,12 +146,9 @@ struct tape_access {
     };
     for (std::size_t k = 0; k < of_mine.size(); ++k) copy(st, of_mine[k], sums, k);
     run_slices<T>(fb, in, outs, &sums);
-    std::vector<bool> done(mine::size);
-    for (std::size_t k = 0; k < of_mine.size(); ++k)
-      if (!done[of_mine[k]]) {
-        done[of_mine[k]] = true;
-        copy(sums, k, st, of_mine[k]);
-      }
+    constexpr auto first_of_type = positions_in<mine>(mine{});
+    for (std::size_t j = 0; j < mine::size; ++j)
+      copy(sums, static_cast<std::size_t>(std::ranges::find(of_mine, first_of_type[j]) - of_mine.begin()), st, j);
   }
 
   // The tape's checks before a backward of p reads it.
