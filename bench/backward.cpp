@@ -133,17 +133,19 @@ void rate_chained(std::size_t blocks, std::size_t rows, int reps) {
   tensor<float> o({1, heads, n, 64}), dq({1, heads, n, 64}), dk({1, heads, n, 64}), dv({1, heads, n, 64});
   std::vector<cpu::tape<float>> tapes(blocks);
   std::vector<cpu::state<float>> begin(blocks);
+  // f(Q = block x of q, K = …, V = …)
+  auto block = [&](std::size_t x, auto const& f) {
+    return f(Q = q.rows(x * rows, rows), K = k.rows(x * rows, rows), V = v.rows(x * rows, rows));
+  };
   auto step = [&](bool taped) {
     cpu::state<float> st, d_final;
     for (std::size_t x = 0; x < blocks; ++x) {
       begin[x] = st;
-      auto in = [&](auto const& f) {
-        return f(Q = q.rows(x * rows, rows), K = k.rows(x * rows, rows), V = v.rows(x * rows, rows));
-      };
+      auto const out = o.rows(x * rows, rows);
       if (taped)
-        in([&](auto const&... b) { cpu::evaluate_into(plan, o.rows(x * rows, rows), st, tapes[x], b...); });
+        block(x, [&](auto const&... b) { cpu::evaluate_into(plan, out, st, tapes[x], b...); });
       else
-        in([&](auto const&... b) { cpu::evaluate_into(plan, o.rows(x * rows, rows), st, b...); });
+        block(x, [&](auto const&... b) { cpu::evaluate_into(plan, out, st, b...); });
     }
     for (std::size_t x = blocks; x-- > 0;) {
       auto into = cpu::gradient_views<float>(plan);
@@ -151,11 +153,10 @@ void rate_chained(std::size_t blocks, std::size_t rows, int reps) {
       into[K] = dk.rows(x * rows, rows);
       into[V] = dv.rows(x * rows, rows);
       auto const d = dout.rows(x * rows, rows);
-      auto bq = Q = q.rows(x * rows, rows);
-      auto bk = K = k.rows(x * rows, rows);
-      auto bv = V = v.rows(x * rows, rows);
-      d_final = taped ? cpu::gradient_into(plan, into, tapes[x], d, begin[x], d_final, bq, bk, bv)
-                      : cpu::gradient_into(plan, into, d, begin[x], d_final, bq, bk, bv);
+      d_final = block(x, [&](auto const&... b) {
+        return taped ? cpu::gradient_into(plan, into, tapes[x], d, begin[x], d_final, b...)
+                     : cpu::gradient_into(plan, into, d, begin[x], d_final, b...);
+      });
     }
   };
   double plain = best_ms(reps, [&] { step(false); });

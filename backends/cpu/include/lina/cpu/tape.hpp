@@ -183,15 +183,18 @@ struct tape_access {
     }(std::make_index_sequence<SV::size>{});
   }
 
-  // `into` (views by the inputs of the whole plan) as the views of bp's gradients.
-  template <class T, class BP, class Into>
-  static auto views_of(Into& into) {
+  // bp's bundle bound to the inputs, dout and the saved values, and `into`
+  // (views by the inputs of the whole plan) as bp's gradient views, checked.
+  template <class T, class BP, class Into, class D, class... B>
+  static auto bind_into(BP const& bp, Into& into, D const& dout, B const&... bindings) {
+    auto in = bind_backward(bp, dout, bindings...);
     gradients_of<tensor_view<T>, BP> mine;  // into's views in the order of bp's inputs
     [&]<class Fw, class... E>(backward_plan<Fw, E...> const*) {
       std::size_t i = 0;
       ((mine.all()[i++] = into[node<typename E::input>{}]), ...);
     }(static_cast<BP const*>(nullptr));
-    return mine;
+    auto outs = checked_gradient_views<BP>(in, mine);
+    return std::pair{std::move(in), outs};
   }
 
   // The backward of select-free plan p into `into` (views by the inputs of the
@@ -200,11 +203,7 @@ struct tape_access {
   static void backward(P const& p, Into& into, tape<T> const& tp, D const& dout, B const&... bindings) {
     check(p, tp, false);
     with_backward(p, tp, [&](auto const& bp, auto const&... saved) {
-      using BP = std::remove_cvref_t<decltype(bp)>;
-      auto dview = view_of(dout);
-      auto in = bind<decltype(as_bundle(bp))>(bindings..., binding<cotangent_symbol, decltype(dview)>{dview}, saved...);
-      auto mine = views_of<T, BP>(into);
-      auto outs = checked_gradient_views<BP>(in, mine);
+      auto [in, outs] = bind_into<T>(bp, into, dout, bindings..., saved...);
       run_slices<T>(as_bundle(bp), in, outs);
     });
   }
@@ -216,11 +215,7 @@ struct tape_access {
                            state<T> const& d_final, B const&... bindings) {
     check(linear, tp, true);
     return with_backward(linear, tp, [&](auto const& bp, auto const&... saved) {
-      using BP = std::remove_cvref_t<decltype(bp)>;
-      auto dview = view_of(dout);
-      auto in = bind<decltype(as_bundle(bp))>(bindings..., binding<cotangent_symbol, decltype(dview)>{dview}, saved...);
-      auto mine = views_of<T, BP>(into);
-      auto outs = checked_gradient_views<BP>(in, mine);
+      auto [in, outs] = bind_into<T>(bp, into, dout, bindings..., saved...);
       // (the backward's scans read the forward as rewritten by its saved form, if any)
       using Kept = typename lina::detail::kept_of<L, std::remove_cvref_t<decltype(gradient(linear))>>::type;
       using R = std::conditional_t<sizeof...(saved) == 0, L, reading_saved<L, Kept>>;
