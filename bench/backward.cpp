@@ -4,7 +4,7 @@
 // backend allocates beyond inputs, dout and gradients (cpu::memory().peak),
 // including the workspace it keeps for the next call.
 //
-//   backward [--max-n 65536] [--quadratic-max-n 4096]
+//   backward [--max-n 65536] [--quadratic-max-n 4096]  (or --rate, --favor, --softmax, --chained)
 //
 // --rate instead times the linear backward into the caller's buffers
 // (cpu::gradient_into, no fresh tensors to first-touch) at B = 1, H = 8 and
@@ -13,6 +13,10 @@
 // then the same forward keeping its values in a cpu::tape and the backward
 // reading them, and how much faster a training step (forward + backward) is so.
 // --favor does the same for FAVOR+ (m = 64) at N = 4096.
+// --softmax times causal softmax attention, normalize(causal(exp(Q Kᵀ/8))) V
+// (quadratic), forward and backward into reused buffers at B = 1, H = 8,
+// N = 1024 and 2048, GFLOP/s by the products it runs (forward 2·H·N²·(D + M + 1):
+// Q Kᵀ and E·[V|1] in full, the mask applied after; the backward twice that).
 // --chained times a training step over one sequence of N = 16384 in four
 // blocks of 4096 (as truncated backpropagation runs it): each block's forward
 // through the state, then the blocks' backward last first, each handing ∂ of
@@ -97,6 +101,23 @@ void rate(std::size_t n, int reps) {
              2 * flops / bwd / 1e6, fwd, flops / fwd / 1e6, fwd_tape, bwd_tape, 2 * flops / bwd_tape / 1e6,
              (fwd + bwd) / (fwd_tape + bwd_tape));
 }
+// Causal softmax at B = 1, H = 8, N = n: forward and backward into reused buffers.
+void rate_softmax(std::size_t n, int reps) {
+  auto plan = compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V);
+  std::size_t heads = 8;
+  auto q = tensor<float>::random({1, heads, n, 64}, 1), k = tensor<float>::random({1, heads, n, 64}, 2);
+  auto v = tensor<float>::random({1, heads, n, 64}, 3), dout = tensor<float>::random({1, heads, n, 64}, 4);
+  auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  auto into = cpu::gradient_views<float>(plan);
+  into[Q] = g[Q].view();
+  into[K] = g[K].view();
+  into[V] = g[V].view();
+  auto o = cpu::evaluate(plan, Q = q, K = k, V = v);
+  double fwd = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), Q = q, K = k, V = v); });
+  double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); });
+  double flops = 2.0 * double(heads) * double(n) * double(n) * (64 + 65);
+  fmt::print("{:>6} | {:>9.2f} {:>8.1f} | {:>9.2f} {:>8.1f}\n", n, fwd, flops / fwd / 1e6, bwd, 2 * flops / bwd / 1e6);
+}
 // FAVOR+ (m = 64 random features of D = 64) at B = 1, H = 8, N = n: the
 // forward, the backward into reused buffers (∂W included), and both through a tape.
 void rate_favor(std::size_t n, int reps) {
@@ -167,12 +188,13 @@ void rate_chained(std::size_t blocks, std::size_t rows, int reps) {
 
 int main(int argc, char** argv) {
   std::size_t max_n = 65536, quad_max = 4096;
-  bool rates = false, favor_rates = false, chained = false;
+  bool rates = false, favor_rates = false, chained = false, softmax = false;
   int reps = 30;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--rate")) rates = true;
     if (!std::strcmp(argv[i], "--favor")) favor_rates = true;
     if (!std::strcmp(argv[i], "--chained")) chained = true;
+    if (!std::strcmp(argv[i], "--softmax")) softmax = true;
     if (i + 1 == argc) break;
     if (!std::strcmp(argv[i], "--max-n")) max_n = std::strtoull(argv[i + 1], nullptr, 10);
     if (!std::strcmp(argv[i], "--quadratic-max-n")) quad_max = std::strtoull(argv[i + 1], nullptr, 10);
@@ -186,6 +208,13 @@ int main(int argc, char** argv) {
     fmt::print("causal elu+1 attention, B=1 H=8 D=M=64 float, {} threads: a training step in chained blocks\n", threads);
     fmt::print("{:>6} | {:>6} | {:>9} {:>9} | {:>7}\n", "N", "blocks", "step ms", "tapes ms", "faster");
     rate_chained(4, 4096, std::max(1, reps / 4));
+    return 0;
+  }
+  if (softmax) {
+    fmt::print("causal softmax attention (quadratic), B=1 H=8 D=M=64 float, {} threads, into reused buffers\n", threads);
+    fmt::print("{:>6} | {:>9} {:>8} | {:>9} {:>8}\n", "N", "fwd ms", "GFLOP/s", "bwd ms", "GFLOP/s");
+    rate_softmax(1024, reps);
+    rate_softmax(2048, std::max(1, reps / 4));
     return 0;
   }
   if (favor_rates) {

@@ -243,9 +243,16 @@ struct op_traits<op::scale> : detail::named<"scale", prec::product>, detail::ele
 template <>
 struct op_traits<op::exp> : detail::call_notation<"exp">, detail::elementwise_cost {
   static constexpr bool differentiable = true;  // exp(X) -> G⊙exp(X)
+  // A cotangent that is masked, causal(A) (exp read through a mask: causal
+  // softmax), moves its mask onto exp: causal(A)⊙exp(X) = A⊙causal(exp(X)),
+  // the forward's own masked exp, so the backward never needs exp where the
+  // forward masked it (a key past the diagonal may overflow there).
   template <class N, class G>
   static constexpr auto adjoint(N const& n, G const& g) {
-    return hana::make_tuple(build::hadamard(g, n));
+    if constexpr (is_causal_op<typename G::op_type>)
+      return hana::make_tuple(build::hadamard(kid<0>(g), make_node(g.op, n)));
+    else
+      return hana::make_tuple(build::hadamard(g, n));
   }
 };
 template <>

@@ -16,7 +16,9 @@
 // do as they load their rows anyway. A matrix whose rows and columns both run
 // over input rows (an N x N similarity) is never kept: that would hold
 // O(N²) memory from the forward to the backward; the backward recomputes it,
-// as it does without saving. For rowdiv(contract(φQ, prefix(φK⊗[V|1]))) the one
+// as it does without saving; nor is a value made from exp (softmax's
+// E·[V|1]), whose rows the CPU backend keeps scaled (e^x may pass the
+// range of the type). For rowdiv(contract(φQ, prefix(φK⊗[V|1]))) the one
 // value kept is Y = contract(φQ, prefix(φK⊗[V|1])), N x (M+1) per slice.
 //
 // Values are told apart by type. Two reads of one type are one value when
@@ -81,6 +83,14 @@ constexpr bool costly_op() {
     return false;
 }
 
+// Is there an exp (softmax) in X?
+template <class X>
+constexpr bool has_exp() {
+  bool found = false;
+  visit_types<X>([&]<class Y>() { found = found || std::is_same_v<typename Y::op_type, op::exp>; });
+  return found;
+}
+
 // Is X a value of forward plan F that its backward keeps (see the top)?
 template <class F, class X>
 constexpr bool kept_for_backward() {
@@ -91,6 +101,9 @@ constexpr bool kept_for_backward() {
     using S = typename X::shape;
     if constexpr (contains<token_rows, typename S::rows>::value && contains<token_rows, typename S::cols>::value) {
       return false;  // N x N (or N x L): recomputed, never held
+    } else if constexpr (has_exp<X>()) {
+      return false;  // softmax's E·[V|1]: its rows may hold e^x past float's range, which the
+                     // backend keeps as scaled rows with exponents and a saved tensor could not
     } else {
       bool found = false;
       visit_types<F>([&]<class Y>() { found = found || std::is_same_v<X, Y>; });

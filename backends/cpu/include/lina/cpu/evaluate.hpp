@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -33,6 +34,7 @@
 #include "lina/cpu/path.hpp"
 #include "lina/cpu/state.hpp"
 #include "lina/detail/each_lane.hpp"
+#include "lina/detail/exp.hpp"
 #include "lina/node.hpp"
 #include "lina/schedule.hpp"
 #include "lina/tensor.hpp"
@@ -40,8 +42,11 @@
 namespace lina::cpu {
 
 template <class T>
-matrix<T> alias(matrix<T> const& m) {  // a view of m's elements, not owning them
-  return view(m.data, m.rows, m.cols, m.rs, m.cs);
+matrix<T> alias(matrix<T> const& m) {  // a view of m's elements, not owning them (and of its exponents)
+  matrix<T> a = view(m.data, m.rows, m.cols, m.rs, m.cs);
+  a.row_exp = m.row_exp;
+  a.col_exp = m.col_exp;
+  return a;
 }
 
 // lower<Op>::run(o, out, operands...): the result of a node with op value o
@@ -73,7 +78,8 @@ struct lower<op::product> {
   }
 };
 
-// row<Op>::run(o, i, in, in_cols, out): row i of a row-wise op (sched::row_wise)
+// row<Op>::run(o, i, in, in_cols, out): row i of a row-wise op (sched::row_wise;
+// exp's rows are made by program::group_row, which may shift them: Exponents)
 // from row i of its operand (a causal mask also takes the slice's head before
 // i: its decay may be the head's). A fused group of row-wise steps runs these
 // one after another on each row, so its intermediate rows are never stored.
@@ -99,13 +105,6 @@ struct row<op::scale> {
   static void run(op::scale const& o, index, T const* in, index cols, T* out) {
     T s = static_cast<T>(o.factor);
     lina::detail::each_lane(out, cols, [s, in](index j) { return s * in[j]; });
-  }
-};
-template <>
-struct row<op::exp> {
-  template <class T>
-  static void run(op::exp const&, index, T const* in, index cols, T* out) {
-    for (index j = 0; j < cols; ++j) out[j] = std::exp(in[j]);
   }
 };
 template <class D>
@@ -145,6 +144,80 @@ struct row<op::row_divide> {  // x[:-1] / (x[-1] + eps)
     lina::detail::each_lane(out, cols - 1, [r, in](index j) { return in[j] * r; });
   }
 };
+
+// ---- Exponents --------------------------------------------------------------
+// exp(x) overflows past x ≈ 88.7 in float (709.8 in double), and softmax rows
+// as written, normalize(exp(S)) or rowdiv(exp(S)·[V|1]), become inf/inf = NaN
+// although their values are ordinary numbers; the backward's normaliser
+// adjoints divide by the square of such sums, which overflows from half
+// that. So an exp step makes e^(x − m), m = max(0, the row's largest
+// element), and the row carries its exponent m (matrix::row_exp: the row
+// stands for its elements × e^m), as the CUDA kernels' running max does;
+// rows whose elements are all ≤ 0 carry none and keep the bits of exp as
+// written. Readers that understand an exponent keep it: a product's rows
+// take those of its left operand, and the exponents of a contraction's two
+// sides cancel when they are opposite; the normalisers end it (eps · e^−m,
+// so the value is the one written); a mask, a scale and [x | e^−m] keep it;
+// a Hadamard product adds them; the adjoints of the normalisers subtract
+// theirs. Any other reader gets the values multiplied out (inf where the
+// value itself overflows).
+namespace exponents {
+// The shift of a row of exp's argument (its first n elements count): their
+// largest when positive and finite, else 0.
+template <class T>
+T shift_of(T const* x, index n) {
+  T m = 0;
+  for (index j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;  // (NaN: skipped; it propagates through exp)
+  return m < std::numeric_limits<T>::infinity() ? m : T(0);
+}
+
+// What a row-wise op does to its row's exponent r.
+enum class rule {
+  values,  // reads the row's values: r multiplied out first
+  makes,   // exp: may start one
+  keeps,   // linear in the row (a mask, a scale, [x | e^−r])
+  ends,    // a normaliser: eps · e^−r, its result as written
+};
+template <class Op>
+inline constexpr rule rule_of = is_causal_op<Op> ? rule::keeps : rule::values;
+template <>
+inline constexpr rule rule_of<op::exp> = rule::makes;
+template <>
+inline constexpr rule rule_of<op::scale> = rule::keeps;
+template <>
+inline constexpr rule rule_of<op::append_ones> = rule::keeps;
+template <>
+inline constexpr rule rule_of<op::normalize> = rule::ends;
+template <>
+inline constexpr rule rule_of<op::row_divide> = rule::ends;
+
+// Row-local pairs that read their operands' exponents: the result's r from
+// theirs (x, y: the operands' in order).
+template <class Op>
+inline constexpr bool pair_reads = false;
+template <>
+inline constexpr bool pair_reads<op::hadamard> = true;  // r_x + r_y
+template <>
+inline constexpr bool pair_reads<op::row_divide_vjp> = true;  // (y, g): r_g − r_y, eps · e^−r_y
+template <>
+inline constexpr bool pair_reads<op::normalize_vjp> = true;  // (s, g): r_g − r_s, eps · e^−r_s
+
+// An op whose eps is scaled by e^−r (the value of a normaliser of rows that
+// carry r: (x e^r) / (Σ x e^r + eps) = x / (Σ x + eps e^−r)).
+template <class Op, class T>
+Op with_eps_scaled(Op o, T r) {
+  if (r != 0) o.eps = o.eps * std::exp(-static_cast<double>(r));
+  return o;
+}
+
+// Row i multiplied by e^r (r = 0: untouched).
+template <class T>
+void multiply_out(T* row, index cols, T r) {
+  if (r == 0) return;
+  T f = std::exp(r);
+  lina::detail::each_lane(row, cols, [row, f](index j) { return row[j] * f; });
+}
+}  // namespace exponents
 
 // Memory a program reuses: arenas of buffers, each handed out again once
 // given back. A call keeps one arena per thread, so the slices a thread runs
@@ -423,7 +496,7 @@ class program {
   void run(std::size_t b, std::size_t h) const {
     std::array<matrix<T>, steps + 1> slot{};
     std::array<bool, Outputs> direct{};
-    turn w{b, h, b * in_.heads + h, {}};
+    turn w{b, h, b * in_.heads + h, {}, {}};
 #ifdef _OPENMP
     if (per_thread_) w.arena = static_cast<std::size_t>(omp_get_thread_num());
 #else
@@ -444,6 +517,7 @@ class program {
   struct turn {
     std::size_t b, h, arena;
     std::array<bool, steps + 1> pooled;
+    std::array<T*, steps + 1> exps;  // a result's row exponents, from the arena
   };
 
   // A kernel's scratch from the run's arena, given back when it goes.
@@ -519,10 +593,19 @@ class program {
           rows_of_group<J>(slot, w);
         } else if constexpr (sched::row_local_pair<N>()) {
           rows_of_pair<J>(slot, w);
+        } else if constexpr (with_exp && std::is_same_v<typename N::op_type, op::product>) {
+          product_with_exponents<J>(slot, w);
         } else {
           [&]<class... O>(lina::detail::type_list<O...>) {
             lower<typename N::op_type>::run(S::template node_at<J>(plan_).op, slot[J], operand<O>(slot, w)...);
           }(typename S::template operands<J>{});
+        }
+        if constexpr (with_exp) {
+          constexpr bool kept = keeps_exponents()[J];
+          if (!kept && slot[J].row_exp) {  // a reader that needs the values
+            for (index i = 0; i < slot[J].rows; ++i) exponents::multiply_out(slot[J].row_mut(i), slot[J].cols, slot[J].row_exp[i]);
+            slot[J].row_exp = nullptr;
+          }
         }
       }
       release<J>(slot, w);
@@ -680,22 +763,87 @@ class program {
   // Row i of group First ... Last from `in` (the source's row i, contiguous,
   // `cols` wide) into `dst`, each member after the other between two rows of
   // `work` (2 x widest), so its intermediate rows are never stored.
+  // r: the source row's exponent (0 unless the first member keeps or ends
+  // it); the row's exponent at the end goes to *r_out, or is multiplied out
+  // of dst when r_out is null.
   template <std::size_t First, std::size_t Last>
-  void group_row(std::size_t head, index i, T const* in, index cols, T* dst, T* work, index widest) const {
+  void group_row(std::size_t head, index i, T const* in, index cols, T* dst, T* work, index widest, T r = 0,
+                 T* r_out = nullptr) const {
     T const* cur = in;
     T* spare[2] = {work, work + widest};
     int which = 0;
     for_members<First, Last>([&]<std::size_t M>() {
       using MN = typename S::template node_type<M>;
+      using Op = typename MN::op_type;
+      constexpr exponents::rule rule = exponents::rule_of<Op>;
+      [[maybe_unused]] auto const& o = S::template node_at<M>(plan_).op;
       T* to = M == Last ? dst : spare[which];
-      if constexpr (is_causal_op<typename MN::op_type>)  // (its decay may be the head's)
-        row<typename MN::op_type>::run(S::template node_at<M>(plan_).op, head, i, cur, cols, to);
-      else
-        row<typename MN::op_type>::run(S::template node_at<M>(plan_).op, i, cur, cols, to);
+      if constexpr (rule == exponents::rule::values || rule == exponents::rule::makes)
+        if (r != 0) {  // (cur is a spare row here: r is 0 at the first member, see rows_of_group)
+          exponents::multiply_out(const_cast<T*>(cur), cols, r);
+          r = 0;
+        }
+      if constexpr (rule == exponents::rule::makes) {  // exp (vectorised: detail/exp.hpp)
+        // The columns the row keeps: with a causal mask later in the group
+        // or as every reader of it, those up to the diagonal (the mask zeroes
+        // the others, whose exp may overflow and is not made).
+        constexpr bool masked = masked_after<M, Last>() || only_masks_read<Last>(std::make_index_sequence<steps>{});
+        index kept = masked ? std::max<index>(0, std::min(i + 1, cols)) : cols;
+        T m = exponents::shift_of(cur, kept);  // (x − 0 is x: an unshifted row is exp as written)
+        lina::detail::each_lane(to, kept, [cur, m](index j) { return lina::detail::exp(cur[j] - m); });
+        std::fill(to + kept, to + cols, T(0));
+        r = m;
+      } else if constexpr (rule == exponents::rule::ends) {
+        row<Op>::run(exponents::with_eps_scaled(o, r), i, cur, cols, to);
+        r = 0;
+      } else if constexpr (is_causal_op<Op>) {  // (its decay may be the head's)
+        row<Op>::run(o, head, i, cur, cols, to);
+      } else {
+        row<Op>::run(o, i, cur, cols, to);
+        if constexpr (std::is_same_v<Op, op::append_ones>)
+          if (r != 0) to[cols] = std::exp(-r);  // [x | 1] of the row as written
+      }
       cur = to;
       cols = static_cast<index>(MN::shape::cols::extent(in_.table));
       which ^= 1;
     });
+    if (r_out)
+      *r_out = r;
+    else
+      exponents::multiply_out(dst, cols, r);
+  }
+  // How step J's value is among operands O (J's, or a twin's that may be
+  // J's): 0 not, 1 directly only, 2 through a view.
+  template <std::size_t J, class... O>
+  static constexpr int reads_of(lina::detail::type_list<O...>) {
+    int r = 0;
+    auto note = [&](std::size_t step, bool direct) {
+      if (step != sched::none && (step == J || S::twin[step] == J)) r = std::max(r, direct ? 1 : 2);
+    };
+    (note(sched::reads<O>::step, std::is_same_v<O, sched::step_operand<sched::reads<O>::step>>), ...);
+    return r;
+  }
+  // Is step J's value read, directly, by causal masks alone (not an output)?
+  template <std::size_t J, std::size_t... K>
+  static constexpr bool only_masks_read(std::index_sequence<K...>) {
+    bool any = false, all = true;
+    auto note = [&](int how, bool mask) {
+      any = any || how != 0;
+      all = all && (how == 0 || (how == 1 && mask));
+    };
+    (note(reads_of<J>(typename S::template operands<K>{}), is_causal_op<typename S::template node_type<K>::op_type>),
+     ...);
+    return any && all && reads_of<J>(typename S::outputs{}) == 0;
+  }
+  // Is there a causal mask after member M of the group ending at Last?
+  template <std::size_t M, std::size_t Last>
+  static constexpr bool masked_after() {
+    if constexpr (M == Last) {
+      return false;
+    } else {
+      constexpr std::size_t next = S::absorbed_by[M];
+      return is_causal_op<typename S::template node_type<next>::op_type> || masked_after<next, Last>();
+    }
   }
   // Row i of a group's source, contiguous: in place, or copied into `copy`.
   static T const* source_row(matrix<T> const& src, index i, T* copy) {
@@ -719,8 +867,23 @@ class program {
     lease rowbuf(*this, w, static_cast<std::size_t>(3 * widest));
     T* work = rowbuf.p;
     matrix<T>& out = slot[K];
-    for (index i = 0; i < src.rows; ++i)
-      group_row<first, K>(w.h, i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest);
+    if constexpr (with_exp) {
+      constexpr exponents::rule rule = exponents::rule_of<typename S::template node_type<first>::op_type>;
+      lease values;
+      if (rule != exponents::rule::keeps && rule != exponents::rule::ends && src.row_exp)
+        src = multiplied_out(std::move(src), values, w);
+      w.exps[K] = ws_.take(w.arena, static_cast<std::size_t>(src.rows));
+      bool any = false;
+      for (index i = 0; i < src.rows; ++i) {
+        group_row<first, K>(w.h, i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest,
+                            src.row_exp ? src.row_exp[i] : T(0), w.exps[K] + i);
+        any = any || w.exps[K][i] != 0;
+      }
+      keep_exponents<K>(slot, w, any);
+    } else {
+      for (index i = 0; i < src.rows; ++i)
+        group_row<first, K>(w.h, i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest);
+    }
   }
 
   // A scan operand made chunk by chunk: the rows of group ... Last, from its source.
@@ -771,9 +934,134 @@ class program {
     lease copies(*this, w, static_cast<std::size_t>(x.cols + y.cols));
     auto const& o = S::template node_at<K>(plan_).op;
     using Op = typename S::template node_type<K>::op_type;
+    if constexpr (with_exp && exponents::pair_reads<Op>) {
+      if (x.row_exp || y.row_exp) {
+        w.exps[K] = ws_.take(w.arena, static_cast<std::size_t>(x.rows));
+        bool any = false;
+        for (index i = 0; i < x.rows; ++i) {
+          T rx = x.row_exp ? x.row_exp[i] : T(0), ry = y.row_exp ? y.row_exp[i] : T(0), r;
+          T const *xr = source_row(x, i, copies.p), *yr = source_row(y, i, copies.p + x.cols);
+          if constexpr (std::is_same_v<Op, op::hadamard>) {
+            row<Op>::run(o, i, xr, yr, x.cols, y.cols, slot[K].row_mut(i));
+            r = rx + ry;
+          } else {  // an adjoint of a normaliser: x is the rows it divided, y the gradient
+            row<Op>::run(exponents::with_eps_scaled(o, rx), i, xr, yr, x.cols, y.cols, slot[K].row_mut(i));
+            r = ry - rx;
+          }
+          w.exps[K][i] = r;
+          any = any || r != 0;
+        }
+        keep_exponents<K>(slot, w, any);
+        return;
+      }
+    }
     for (index i = 0; i < x.rows; ++i)
       row<Op>::run(o, i, source_row(x, i, copies.p), source_row(y, i, copies.p + x.cols), x.cols, y.cols,
                    slot[K].row_mut(i));
+  }
+  // After step K wrote its row exponents into w.exps[K]: kept when any is not 0.
+  template <std::size_t K>
+  void keep_exponents(std::array<matrix<T>, steps + 1>& slot, turn& w, bool any) const {
+    if (any) {
+      slot[K].row_exp = w.exps[K];
+    } else {
+      ws_.give(w.arena, w.exps[K]);
+      w.exps[K] = nullptr;
+    }
+  }
+  // m with its exponents multiplied out, in memory from `mem` (m itself when it has none).
+  matrix<T> multiplied_out(matrix<T> m, lease& mem, turn& w) const {
+    if (!m.row_exp && !m.col_exp) return m;
+    mem = lease(*this, w, static_cast<std::size_t>(m.rows * m.cols));
+    matrix<T> v = view<T>(mem.p, m.rows, m.cols, m.cols, 1);
+    for (index i = 0; i < m.rows; ++i)
+      for (index j = 0; j < m.cols; ++j) {
+        T e = (m.row_exp ? m.row_exp[i] : T(0)) + (m.col_exp ? m.col_exp[j] : T(0));
+        v.at_mut(i, j) = e == 0 ? m(i, j) : m(i, j) * std::exp(e);
+      }
+    return v;
+  }
+  // A product A·B whose operands may carry exponents: A's rows give the
+  // result's; along the contraction, A's column and B's row exponents cancel
+  // when opposite (the backward's Eᵀ·ĝ), else are multiplied out.
+  template <std::size_t J>
+  void product_with_exponents(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
+    using ops = typename S::template operands<J>;
+    matrix<T> a = operand<lina::detail::type_at_t<0, ops>>(slot, w);
+    matrix<T> b = operand<lina::detail::type_at_t<1, ops>>(slot, w);
+    T const* rows_exp = std::exchange(a.row_exp, nullptr);
+    lease ma, mb;
+    if (b.col_exp) b = multiplied_out(std::move(b), mb, w);
+    if (a.col_exp || b.row_exp) {
+      bool cancel = a.col_exp && b.row_exp;
+      for (index k = 0; cancel && k < a.cols; ++k) cancel = a.col_exp[k] == -b.row_exp[k];
+      if (cancel) {
+        a.col_exp = b.row_exp = nullptr;
+      } else {
+        a = multiplied_out(std::move(a), ma, w);
+        b = multiplied_out(std::move(b), mb, w);
+      }
+    }
+    lower<op::product>::run(S::template node_at<J>(plan_).op, slot[J], a, std::move(b));
+    if (rows_exp) {
+      w.exps[J] = ws_.take(w.arena, static_cast<std::size_t>(a.rows));
+      std::copy_n(rows_exp, a.rows, w.exps[J]);
+      slot[J].row_exp = w.exps[J];
+    }
+  }
+
+  // ---- which results keep their exponents ----
+  static constexpr bool with_exp = [] {
+    return []<std::size_t... J>(std::index_sequence<J...>) {
+      return (std::is_same_v<typename S::template node_type<J>::op_type, op::exp> || ...);
+    }(std::make_index_sequence<steps>{});
+  }();
+  // Is operand O a transposed view (anywhere between the step and the reader)?
+  template <class O>
+  static constexpr bool transposes() {
+    if constexpr (requires { typename O::of; })
+      return std::is_same_v<O, sched::transposed_operand<typename O::of>> || transposes<typename O::of>();
+    else
+      return false;
+  }
+  // Does step K read its operand O with the exponents it carries? Row-wise
+  // readers take row exponents only (not a transposed view's column ones).
+  template <std::size_t K, class O>
+  static constexpr bool reads_exponents() {
+    using N = typename S::template node_type<K>;
+    using Op = typename N::op_type;
+    if constexpr (std::is_same_v<Op, op::product>)
+      return S::runs_in[K] == K;
+    else if constexpr (sched::row_wise<N>())  // a group's first step, the group on its own
+      return S::chain_start[K] == K && !S::template is_scan<S::runs_in[K] % steps> && !transposes<O>();
+    else if constexpr (sched::row_local_pair<N>())
+      return exponents::pair_reads<Op> && S::runs_in[K] == K && !transposes<O>();
+    else
+      return false;
+  }
+  // keeps_exponents()[J]: may step J's result keep its exponents (every
+  // reader reads them; not an output)? Else they are multiplied out after it.
+  template <std::size_t K, class... O>
+  static constexpr void note_readers(std::array<bool, steps + 1>& ok, lina::detail::type_list<O...>) {
+    ((sched::reads<O>::step != sched::none && !reads_exponents<K, O>() ? void(ok[sched::reads<O>::step] = false) : void()),
+     ...);
+  }
+  template <class... O>
+  static constexpr void note_outputs(std::array<bool, steps + 1>& ok, lina::detail::type_list<O...>) {
+    ((sched::reads<O>::step != sched::none ? void(ok[sched::reads<O>::step] = false) : void()), ...);
+  }
+  template <std::size_t... K>
+  static constexpr void note_all(std::array<bool, steps + 1>& ok, std::index_sequence<K...>) {
+    (note_readers<K>(ok, typename S::template operands<K>{}), ...);
+  }
+  static constexpr std::array<bool, steps + 1> keeps_exponents() {
+    std::array<bool, steps + 1> ok{};
+    ok.fill(true);
+    note_all(ok, std::make_index_sequence<steps>{});
+    note_outputs(ok, typename S::outputs{});
+    for (std::size_t j = steps; j-- > 0;)
+      if (S::twin[j] != sched::none) ok[S::twin[j]] = ok[S::twin[j]] && ok[j];
+    return ok;
   }
   // A scan's finished rows as one operand of the row-local pair K (the
   // other, `side`, read row by row), into `out`.
@@ -846,7 +1134,9 @@ class program {
   void release(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
     auto one = [&](std::size_t i) {
       if (w.pooled[i]) ws_.give(w.arena, slot[i].data);
+      if (w.exps[i]) ws_.give(w.arena, w.exps[i]);
       w.pooled[i] = false;
+      w.exps[i] = nullptr;
       slot[i] = matrix<T>{};
     };
     for (std::size_t i = 0; i <= J; ++i)  // (a loop, not a fold: steps² expressions for a deep stack's gradient)

@@ -84,11 +84,18 @@ using index = std::ptrdiff_t;
 
 // rows x cols, element (i, j) at data[i * rs + j * cs]. A view when `owner`
 // is empty (then never written), else the owner of its elements.
+//
+// Row and column exponents (null: none): element (i, j) stands for
+// (i, j) · e^(row_exp[i] + col_exp[j]). Softmax rows are kept that way where
+// their exp would overflow (evaluate.hpp, "Exponents"); the program resolves
+// them before a kernel sees the matrix, which the kernels never read.
 template <class T>
 struct matrix {
   T const* data = nullptr;
   index rows = 0, cols = 0, rs = 0, cs = 1;
   buffer<T> owner;
+  T const* row_exp = nullptr;
+  T const* col_exp = nullptr;
 
   T const& operator()(index i, index j) const { return data[i * rs + j * cs]; }
   T* row_mut(index i) { return const_cast<T*>(data) + i * rs; }  // owners only
@@ -100,6 +107,7 @@ struct matrix {
     matrix t = std::move(*this);
     std::swap(t.rows, t.cols);
     std::swap(t.rs, t.cs);
+    std::swap(t.row_exp, t.col_exp);
     return t;
   }
 };

@@ -1,0 +1,164 @@
+// Softmax attention whose scores pass exp's range (88.7 in float, 709.8 in
+// double): as written, exp overflows and the rows become inf/inf. The CPU
+// backend keeps such rows with an exponent (lina/cpu/evaluate.hpp,
+// "Exponents"), so the plans, the expression as written and the derived
+// gradients give the values the expression denotes — checked here against
+// the definition in long double, shifted by each row's largest score.
+// (The CUDA kernels' running max: tests/test_cuda_forward.cpp, test_cuda_backward.cpp.)
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <lina/cpu.hpp>
+#include <lina/lina.hpp>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace lina;
+
+namespace {
+constexpr auto N = dim<"N">;
+constexpr auto D = dim<"D">;
+constexpr auto M = dim<"M">;
+constexpr auto Q = input<"Q">(N, D);
+constexpr auto K = input<"K">(N, D);
+constexpr auto V = input<"V">(N, M);
+
+enum class mask { none, after_exp, before_exp };
+
+struct exact {  // the expression's outputs and gradients, [B, H, N, ·] in double
+  tensor<double> out, dq, dk, dv;
+};
+
+// out_i = Σ_j e^(s_ij) v_j / (Σ_j e^(s_ij) + eps), s = scale·Q Kᵀ, the sums over the
+// keys the mask keeps (the mask before exp makes a later key's score 0: it
+// weighs e^0), in long double with each row shifted by m = max(0, its largest
+// kept score): e^(s − m) / (Σ e^(s − m) + eps e^−m), the same value (a
+// decayed mask after exp weighs key j by decay^(i−j) as well). The
+// gradients from ∂out_i/∂s_ij = p_ij (v_j − out_i), p_ij = e^(s_ij) / (Σ + eps).
+template <class T>
+exact definition(tensor<T> const& q, tensor<T> const& k, tensor<T> const& v, tensor<T> const& g, mask mk,
+                 double scale, double decay) {
+  auto const& sh = q.shape();
+  std::size_t const n = sh[2], d = sh[3], m = v.shape()[3];
+  exact e{tensor<double>({sh[0], sh[1], n, m}), tensor<double>(sh), tensor<double>(sh), tensor<double>(v.shape())};
+  using L = long double;
+  for (std::size_t b = 0; b < sh[0]; ++b)
+    for (std::size_t h = 0; h < sh[1]; ++h) {
+      std::vector<L> dk(n * d, 0), dv(n * m, 0);
+      for (std::size_t i = 0; i < n; ++i) {
+        std::size_t const keys = mk == mask::after_exp ? i + 1 : n;
+        std::vector<L> s(keys), p(keys), o(m, 0);
+        L top = 0;
+        for (std::size_t j = 0; j < keys; ++j) {
+          L dot = 0;
+          if (mk != mask::before_exp || j <= i)
+            for (std::size_t c = 0; c < d; ++c) dot += L(q(b, h, i, c)) * L(k(b, h, j, c));
+          s[j] = L(scale) * dot;
+          top = std::max(top, s[j]);
+        }
+        L den = L(1e-6) * std::exp(-top);
+        for (std::size_t j = 0; j < keys; ++j) den += p[j] = std::exp(s[j] - top) * std::pow(L(decay), L(i - j));
+        for (std::size_t j = 0; j < keys; ++j) {
+          p[j] /= den;
+          for (std::size_t x = 0; x < m; ++x) o[x] += p[j] * L(v(b, h, j, x));
+        }
+        L go = 0;
+        for (std::size_t x = 0; x < m; ++x) {
+          e.out(b, h, i, x) = double(o[x]);
+          go += L(g(b, h, i, x)) * o[x];
+        }
+        for (std::size_t c = 0; c < d; ++c) e.dq(b, h, i, c) = 0;
+        for (std::size_t j = 0; j < keys; ++j) {
+          L gv = 0;
+          for (std::size_t x = 0; x < m; ++x) {
+            gv += L(g(b, h, i, x)) * L(v(b, h, j, x));
+            dv[j * m + x] += p[j] * L(g(b, h, i, x));
+          }
+          if (mk == mask::before_exp && j > i) continue;  // a constant score
+          L ds = L(scale) * p[j] * (gv - go);
+          for (std::size_t c = 0; c < d; ++c) {
+            e.dq(b, h, i, c) += double(ds * L(k(b, h, j, c)));
+            dk[j * d + c] += ds * L(q(b, h, i, c));
+          }
+        }
+      }
+      for (std::size_t j = 0; j < n; ++j) {
+        for (std::size_t c = 0; c < d; ++c) e.dk(b, h, j, c) = double(dk[j * d + c]);
+        for (std::size_t x = 0; x < m; ++x) e.dv(b, h, j, x) = double(dv[j * m + x]);
+      }
+    }
+  return e;
+}
+
+// Largest |got − want| over |want|'s largest (1 at least), and whether every got is finite.
+template <class T>
+double relative_error(tensor<T> const& got, tensor<double> const& want) {
+  double err = 0, scale = 1;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(double(got.data()[i]))) return std::numeric_limits<double>::infinity();
+    err = std::max(err, std::abs(double(got.data()[i]) - want.data()[i]));
+    scale = std::max(scale, std::abs(want.data()[i]));
+  }
+  return err / scale;
+}
+
+template <class T, class Expr>
+void check_past_exp_range(Expr const& expr, mask mk, std::uint64_t seed, double scale = 1, double decay = 1) {
+  test::rng r{seed};
+  double worst = 0;
+  for (int trial = 0; trial < test::trials(6); ++trial) {
+    std::size_t const b = r.in(1, 2), h = r.in(1, 2), n = r.in(1, 90), d = r.in(1, 12), m = r.in(1, 12);
+    auto q = tensor<T>::random({b, h, n, d}, r.next()), k = tensor<T>::random({b, h, n, d}, r.next());
+    auto v = tensor<T>::random({b, h, n, m}, r.next()), g = tensor<T>::random({b, h, n, m}, r.next());
+    // Q scaled so that the largest score is about three times exp's limit in T.
+    double top = 0;
+    for (std::size_t x = 0; x < b * h; ++x)
+      for (std::size_t i = 0; i < n; ++i)
+        for (std::size_t j = 0; j < n; ++j) {
+          double dot = 0;
+          for (std::size_t c = 0; c < d; ++c) dot += double(q.data()[(x * n + i) * d + c]) * k.data()[(x * n + j) * d + c];
+          top = std::max(top, dot);
+        }
+    if (top <= 0) continue;
+    double const limit = std::log(double(std::numeric_limits<T>::max()));
+    T const f = T(3 * limit / (scale * top));
+    for (std::size_t x = 0; x < q.size(); ++x) q.data()[x] *= f;
+    auto want = definition(q, k, v, g, mk, scale, decay);
+    CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    // A score s carries a rounding error of about (√d + 2) ε |s| (its d
+    // products summed, then exp and the division), |s| up to 3·limit, and an
+    // output moves by p (v − out) per unit of score, |v − out| < 2.
+    double const bound = 2 * (std::sqrt(double(d)) + 2) * 3 * limit * std::numeric_limits<T>::epsilon();
+    auto plan = compile(expr);
+    for (auto const& out : {cpu::evaluate(plan, Q = q, K = k, V = v), cpu::evaluate(expr, Q = q, K = k, V = v)}) {
+      double e = relative_error(out, want.out);
+      CHECK(e <= bound);
+      worst = std::max(worst, e / bound);
+    }
+    // Through a tape too: softmax keeps nothing (lina/saved.hpp), the backward recomputes.
+    static_assert(decltype(save_for_backward(plan))::size == 0);
+    cpu::tape<T> tp;
+    CHECK(relative_error(cpu::evaluate(plan, tp, Q = q, K = k, V = v), want.out) <= bound);
+    // A gradient entry sums such weighted terms over the row's or column's keys.
+    for (auto const& grads : {cpu::gradient(plan, g, Q = q, K = k, V = v), cpu::gradient(plan, tp, g, Q = q, K = k, V = v)})
+      for (auto [got, w] : {std::pair{&grads[Q], &want.dq}, std::pair{&grads[K], &want.dk}, std::pair{&grads[V], &want.dv}}) {
+        double e = relative_error(*got, *w);
+        CHECK(e <= bound);
+        worst = std::max(worst, e / bound);
+      }
+  }
+  MESSAGE("largest error / bound: " << worst);
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("softmax past exp's range: plans, as written and gradients = the definition", T, float, double) {
+  check_past_exp_range<T>(normalize(exp(Q * transpose(K))) * V, mask::none, 61);
+  check_past_exp_range<T>(normalize(causal(exp(Q * transpose(K)))) * V, mask::after_exp, 62);
+  check_past_exp_range<T>(normalize(exp(causal(Q * transpose(K)))) * V, mask::before_exp, 63);
+  // (Scaled and decayed: the backward's masked exp steps are twins, shared at run time.)
+  check_past_exp_range<T>(normalize(causal(exp(0.5 * (Q * transpose(K))), decay{0.75})) * V, mask::after_exp, 64, 0.5, 0.75);
+}
