@@ -27,6 +27,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <utility>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
 #include <vector>
@@ -79,17 +81,34 @@ result measure(Plan const& plan, std::size_t n) {
   return {fwd, bwd, cpu::memory().peak.load()};
 }
 
+// Inputs and dout at B = 1, H = 8, N = n, D = M = 64 (fixed seeds).
+struct io {
+  std::size_t heads = 8;
+  tensor<float> q, k, v, dout;
+  explicit io(std::size_t n)
+      : q(tensor<float>::random({1, 8, n, 64}, 1)), k(tensor<float>::random({1, 8, n, 64}, 2)),
+        v(tensor<float>::random({1, 8, n, 64}, 3)), dout(tensor<float>::random({1, 8, n, 64}, 4)) {}
+};
+// A first backward's gradients, and views of ∂Q, ∂K, ∂V in them for
+// gradient_into (a plan's other inputs: the caller's to add).
+template <class Plan, class... B>
+auto gradient_buffers(Plan const& plan, tensor<float> const& dout, B const&... in) {
+  auto g = std::make_unique<decltype(cpu::gradient(plan, dout, in...))>(cpu::gradient(plan, dout, in...));
+  auto into = cpu::gradient_views<float>(plan);
+  into[Q] = (*g)[Q].view();
+  into[K] = (*g)[K].view();
+  into[V] = (*g)[V].view();
+  return std::pair{std::move(g), into};
+}
+
 // The backward into reused buffers, and the forward, at B = 1, H = 8, N = n.
 void rate(std::size_t n, int reps) {
   auto plan = compile<order::linear>(attn);
-  std::size_t heads = 8;
-  auto q = tensor<float>::random({1, heads, n, 64}, 1), k = tensor<float>::random({1, heads, n, 64}, 2);
-  auto v = tensor<float>::random({1, heads, n, 64}, 3), dout = tensor<float>::random({1, heads, n, 64}, 4);
-  auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v);
-  auto into = cpu::gradient_views<float>(plan);
-  into[Q] = g[Q].view();
-  into[K] = g[K].view();
-  into[V] = g[V].view();
+  io x(n);
+  auto buffers = gradient_buffers(plan, x.dout, Q = x.q, K = x.k, V = x.v);
+  auto& into = buffers.second;  // (not a structured binding: Clang 14 captures none in lambdas)
+  auto &q = x.q, &k = x.k, &v = x.v, &dout = x.dout;
+  std::size_t const heads = x.heads;
   auto o = cpu::evaluate(plan, Q = q, K = k, V = v);
   cpu::tape<float> tp;
   double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); });
@@ -104,14 +123,11 @@ void rate(std::size_t n, int reps) {
 // Causal softmax at B = 1, H = 8, N = n: forward and backward into reused buffers.
 void rate_softmax(std::size_t n, int reps) {
   auto plan = compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V);
-  std::size_t heads = 8;
-  auto q = tensor<float>::random({1, heads, n, 64}, 1), k = tensor<float>::random({1, heads, n, 64}, 2);
-  auto v = tensor<float>::random({1, heads, n, 64}, 3), dout = tensor<float>::random({1, heads, n, 64}, 4);
-  auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v);
-  auto into = cpu::gradient_views<float>(plan);
-  into[Q] = g[Q].view();
-  into[K] = g[K].view();
-  into[V] = g[V].view();
+  io x(n);
+  auto buffers = gradient_buffers(plan, x.dout, Q = x.q, K = x.k, V = x.v);
+  auto& into = buffers.second;  // (not a structured binding: Clang 14 captures none in lambdas)
+  auto &q = x.q, &k = x.k, &v = x.v, &dout = x.dout;
+  std::size_t const heads = x.heads;
   auto o = cpu::evaluate(plan, Q = q, K = k, V = v);
   double fwd = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), Q = q, K = k, V = v); });
   double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); });
@@ -124,17 +140,13 @@ void rate_favor(std::size_t n, int reps) {
   constexpr auto F = dim<"F", 64>;
   constexpr auto W = input<"W">(D, F);
   auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
-  std::size_t heads = 8;
-  auto q = tensor<float>::random({1, heads, n, 64}, 1), k = tensor<float>::random({1, heads, n, 64}, 2);
-  auto v = tensor<float>::random({1, heads, n, 64}, 3), dout = tensor<float>::random({1, heads, n, 64}, 4);
-  auto w = tensor<float>::random({1, heads, 64, 64}, 5);
+  io x(n);
+  auto &q = x.q, &k = x.k, &v = x.v, &dout = x.dout;
+  auto w = tensor<float>::random({1, x.heads, 64, 64}, 5);
   for (std::size_t i = 0; i < w.size(); ++i) w.data()[i] *= 0.125f;  // |w·x'| ~ 1
-  auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v, W = w);
-  auto into = cpu::gradient_views<float>(plan);
-  into[Q] = g[Q].view();
-  into[K] = g[K].view();
-  into[V] = g[V].view();
-  into[W] = g[W].view();
+  auto buffers = gradient_buffers(plan, dout, Q = q, K = k, V = v, W = w);
+  auto& into = buffers.second;
+  into[W] = (*buffers.first)[W].view();
   auto o = cpu::evaluate(plan, Q = q, K = k, V = v, W = w);
   cpu::tape<float> tp;
   double fwd = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), Q = q, K = k, V = v, W = w); });
