@@ -603,8 +603,9 @@ class program {
         if constexpr (with_exp) {
           constexpr bool kept = keeps_exponents()[J];
           if (!kept && slot[J].row_exp) {  // a reader that needs the values
-            for (index i = 0; i < slot[J].rows; ++i) exponents::multiply_out(slot[J].row_mut(i), slot[J].cols, slot[J].row_exp[i]);
-            slot[J].row_exp = nullptr;
+            matrix<T>& m = slot[J];
+            for (index i = 0; i < m.rows; ++i) exponents::multiply_out(m.row_mut(i), m.cols, m.row_exp[i]);
+            m.row_exp = nullptr;
           }
         }
       }
@@ -835,6 +836,15 @@ class program {
      ...);
     return any && all && reads_of<J>(typename S::outputs{}) == 0;
   }
+  // Does the group First ... Last have an exp?
+  template <std::size_t First, std::size_t Last>
+  static constexpr bool group_exps() {
+    bool any = false;
+    for_members<First, Last>([&]<std::size_t M>() {
+      any = any || exponents::rule_of<typename S::template node_type<M>::op_type> == exponents::rule::makes;
+    });
+    return any;
+  }
   // Is there a causal mask after member M of the group ending at Last?
   template <std::size_t M, std::size_t Last>
   static constexpr bool masked_after() {
@@ -867,23 +877,26 @@ class program {
     lease rowbuf(*this, w, static_cast<std::size_t>(3 * widest));
     T* work = rowbuf.p;
     matrix<T>& out = slot[K];
+    lease values;
     if constexpr (with_exp) {
       constexpr exponents::rule rule = exponents::rule_of<typename S::template node_type<first>::op_type>;
-      lease values;
-      if (rule != exponents::rule::keeps && rule != exponents::rule::ends && src.row_exp)
-        src = multiplied_out(std::move(src), values, w);
-      w.exps[K] = ws_.take(w.arena, static_cast<std::size_t>(src.rows));
-      bool any = false;
-      for (index i = 0; i < src.rows; ++i) {
-        group_row<first, K>(w.h, i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest,
-                            src.row_exp ? src.row_exp[i] : T(0), w.exps[K] + i);
-        any = any || w.exps[K][i] != 0;
+      if constexpr (rule != exponents::rule::keeps && rule != exponents::rule::ends)
+        if (src.row_exp) src = multiplied_out(std::move(src), values, w);
+      // (rows end with an exponent when the group exps, or its first op passes its source's on)
+      if (group_exps<first, K>() || src.row_exp) {
+        w.exps[K] = ws_.take(w.arena, static_cast<std::size_t>(src.rows));
+        bool any = false;
+        for (index i = 0; i < src.rows; ++i) {
+          group_row<first, K>(w.h, i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest,
+                              src.row_exp ? src.row_exp[i] : T(0), w.exps[K] + i);
+          any = any || w.exps[K][i] != 0;
+        }
+        keep_exponents<K>(slot, w, any);
+        return;
       }
-      keep_exponents<K>(slot, w, any);
-    } else {
-      for (index i = 0; i < src.rows; ++i)
-        group_row<first, K>(w.h, i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest);
     }
+    for (index i = 0; i < src.rows; ++i)
+      group_row<first, K>(w.h, i, source_row(src, i, work + 2 * widest), src.cols, out.row_mut(i), work, widest);
   }
 
   // A scan operand made chunk by chunk: the rows of group ... Last, from its source.
