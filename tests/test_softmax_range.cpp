@@ -11,22 +11,16 @@
 #include <cmath>
 #include <limits>
 #include <utility>
-#include <lina/cpu.hpp>
-#include <lina/lina.hpp>
 #include <vector>
 
-#include "support.hpp"
+#include "cpu_props.hpp"  // the symbols Q, K, V over dynamic N, D, M
 
 using namespace lina;
+using test::cpu_props::K;
+using test::cpu_props::Q;
+using test::cpu_props::V;
 
 namespace {
-constexpr auto N = dim<"N">;
-constexpr auto D = dim<"D">;
-constexpr auto M = dim<"M">;
-constexpr auto Q = input<"Q">(N, D);
-constexpr auto K = input<"K">(N, D);
-constexpr auto V = input<"V">(N, M);
-
 enum class mask { none, after_exp, before_exp };
 
 struct exact {  // the expression's outputs and gradients, [B, H, N, ·] in double
