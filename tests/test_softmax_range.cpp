@@ -21,7 +21,7 @@ using test::cpu_props::Q;
 using test::cpu_props::V;
 
 namespace {
-enum class mask { none, after_exp, before_exp };
+enum class mask { none, after_exp, before_exp, after_normalize };
 
 struct exact {  // the expression's outputs and gradients, [B, H, N, ·] in double
   tensor<double> out, dq, dk, dv;
@@ -29,7 +29,8 @@ struct exact {  // the expression's outputs and gradients, [B, H, N, ·] in doub
 
 // out_i = Σ_j e^(s_ij) v_j / (Σ_j e^(s_ij) + eps), s = scale·Q Kᵀ, the sums over the
 // keys the mask keeps (the mask before exp makes a later key's score 0: it
-// weighs e^0), in long double with each row shifted by m = max(0, its largest
+// weighs e^0; a mask after the normaliser drops later keys' terms from
+// out_i, not from the sum that normalises), in long double with each row shifted by m = max(0, its largest
 // kept score): e^(s − m) / (Σ e^(s − m) + eps e^−m), the same value (a
 // decayed mask after exp weighs key j by decay^(i−j) as well). The
 // gradients from ∂out_i/∂s_ij = p_ij (v_j − out_i), p_ij = e^(s_ij) / (Σ + eps).
@@ -56,9 +57,11 @@ exact definition(tensor<T> const& q, tensor<T> const& k, tensor<T> const& v, ten
         }
         L den = L(1e-6) * std::exp(-top);
         for (std::size_t j = 0; j < keys; ++j) den += p[j] = std::exp(s[j] - top) * std::pow(L(decay), L(i - j));
+        auto const used = [&](std::size_t j) { return mk != mask::after_normalize || j <= i; };
         for (std::size_t j = 0; j < keys; ++j) {
           p[j] /= den;
-          for (std::size_t x = 0; x < m; ++x) o[x] += p[j] * L(v(b, h, j, x));
+          if (used(j))
+            for (std::size_t x = 0; x < m; ++x) o[x] += p[j] * L(v(b, h, j, x));
         }
         L go = 0;
         for (std::size_t x = 0; x < m; ++x) {
@@ -68,7 +71,7 @@ exact definition(tensor<T> const& q, tensor<T> const& k, tensor<T> const& v, ten
         for (std::size_t c = 0; c < d; ++c) e.dq(b, h, i, c) = 0;
         for (std::size_t j = 0; j < keys; ++j) {
           L gv = 0;
-          for (std::size_t x = 0; x < m; ++x) {
+          for (std::size_t x = 0; used(j) && x < m; ++x) {
             gv += L(g(b, h, i, x)) * L(v(b, h, j, x));
             dv[j * m + x] += p[j] * L(g(b, h, i, x));
           }
@@ -112,7 +115,7 @@ void check_past_exp_range(Expr const& expr, mask mk, std::uint64_t seed, double 
     double top = 0;
     for (std::size_t x = 0; x < b * h; ++x)
       for (std::size_t i = 0; i < n; ++i)
-        for (std::size_t j = 0; j < (mk == mask::none ? n : i + 1); ++j) {
+        for (std::size_t j = 0; j < (mk == mask::none || mk == mask::after_normalize ? n : i + 1); ++j) {
           double dot = 0;
           for (std::size_t c = 0; c < d; ++c)
             dot += double(q.data()[(x * n + i) * d + c]) * k.data()[(x * n + j) * d + c];
@@ -156,6 +159,10 @@ TEST_CASE_TEMPLATE("softmax past exp's range: plans, as written and gradients = 
   check_past_exp_range<T>(normalize(exp(Q * transpose(K))) * V, mask::none, 61);
   check_past_exp_range<T>(normalize(causal(exp(Q * transpose(K)))) * V, mask::after_exp, 62);
   check_past_exp_range<T>(normalize(exp(causal(Q * transpose(K)))) * V, mask::before_exp, 63);
+  // The mask after the normaliser: each row normalised over every key, then
+  // the later keys dropped (exp is made for every key here, not only up to
+  // the diagonal as when the mask follows exp directly).
+  check_past_exp_range<T>(causal(normalize(exp(Q * transpose(K)))) * V, mask::after_normalize, 65);
   // A scale inside exp and a decayed mask (ALiBi's bias) after it:
   check_past_exp_range<T>(normalize(causal(exp(0.5 * (Q * transpose(K))), decay{0.75})) * V, mask::after_exp, 64,
                           0.5, 0.75);

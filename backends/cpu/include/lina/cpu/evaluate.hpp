@@ -145,6 +145,14 @@ struct row<op::row_divide> {  // x[:-1] / (x[-1] + eps)
   }
 };
 
+// Is element (i, j) of a row-wise op's result made from element (i, j) of its
+// operand alone? (Then a causal mask after it drops what it would make past
+// the diagonal; a normaliser, which sums the row, is not.)
+template <class Op>
+inline constexpr bool column_local = is_causal_op<Op> || std::is_same_v<Op, op::scale> || std::is_same_v<Op, op::exp>;
+template <class Map>
+inline constexpr bool column_local<op::phi<Map>> = concepts::elementwise_map<Map>;
+
 // ---- Exponents --------------------------------------------------------------
 // exp(x) overflows past x ≈ 88.7 in float (709.8 in double), and softmax rows
 // as written, normalize(exp(S)) or rowdiv(exp(S)·[V|1]), become inf/inf = NaN
@@ -788,7 +796,7 @@ class program {
         // The columns the row keeps: with a causal mask later in the group
         // or as every reader of it, those up to the diagonal (the mask zeroes
         // the others, whose exp may overflow and is not made).
-        constexpr bool masked = masked_after<M, Last>() || only_masks_read<Last>(std::make_index_sequence<steps>{});
+        constexpr bool masked = masked_after<M, Last>();
         index kept = masked ? std::max<index>(0, std::min(i + 1, cols)) : cols;
         T m = exponents::shift_of(cur, kept);  // (x − 0 is x: an unshifted row is exp as written)
         lina::detail::each_lane(to, kept, [cur, m](index j) { return lina::detail::exp(cur[j] - m); });
@@ -845,14 +853,23 @@ class program {
     });
     return any;
   }
-  // Is there a causal mask after member M of the group ending at Last?
+  // Does a causal mask drop member M's columns past the diagonal, with no op
+  // between them that reads across columns: a mask later in the group, or,
+  // past Last, every reader of the group's result? (A normaliser in between,
+  // causal(normalize(exp(S))), sums the whole row: M's row is needed in full.)
   template <std::size_t M, std::size_t Last>
   static constexpr bool masked_after() {
     if constexpr (M == Last) {
-      return false;
+      return only_masks_read<Last>(std::make_index_sequence<steps>{});
     } else {
       constexpr std::size_t next = S::absorbed_by[M];
-      return is_causal_op<typename S::template node_type<next>::op_type> || masked_after<next, Last>();
+      using Op = typename S::template node_type<next>::op_type;
+      if constexpr (is_causal_op<Op>)
+        return true;
+      else if constexpr (column_local<Op>)
+        return masked_after<next, Last>();
+      else
+        return false;
     }
   }
   // Row i of a group's source, contiguous: in place, or copied into `copy`.
