@@ -2,7 +2,9 @@
 // result, the columns left after whole vectors through a padded copy, rows
 // over idle threads) against a long-double product: random shapes from 0 to
 // a few vectors and tiles, A in both layouts (the products of non-causal
-// plans read φ(K)ᵀ, a transposed view), B not contiguous, accumulate or not.
+// plans read φ(K)ᵀ, a transposed view), B not contiguous, accumulate or not;
+// with known zeros (a triangle of A zero, only out's lower triangle wanted:
+// the masked products of softmax) in half of the trials.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -28,19 +30,29 @@ void check_random_products(std::uint64_t seed, int trials, idx largest) {
     idx k = static_cast<idx>(r.in(0, static_cast<std::size_t>(largest)));
     idx c = static_cast<idx>(r.in(1, 70));
     bool at = r.next() % 2, bt = r.next() % 2, accumulate = r.next() % 2;
+    cpu::kernels::product_zeros zeros{};
+    if (r.next() % 2) {
+      zeros.a = static_cast<cpu::kernels::triangle>(r.next() % 3);
+      zeros.lower_out = r.next() % 2;
+    }
     CAPTURE(n); CAPTURE(k); CAPTURE(c); CAPTURE(at); CAPTURE(bt); CAPTURE(accumulate);
+    CAPTURE(static_cast<int>(zeros.a)); CAPTURE(zeros.lower_out);
     std::vector<T> av(static_cast<std::size_t>(n * k) + 1), bv(static_cast<std::size_t>(k * c) + 1);
     for (auto& x : av) x = static_cast<T>(uniform(r));
     for (auto& x : bv) x = static_cast<T>(uniform(r));
     // A is n x k: row-major, or the transposed view of a k x n matrix; B likewise
     auto a = at ? cpu::view<T>(av.data(), n, k, 1, n) : cpu::view<T>(av.data(), n, k, k, 1);
+    for (idx i = 0; i < n; ++i)  // the triangle gemm is told is zero
+      for (idx p = 0; p < k; ++p)
+        if ((zeros.a == cpu::kernels::triangle::lower && p > i) || (zeros.a == cpu::kernels::triangle::upper && p < i))
+          av[static_cast<std::size_t>(at ? p * n + i : i * k + p)] = 0;
     auto b = bt ? cpu::view<T>(bv.data(), k, c, 1, k) : cpu::view<T>(bv.data(), k, c, c, 1);
     idx ldo = c + 3;  // rows of out further apart than its columns
     std::vector<T> ov(static_cast<std::size_t>(n * ldo) + 1);
     for (auto& x : ov) x = static_cast<T>(uniform(r));
     std::vector<T> before = ov;
     cpu::matrix<T> out = cpu::view<T>(ov.data(), n, c, ldo, 1);
-    cpu::kernels::gemm(a, cpu::view<T>(b.data, b.rows, b.cols, b.rs, b.cs), out, accumulate);
+    cpu::kernels::gemm(a, cpu::view<T>(b.data, b.rows, b.cols, b.rs, b.cs), out, accumulate, zeros);
     bool ok = true;
     for (idx i = 0; i < n; ++i) {
       for (idx j = 0; j < c; ++j) {
@@ -50,6 +62,10 @@ void check_random_products(std::uint64_t seed, int trials, idx largest) {
           mag += std::abs(static_cast<long double>(a(i, p)) * b(p, j));
         }
         double bound = double(k + 2) * std::numeric_limits<T>::epsilon() * double(mag) + std::numeric_limits<T>::min();
+        if (zeros.lower_out && j > i) {  // not wanted: written as zero
+          ok = ok && ov[static_cast<std::size_t>(i * ldo + j)] == T(0);
+          continue;
+        }
         double err = double(std::abs(ov[static_cast<std::size_t>(i * ldo + j)] - sum));
         worst = std::max(worst, err / bound);
         ok = ok && err <= bound;

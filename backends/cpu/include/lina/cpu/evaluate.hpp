@@ -68,13 +68,14 @@ struct lower<op::phi<Map>> {
   }
 };
 template <>
-struct lower<op::product> {
+struct lower<op::product> {  // (zeros: where they are known, program::zeros_of; the simple path multiplies in full)
   template <class T>
-  static void run(op::product const&, matrix<T>& out, matrix<T> const& a, matrix<T> b) {
+  static void run(op::product const&, matrix<T>& out, matrix<T> const& a, matrix<T> b,
+                  kernels::product_zeros zeros = {}) {
     if (current_path() == path::simple)
       kernels::gemm_simple(a, b, out);
     else
-      kernels::gemm(a, std::move(b), out);
+      kernels::gemm(a, std::move(b), out, false, zeros);
   }
 };
 
@@ -601,8 +602,8 @@ class program {
           rows_of_group<J>(slot, w);
         } else if constexpr (sched::row_local_pair<N>()) {
           rows_of_pair<J>(slot, w);
-        } else if constexpr (with_exp && std::is_same_v<typename N::op_type, op::product>) {
-          product_with_exponents<J>(slot, w);
+        } else if constexpr (std::is_same_v<typename N::op_type, op::product>) {
+          product<J>(slot, w);
         } else {
           [&]<class... O>(lina::detail::type_list<O...>) {
             lower<typename N::op_type>::run(S::template node_at<J>(plan_).op, slot[J], operand<O>(slot, w)...);
@@ -793,10 +794,10 @@ class program {
           r = 0;
         }
       if constexpr (rule == exponents::rule::makes) {  // exp (vectorised: detail/exp.hpp)
-        // The columns the row keeps: with a causal mask later in the group
-        // or as every reader of it, those up to the diagonal (the mask zeroes
-        // the others, whose exp may overflow and is not made).
-        constexpr bool masked = masked_after<M, Last>();
+        // The columns the row keeps: those up to the diagonal when a causal
+        // mask drops the others before anything reads across them (lower_read;
+        // their exp may overflow and is not made).
+        constexpr bool masked = lower_read<M>();
         index kept = masked ? std::max<index>(0, std::min(i + 1, cols)) : cols;
         T m = exponents::shift_of(cur, kept);  // (x − 0 is x: an unshifted row is exp as written)
         lina::detail::each_lane(to, kept, [cur, m](index j) { return lina::detail::exp(cur[j] - m); });
@@ -832,18 +833,6 @@ class program {
     (note(sched::reads<O>::step, std::is_same_v<O, sched::step_operand<sched::reads<O>::step>>), ...);
     return r;
   }
-  // Is step J's value read, directly, by causal masks alone (not an output)?
-  template <std::size_t J, std::size_t... K>
-  static constexpr bool only_masks_read(std::index_sequence<K...>) {
-    bool any = false, all = true;
-    auto note = [&](int how, bool mask) {
-      any = any || how != 0;
-      all = all && (how == 0 || (how == 1 && mask));
-    };
-    (note(reads_of<J>(typename S::template operands<K>{}), is_causal_op<typename S::template node_type<K>::op_type>),
-     ...);
-    return any && all && reads_of<J>(typename S::outputs{}) == 0;
-  }
   // Does the group First ... Last have an exp?
   template <std::size_t First, std::size_t Last>
   static constexpr bool group_exps() {
@@ -852,25 +841,6 @@ class program {
       any = any || exponents::rule_of<typename S::template node_type<M>::op_type> == exponents::rule::makes;
     });
     return any;
-  }
-  // Does a causal mask drop member M's columns past the diagonal, with no op
-  // between them that reads across columns: a mask later in the group, or,
-  // past Last, every reader of the group's result? (A normaliser in between,
-  // causal(normalize(exp(S))), sums the whole row: M's row is needed in full.)
-  template <std::size_t M, std::size_t Last>
-  static constexpr bool masked_after() {
-    if constexpr (M == Last) {
-      return only_masks_read<Last>(std::make_index_sequence<steps>{});
-    } else {
-      constexpr std::size_t next = S::absorbed_by[M];
-      using Op = typename S::template node_type<next>::op_type;
-      if constexpr (is_causal_op<Op>)
-        return true;
-      else if constexpr (column_local<Op>)
-        return masked_after<next, Last>();
-      else
-        return false;
-    }
   }
   // Row i of a group's source, contiguous: in place, or copied into `copy`.
   static T const* source_row(matrix<T> const& src, index i, T* copy) {
@@ -1011,14 +981,20 @@ class program {
       }
     return v;
   }
-  // A product A·B whose operands may carry exponents: A's rows give the
-  // result's; along the contraction, A's column and B's row exponents cancel
-  // when opposite (the backward's Eᵀ·ĝ), else are multiplied out.
+  // A product A·B, skipping the zeros known at compile time (zeros_of). Its
+  // operands may carry exponents: A's rows give the result's; along the
+  // contraction, A's column and B's row exponents cancel when opposite (the
+  // backward's Eᵀ·ĝ), else are multiplied out.
   template <std::size_t J>
-  void product_with_exponents(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
+  void product(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
     using ops = typename S::template operands<J>;
     matrix<T> a = operand<lina::detail::type_at_t<0, ops>>(slot, w);
     matrix<T> b = operand<lina::detail::type_at_t<1, ops>>(slot, w);
+    constexpr kernels::product_zeros zeros{triangle_of<lina::detail::type_at_t<0, ops>, true>(), lower_only<J>()};
+    auto const& o = S::template node_at<J>(plan_).op;
+    if constexpr (!with_exp) {
+      lower<op::product>::run(o, slot[J], a, std::move(b), zeros);
+    } else {
     T const* rows_exp = std::exchange(a.row_exp, nullptr);
     lease ma, mb;
     if (b.col_exp) b = multiplied_out(std::move(b), mb, w);
@@ -1032,12 +1008,144 @@ class program {
         b = multiplied_out(std::move(b), mb, w);
       }
     }
-    lower<op::product>::run(S::template node_at<J>(plan_).op, slot[J], a, std::move(b));
+    lower<op::product>::run(o, slot[J], a, std::move(b), zeros);
     if (rows_exp) {
       w.exps[J] = ws_.take(w.arena, static_cast<std::size_t>(a.rows));
       std::copy_n(rows_exp, a.rows, w.exps[J]);
       slot[J].row_exp = w.exps[J];
     }
+    }
+  }
+
+  // ---- products that skip known zeros ----
+  // A causal mask zeroes a score matrix past the diagonal, and softmax's
+  // products read such matrices (E·[V|1] forward; Eᵀ·ĝ, dS·K, dSᵀ·Q in the
+  // backward) or make scores of which only the lower triangle is read (Q·Kᵀ
+  // before exp and the mask; ĝ·[V|1]ᵀ before ⊙E). Both are known from the
+  // plan: triangle_of says which triangle of an operand may be non-zero,
+  // lower_only whether a product's readers keep only its lower triangle;
+  // kernels::gemm then skips the zero terms and the tiles no one reads.
+
+  // Which triangle of operand O may be non-zero. Demand: count the products
+  // made lower only as lower triangular (not when asked on lower_only's
+  // behalf: that would ask lower_only again).
+  template <class O, bool Demand>
+  static constexpr kernels::triangle triangle_of() {
+    using kernels::triangle;
+    if constexpr (requires { O::step; }) {
+      return step_triangle<O::step, Demand>();
+    } else if constexpr (requires { typename O::input; }) {
+      return triangle::full;
+    } else if constexpr (std::is_same_v<O, sched::transposed_operand<typename O::of>>) {
+      constexpr triangle t = triangle_of<typename O::of, Demand>();
+      return t == triangle::lower ? triangle::upper : t == triangle::upper ? triangle::lower : triangle::full;
+    } else {  // all but its last column
+      return triangle_of<typename O::of, Demand>();
+    }
+  }
+  // Ops that keep a zero element zero (a mask makes them).
+  template <class Op>
+  static constexpr bool keeps_zeros = is_causal_op<Op> || std::is_same_v<Op, op::scale> ||
+                                      std::is_same_v<Op, op::normalize> || std::is_same_v<Op, op::row_divide>;
+  template <std::size_t J, bool Demand>
+  static constexpr kernels::triangle step_triangle() {
+    using kernels::triangle;
+    using N = typename S::template node_type<J>;
+    using Op = typename N::op_type;
+    using ops = typename S::template operands<J>;
+    if constexpr (S::template is_scan<J>) {
+      return triangle::full;
+    } else if constexpr (std::is_same_v<Op, op::product>) {
+      return Demand && lower_only<J>() ? triangle::lower : triangle::full;
+    } else if constexpr (sched::row_wise<N>()) {  // the group that ends at J
+      return group_triangle<S::chain_start[J], J, Demand>(
+          triangle_of<lina::detail::type_at_t<0, typename S::template operands<S::chain_start[J]>>, Demand>());
+    } else if constexpr (std::is_same_v<Op, op::hadamard> || std::is_same_v<Op, op::add>) {
+      constexpr triangle x = triangle_of<lina::detail::type_at_t<0, ops>, Demand>();
+      constexpr triangle y = triangle_of<lina::detail::type_at_t<1, ops>, Demand>();
+      if constexpr (std::is_same_v<Op, op::add>)
+        return x == y ? x : triangle::full;
+      else
+        return x != triangle::full ? x : y;
+    } else {
+      return triangle::full;
+    }
+  }
+  // Members M ... Last of a group, from its source's triangle t.
+  template <std::size_t M, std::size_t Last, bool Demand>
+  static constexpr kernels::triangle group_triangle(kernels::triangle t) {
+    using Op = typename S::template node_type<M>::op_type;
+    t = is_causal_op<Op> ? kernels::triangle::lower : keeps_zeros<Op> ? t : kernels::triangle::full;
+    if constexpr (M == Last)
+      return t;
+    else
+      return group_triangle<S::absorbed_by[M], Last, Demand>(t);
+  }
+  // Does step K, if it reads step J (or a twin J may stand for), keep only
+  // J's lower triangle (j <= i)? A causal mask does; so do column-local ops
+  // whose own value is read so (a scale, exp on the way to a mask: a group's
+  // members or steps of their own), and a Hadamard product with a
+  // lower-triangular matrix — each reading J directly. A normaliser, which
+  // sums the row, does not: causal(normalize(exp(S))) needs exp(S) in full.
+  template <std::size_t J, std::size_t K>
+  static constexpr bool keeps_lower() {
+    using ops = typename S::template operands<K>;
+    using N = typename S::template node_type<K>;
+    using Op = typename N::op_type;
+    constexpr int how = reads_of<J>(ops{});
+    if constexpr (how == 0) {
+      return true;
+    } else if constexpr (how == 2 || S::template is_scan<K>) {
+      return false;
+    } else if constexpr (sched::row_wise<N>()) {
+      if constexpr (is_causal_op<Op>)
+        return true;
+      else if constexpr (column_local<Op>)
+        return lower_read<K>();
+      else
+        return false;
+    } else if constexpr (std::is_same_v<Op, op::hadamard>) {
+      using X = lina::detail::type_at_t<0, ops>;
+      using Y = lina::detail::type_at_t<1, ops>;
+      constexpr bool x_is_j = reads_of<J>(lina::detail::type_list<X>{}) != 0;
+      constexpr bool y_is_j = reads_of<J>(lina::detail::type_list<Y>{}) != 0;
+      if constexpr (x_is_j && y_is_j)
+        return false;
+      else if constexpr (x_is_j)
+        return triangle_of<Y, false>() == kernels::triangle::lower;
+      else
+        return triangle_of<X, false>() == kernels::triangle::lower;
+    } else {
+      return false;
+    }
+  }
+  template <std::size_t J, std::size_t... K>
+  static constexpr bool all_keep_lower(std::index_sequence<K...>) {
+    return (keeps_lower<J, K>() && ...);
+  }
+  // Is only the lower triangle of step J's value read (by some reader; J no output)?
+  template <std::size_t J>
+  static constexpr bool lower_read() {
+    if constexpr (reads_of<J>(typename S::outputs{}) != 0)
+      return false;
+    else
+      return reads_of_any<J>(std::make_index_sequence<steps>{}) &&
+             all_keep_lower<J>(std::make_index_sequence<steps>{});
+  }
+  template <std::size_t J, std::size_t... K>
+  static constexpr bool reads_of_any(std::index_sequence<K...>) {
+    return ((reads_of<J>(typename S::template operands<K>{}) != 0) || ...);
+  }
+  // Is product J made in its lower triangle only (the rest zeros)? When
+  // only that is read of J and of its twins (one of which may make the value
+  // all of them share): lower_read of the first of them, whose readers
+  // (reads_of) are all of theirs.
+  template <std::size_t J>
+  static constexpr bool lower_only() {
+    if constexpr (S::template is_scan<J>)
+      return false;
+    else
+      return lower_read<S::twin[J] == sched::none ? J : S::twin[J]>();
   }
 
   // ---- which results keep their exponents ----

@@ -12,6 +12,7 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -671,20 +672,33 @@ void scan_contract_split(matrix<T> const& a, matrix<T> const& b, matrix<T> const
                   reverse, parts);
 }
 
+// Where a product's zeros are known (a causal mask made them): which
+// triangle of A may be non-zero (lower: A_ik = 0 for k > i; upper: for
+// k < i), and whether only out's lower triangle (j <= i) is wanted, the rest
+// then being written as zeros. gemm skips the terms and tiles that are zero
+// or unwanted: about half of an N x N product.
+enum class triangle { full, lower, upper };
+struct product_zeros {
+  triangle a = triangle::full;
+  bool lower_out = false;
+  bool any() const { return a != triangle::full || lower_out; }
+};
+
 namespace detail {
-// Rows [i0, i0 + R) x vectors [j0, j0 + V lanes) of out (+)= A B, the tile in
-// registers over the whole sum: per k, V vectors of B's row k and R
-// broadcasts of A's column k (A in any layout; B's rows contiguous).
+// Rows [i0, i0 + R) x vectors [j0, j0 + V lanes) of out (+)= A B over terms
+// [kb, kb + k), the tile in registers over the whole sum: per term p, V
+// vectors of B's row p and R broadcasts of A's column p (A in any layout; B's
+// rows contiguous, b at row kb).
 // (valid < lanes: a last vector of which only the first `valid` columns exist in out.)
 template <int R, int V, class Vec, class T>
-inline void gemm_tile(matrix<T> const& a, index i0, T const* __restrict b, index ldb, index k, T* __restrict out,
-                      index ldo, bool accumulate, index valid) {
+inline void gemm_tile(matrix<T> const& a, index i0, index kb, T const* __restrict b, index ldb, index k,
+                      T* __restrict out, index ldo, bool accumulate, index valid) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   Vec acc[R][V];
   T const* ar[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    ar[r] = a.data + (i0 + r) * a.rs;
+    ar[r] = a.data + (i0 + r) * a.rs + kb * a.cs;
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[r][v] = Vec{};
   }
@@ -715,14 +729,18 @@ inline void gemm_tile(matrix<T> const& a, index i0, T const* __restrict b, index
     }
 }
 // Rows [i0, i1) of the strip of V vectors from column j0: R-row tiles, then 4, 2, 1.
-// (B's rows from column j0 at b, ldb apart; valid as for gemm_tile.)
-template <int R, int V, class Vec, class T>
+// (B's rows from column j0 at b, ldb apart; valid as for gemm_tile.) A tile
+// of `rows` rows from row i sums the terms terms(i, rows) = [kb, ke) of A's
+// columns (none: the tile is skipped).
+template <int R, int V, class Vec, class T, class Terms>
 void gemm_strip(matrix<T> const& a, index i0, index i1, T const* b, index ldb, T* out, index ldo, bool accumulate,
-                index valid = static_cast<index>(sizeof(Vec) / sizeof(T))) {
+                Terms const& terms, index valid = static_cast<index>(sizeof(Vec) / sizeof(T))) {
   index i = i0;
   auto tiles = [&]<int Rows>() {
-    for (; i + Rows <= i1; i += Rows)
-      gemm_tile<Rows, V, Vec>(a, i, b, ldb, a.cols, out + i * ldo, ldo, accumulate, valid);
+    for (; i + Rows <= i1; i += Rows) {
+      auto const [kb, ke] = terms(i, index{Rows});
+      if (kb < ke) gemm_tile<Rows, V, Vec>(a, i, kb, b + kb * ldb, ldb, ke - kb, out + i * ldo, ldo, accumulate, valid);
+    }
   };
   tiles.template operator()<R>();
   if constexpr (R > 4) tiles.template operator()<4>();
@@ -738,9 +756,14 @@ void gemm_strip(matrix<T> const& a, index i0, index i1, T const* b, index ldb, T
 // N = 4096, D = 64: 48 -> 104 GFLOP/s against four rows of out kept in
 // memory). The columns left after whole vectors (the normaliser's one, say)
 // go through a zero-padded copy of B's as a last, partial vector. Rows are
-// split across idle threads when the product is large (a single long sequence).
+// split across idle threads when the product is large (a single long
+// sequence), into parts of equal work. With known zeros (product_zeros) out
+// is first zeroed (unless accumulating), then each tile sums only its terms
+// that are not zero in A and skips itself when out's lower triangle is all
+// that is wanted and the tile lies above it; out past the diagonal is then
+// zero (what tiles made there is zeroed again).
 template <class T>
-void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate = false) {
+void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate = false, product_zeros zeros = {}) {
   using shape = detail::scan_tile_shape<T>;
   using vec = typename shape::vec;
   constexpr int R = shape::rows, L = shape::lanes, V = shape::vectors;
@@ -749,22 +772,35 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
   if (r * c == 0) return;
   index whole = c / L * L;  // columns in whole vectors
   T* o0 = out.row_mut(0);
+  // The terms [kb, ke) a tile of `rows` rows from row i sums, of the block [0, kn)
+  // from term p0, when its strip starts at column j0 (none: kb >= ke).
+  auto terms = [&zeros](index i, index rows, index p0, index kn, index j0) {
+    index kb = 0, ke = kn;
+    if (zeros.a == triangle::lower) ke = std::min(kn, i + rows - p0);
+    if (zeros.a == triangle::upper) kb = std::max(index{0}, i - p0);
+    if (zeros.lower_out && j0 >= i + rows) ke = kb;
+    return std::pair{kb, ke};
+  };
   // Rows [i0, i1) of out, k in blocks of `block` rows of B (which then stay in
   // L2 while every tile of the rows reads them; a long sum such as φ(K)ᵀ[V|1]
   // over N = 65536 rows otherwise streams B from memory once per tile).
   constexpr index block = 512;
   auto rows = [&](index i0, index i1) {
-    if (k == 0 && !accumulate)
+    if ((k == 0 || zeros.any()) && !accumulate)
       for (index i = i0; i < i1; ++i) std::fill_n(out.row_mut(i), c, T(0));
     for (index p0 = 0; p0 < k; p0 += block) {
       index kn = std::min(block, k - p0);
-      bool acc = accumulate || p0 > 0;
+      bool acc = accumulate || zeros.any() || p0 > 0;
       matrix<T> ak = view<T>(a.data + p0 * a.cs, a.rows, kn, a.rs, a.cs);
       T const* bk = b.data + p0 * b.rs;
       index j0 = 0;
+      auto strip_terms = [&](index i, index n) {
+        return zeros.any() ? terms(i, n, p0, kn, j0) : std::pair{index{0}, kn};
+      };
       for (; j0 + V * L <= whole; j0 += V * L)
-        detail::gemm_strip<R, V, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc);
-      for (; j0 < whole; j0 += L) detail::gemm_strip<R, 1, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc);
+        detail::gemm_strip<R, V, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc, strip_terms);
+      for (; j0 < whole; j0 += L)
+        detail::gemm_strip<R, 1, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc, strip_terms);
       if (whole == c) continue;
       // the columns left over (fewer than a vector): B's through a zero-padded
       // copy into a last, partial vector of out
@@ -775,8 +811,12 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
         std::fill(pad + p * L + (c - whole), pad + (p + 1) * L, T(0));
       }
       detail::gemm_strip<R, 1, vec>(ak, i0, i1, static_cast<T const*>(pad), index{L}, o0 + whole, out.rs, acc,
-                                    c - whole);
+                                    strip_terms, c - whole);
     }
+    if (zeros.lower_out)  // (out was zeroed unless accumulating; tiles end at most R rows and a strip past the diagonal)
+      for (index i = i0; i < i1; ++i)
+        std::fill(out.row_mut(i) + std::min(c, i + 1), out.row_mut(i) + (accumulate ? c : std::min(c, i + R + V * L)),
+                  T(0));
   };
 #ifdef _OPENMP
   // rows in blocks of whole tiles over idle threads, when there is work for them
@@ -784,10 +824,20 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
   bool small = double(r) * double(k) * double(c) < parallel_min_products;
   int threads = omp_in_parallel() || small ? 1 : omp_get_max_threads();
   if (threads > 1) {
+    // Parts of equal work: a block of R rows from i costs its terms times its columns.
     index blocks = (r + R - 1) / R;
+    std::vector<double> upto(static_cast<std::size_t>(blocks) + 1, 0.0);
+    for (index x = 0; x < blocks; ++x) {
+      auto [kb, ke] = zeros.a == triangle::full ? std::pair{index{0}, k} : terms(x * R, R, 0, k, 0);
+      index cols = zeros.lower_out ? std::min(c, (x + 1) * R) : c;
+      upto[x + 1] = upto[x] + double(std::max(index{0}, ke - kb)) * double(cols) + 1;
+    }
+    auto cut = [&](int t) {  // the first block of part t
+      auto at = std::lower_bound(upto.begin(), upto.end(), upto.back() * t / threads);
+      return std::min(r, static_cast<index>(at - upto.begin()) * R);
+    };
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; ++t)
-      rows(std::min(r, blocks * t / threads * R), std::min(r, blocks * (t + 1) / threads * R));
+    for (int t = 0; t < threads; ++t) rows(cut(t), cut(t + 1));
     return;
   }
 #endif
