@@ -5,6 +5,12 @@
 // gradients give the values the expression denotes — checked here against
 // the definition in long double, shifted by each row's largest score.
 // (The CUDA kernels' running max: tests/test_cuda_forward.cpp, test_cuda_backward.cpp.)
+// Then chains of row-wise ops on the scores in every order that changes what
+// they mean (a mask before or after exp, before or after the normaliser, a
+// scale between, a decay), against a dense interpreter of the ops in long
+// double: the as-written evaluation shares the backend's row machinery (which
+// exp rows are made only up to the diagonal, which products skip a masked
+// triangle), so it cannot be the oracle for those.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -166,4 +172,102 @@ TEST_CASE_TEMPLATE("softmax past exp's range: plans, as written and gradients = 
   // A scale inside exp and a decayed mask (ALiBi's bias) after it:
   check_past_exp_range<T>(normalize(causal(exp(0.5 * (Q * transpose(K))), decay{0.75})) * V, mask::after_exp, 64,
                           0.5, 0.75);
+}
+
+namespace {
+// One row-wise op of a chain, as the interpreter applies it to the whole
+// N x N matrix: exp, a causal mask (decay^(i−j) kept for j <= i), the row
+// normaliser (eps 1e-6), or a scale.
+struct row_op {
+  enum { exp, mask, normalize, scale } kind;
+  double x = 1;  // the mask's decay, the scale's factor
+};
+
+// out = ops(Q Kᵀ)·V, each op on the dense matrix in long double.
+template <class T>
+tensor<double> interpret(tensor<T> const& q, tensor<T> const& k, tensor<T> const& v, std::vector<row_op> const& ops) {
+  auto const& sh = q.shape();
+  std::size_t const n = sh[2], d = sh[3], m = v.shape()[3];
+  tensor<double> out({sh[0], sh[1], n, m});
+  using L = long double;
+  std::vector<L> s(n * n);
+  for (std::size_t b = 0; b < sh[0]; ++b)
+    for (std::size_t h = 0; h < sh[1]; ++h) {
+      for (std::size_t i = 0; i < n; ++i)
+        for (std::size_t j = 0; j < n; ++j) {
+          L dot = 0;
+          for (std::size_t c = 0; c < d; ++c) dot += L(q(b, h, i, c)) * L(k(b, h, j, c));
+          s[i * n + j] = dot;
+        }
+      for (row_op const& o : ops)
+        for (std::size_t i = 0; i < n; ++i) {
+          L sum = 0;
+          for (std::size_t j = 0; j < n; ++j) sum += s[i * n + j];
+          for (std::size_t j = 0; j < n; ++j) {
+            L& e = s[i * n + j];
+            switch (o.kind) {
+              case row_op::exp: e = std::exp(e); break;
+              case row_op::mask: e = j <= i ? e * std::pow(L(o.x), L(i - j)) : 0; break;
+              case row_op::normalize: e /= sum + L(1e-6); break;
+              case row_op::scale: e *= L(o.x); break;
+            }
+          }
+        }
+      for (std::size_t i = 0; i < n; ++i)
+        for (std::size_t x = 0; x < m; ++x) {
+          L o = 0;
+          for (std::size_t j = 0; j < n; ++j) o += s[i * n + j] * L(v(b, h, j, x));
+          out(b, h, i, x) = double(o);
+        }
+    }
+  return out;
+}
+
+// The plan, the other orders and the expression as written against the
+// interpreter, over random shapes; scores of moderate size (|s| < 4), so
+// exp's relative error stays that of the scores.
+template <class T, class Expr>
+void check_chain(Expr const& expr, std::vector<row_op> const& ops, std::uint64_t seed) {
+  test::rng r{seed};
+  double worst = 0;
+  for (int trial = 0; trial < test::trials(8); ++trial) {
+    std::size_t const b = r.in(1, 2), h = r.in(1, 2), n = r.in(1, 70), d = r.in(1, 10), m = r.in(1, 10);
+    auto q = tensor<T>::random({b, h, n, d}, r.next()), k = tensor<T>::random({b, h, n, d}, r.next());
+    auto v = tensor<T>::random({b, h, n, m}, r.next());
+    for (std::size_t x = 0; x < q.size(); ++x) q.data()[x] *= T(4.0 / double(d));  // |q·k| < 4
+    auto want = interpret(q, k, v, ops);
+    CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    // A score's rounding, about √d ε |s| with |s| < 4, becomes exp's relative
+    // error; an output sums n such weighted terms (√n ε) and divides once.
+    double const scale = std::max(1.0, test::max_abs(want));
+    double const bound =
+        2 * (4 * std::sqrt(double(d)) + std::sqrt(double(n)) + 4) * std::numeric_limits<T>::epsilon() * scale;
+    for (auto const& got : {cpu::evaluate(compile(expr), Q = q, K = k, V = v),
+                            cpu::evaluate(compile<order::quadratic>(expr), Q = q, K = k, V = v),
+                            cpu::evaluate(expr, Q = q, K = k, V = v)}) {
+      double err = max_abs_diff(got, want);
+      CHECK(err <= bound);
+      worst = std::max(worst, err / bound);
+    }
+  }
+  MESSAGE("largest error / bound: " << worst);
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("chains of row-wise ops on the scores = a dense interpreter", T, float, double) {
+  using o = row_op;
+  auto const S = Q * transpose(K);
+  check_chain<T>(normalize(causal(exp(S))) * V, {{o::exp}, {o::mask}, {o::normalize}}, 71);
+  check_chain<T>(causal(normalize(exp(S))) * V, {{o::exp}, {o::normalize}, {o::mask}}, 72);
+  check_chain<T>(normalize(exp(causal(S))) * V, {{o::mask}, {o::exp}, {o::normalize}}, 73);
+  check_chain<T>(causal(exp(S)) * V, {{o::exp}, {o::mask}}, 74);
+  check_chain<T>(exp(causal(S)) * V, {{o::mask}, {o::exp}}, 75);
+  check_chain<T>(causal(0.5 * exp(S)) * V, {{o::exp}, {o::scale, 0.5}, {o::mask}}, 76);
+  check_chain<T>(causal(normalize(causal(exp(S)))) * V, {{o::exp}, {o::mask}, {o::normalize}, {o::mask}}, 77);
+  check_chain<T>(normalize(causal(exp(S), decay{0.8})) * V, {{o::exp}, {o::mask, 0.8}, {o::normalize}}, 78);
+  check_chain<T>(causal(normalize(exp(0.5 * S)), decay{0.9}) * V,
+                 {{o::scale, 0.5}, {o::exp}, {o::normalize}, {o::mask, 0.9}}, 79);
+  check_chain<T>(normalize(exp(S)) * V, {{o::exp}, {o::normalize}}, 80);
+  check_chain<T>(causal(S) * V, {{o::mask}}, 81);
+  check_chain<T>(normalize(2.0 * causal(exp(S))) * V, {{o::exp}, {o::mask}, {o::scale, 2}, {o::normalize}}, 82);
 }
