@@ -116,6 +116,30 @@ TEST_CASE("common subexpressions: value-free ones are one step, valued ones name
   CHECK(twins == 2);
 }
 
+TEST_CASE("twin copies of a chain of row-wise steps fuse as the first copy does, and share its last step") {
+  // The softmax backward recomputes causal(exp(0.125·(Q·Kᵀ))) for each of its
+  // readers: the scale carries a value, so each copy's steps are twins of the
+  // first's. Each copy is one fused group (not three passes over N × N), and
+  // only the groups' last steps are shared.
+  constexpr auto softmax = compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V);
+  constexpr auto bundle = as_bundle(backward_of(softmax));
+  using S = schedule_of<std::remove_cvref_t<decltype(bundle)>>;
+  auto steps = steps_of(bundle);
+  std::size_t groups = 0;
+  for (std::size_t j = 0; j < S::size; ++j) {
+    if (steps[j] != "causal(exp(0.125·(Q·Kᵀ)))") continue;
+    CAPTURE(j);
+    ++groups;
+    REQUIRE(S::chain_start[j] + 2 == j);  // the scale, exp and mask in one pass
+    CHECK(S::runs_in[S::chain_start[j]] == j);
+    if (S::twin[j] != sched::none) {
+      CHECK(S::twin[S::chain_start[j]] == S::chain_start[S::twin[j]]);  // absorbed twins: never shared themselves
+      CHECK(S::last_use[S::twin[j]] >= S::last_use[j]);
+    }
+  }
+  CHECK(groups >= 2);
+}
+
 TEST_CASE("the backward's φ′ steps take the rows of the scan they read as it finishes them") {
   using S = backward_schedule;
   auto steps = steps_of(backward);

@@ -375,38 +375,50 @@ struct schedule_of {
 
   // Fused groups of row-wise steps: step J is `absorbed` into its only reader K
   // when both are row-wise, K reads J's rows directly (no view between), and
-  // neither is an output nor shared: then J's rows are made and consumed one
-  // at a time inside K's pass and never stored. chain_start[K] is the first
-  // step of K's group (K itself when it absorbs nothing).
+  // J is no output and not shared: then J's rows are made and consumed one at
+  // a time inside K's pass and never stored. chain_start[K] is the first step
+  // of K's group (K itself when it absorbs nothing). A twin shares its first
+  // twin's stored rows, so that one counts as read by it too — unless the twin
+  // is itself absorbed: then it is never shared (its group's last step, a
+  // twin of the other group's, is). So the backward's copies of a chain with
+  // values, 0.125·S then exp then the mask, fuse as the first copy does.
   template <class... O>
   static constexpr void count_reads(std::array<std::size_t, size + 1>& c, detail::type_list<O...>) {
     ((sched::reads<O>::step != sched::none ? void(++c[sched::reads<O>::step]) : void()), ...);
+  }
+  template <std::size_t K>
+  static constexpr std::size_t row_source() {  // the step row-wise K reads directly and could absorb, or none
+    if constexpr (sched::row_wise<node_type<K>>()) {
+      using O = detail::type_at_t<0, operands<K>>;
+      if constexpr (requires { O::step; })
+        return sched::row_wise<node_type<O::step>>() ? O::step : sched::none;
+      else
+        return sched::none;
+    } else {
+      return sched::none;
+    }
   }
   template <std::size_t... J>
   static constexpr std::array<std::size_t, size + 1> reader_counts(std::index_sequence<J...>) {
     std::array<std::size_t, size + 1> c{};
     (count_reads(c, operands<J>{}), ...);
     count_reads(c, outputs{});
+    constexpr std::array<std::size_t, size + 1> source{row_source<J>()..., sched::none};
+    std::array<bool, size + 1> fused{};  // a twin (no step shares it) read only by a row-wise step that absorbs it
+    for (std::size_t k = 0; k < size; ++k)
+      if (source[k] != sched::none && twin[source[k]] != sched::none && c[source[k]] == 1) fused[source[k]] = true;
     for (std::size_t j = 0; j < size; ++j)
-      if (twin[j] != sched::none) c[twin[j]] += 2;  // shared: never absorbed
+      if (twin[j] != sched::none && !fused[j]) c[twin[j]] += 2;  // shared: never absorbed
     return c;
   }
   static constexpr std::array<std::size_t, size + 1> readers = reader_counts(std::make_index_sequence<size>{});
   template <std::size_t K>
   static constexpr std::size_t absorbs() {  // the step K absorbs, or none
-    if constexpr (sched::row_wise<node_type<K>>()) {
-      using O = detail::type_at_t<0, operands<K>>;
-      if constexpr (requires { O::step; }) {
-        if constexpr (sched::row_wise<node_type<O::step>>())
-          return readers[O::step] == 1 && twin[K] == sched::none ? O::step : sched::none;
-        else
-          return sched::none;
-      } else {
-        return sched::none;
-      }
-    } else {
+    constexpr std::size_t o = row_source<K>();
+    if constexpr (o != sched::none)
+      return readers[o] == 1 ? o : sched::none;
+    else
       return sched::none;
-    }
   }
   template <std::size_t... J>
   static constexpr std::array<std::size_t, size + 1> absorbed_steps(std::index_sequence<J...>) {
@@ -611,7 +623,7 @@ struct schedule_of {
     (note_reads(u, runs_in[J], operands<J>{}), ...);
     note_reads(u, size, outputs{});
     for (std::size_t j = size; j-- > 0;)
-      if (twin[j] != sched::none && u[twin[j]] < u[j]) u[twin[j]] = u[j];
+      if (twin[j] != sched::none && row_absorbed[j] == sched::none && u[twin[j]] < u[j]) u[twin[j]] = u[j];
     return u;
   }
   static constexpr std::array<std::size_t, size + 1> last_use = last_uses(std::make_index_sequence<size>{});

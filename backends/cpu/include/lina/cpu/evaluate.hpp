@@ -1198,7 +1198,7 @@ class program {
     note_all(ok, std::make_index_sequence<steps>{});
     note_outputs(ok, typename S::outputs{});
     for (std::size_t j = steps; j-- > 0;)
-      if (S::twin[j] != sched::none) ok[S::twin[j]] = ok[S::twin[j]] && ok[j];
+      if (S::twin[j] != sched::none && S::row_absorbed[j] == sched::none) ok[S::twin[j]] = ok[S::twin[j]] && ok[j];
     return ok;
   }
   // A scan's finished rows as one operand of the row-local pair K (the
