@@ -13,6 +13,25 @@ TEST_CASE("gradients equal central differences: softmax, scaled, normalize as wr
   check_fd(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(Q))) * (K * (transpose(K) * V)), 13);
 }
 
+// The chains of row-wise ops on the scores whose outputs test_softmax_range.cpp
+// checks against a dense interpreter: their gradients, where the products skip
+// a masked triangle (kernels::product_zeros), against central differences of
+// that output, at lengths past a register tile's rows (8) and to a vector's
+// columns (16 floats, 8 doubles).
+TEST_CASE("gradients equal central differences: a mask before or after exp, after the normaliser, decayed") {
+  auto const S = Q * transpose(K);
+  auto const fd = [](auto const& expr, std::uint64_t seed) {
+    auto r = check::gradients(expr, {.trials = 4, .max_extent = 19, .seed = seed});
+    INFO(r);
+    CHECK(r.ok());
+  };
+  fd(causal(normalize(exp(S))) * V, 14);
+  fd(normalize(exp(causal(S))) * V, 15);
+  fd(causal(0.5 * exp(S)) * V, 16);
+  fd(causal(normalize(causal(exp(S)))) * V, 17);
+  fd(causal(normalize(exp(0.5 * S)), decay{0.9}) * V, 18);
+  fd(normalize(causal(exp(S), decay{0.8})) * V, 19);
+}
 
 TEST_CASE("gradients equal central differences: poly2, favor, random Fourier features") {
   check_fd(causal_plain<poly2>, 20);
