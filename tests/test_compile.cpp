@@ -167,14 +167,26 @@ TEST_CASE("estimate counts the plan's flops and bytes") {
   // the fused scan's share (outer, prefix, contract), which cpu::cost_model weighs apart
   CHECK(lin.scan_flops == doctest::Approx(4 * n * d * m1));
   CHECK(quad.scan_flops == 0);
+  // the products a causal mask half zeroes: φQ·φKᵀ (the mask reads it) and causal(…)·[V|1]
+  CHECK(quad.masked_flops == doctest::Approx(2 * n * d * n + 2 * n * n * m1));
+  CHECK(lin.masked_flops == 0);
+  auto full = estimate(compile<order::quadratic>(normalize(fQ * transpose(fK)) * V), N = 1000);
+  CHECK(full.masked_flops == 0);
 }
 
-TEST_CASE("cpu::cost_model weighs scan flops apart: an earlier causal crossover, the same non-causal one") {
+TEST_CASE("cpu::cost_model weighs scan flops and masked products apart, and the non-causal crossover stays") {
   auto [counting, c1] = select_thresholds<decltype(compile(causal_attn))>();
   auto [cpu_model, c2] = select_thresholds<decltype(compile<order::automatic, cpu::cost_model>(causal_attn))>();
   REQUIRE(c1 == 1);
   REQUIRE(c2 == 1);
-  CHECK(cpu_model[0] < counting[0]);  // the linear scan is cheaper than its flop count says
+  // The masked products' skipped half outweighs the scan's lower rate per flop:
+  // the quadratic order stays cheaper to a longer N than the plain count says.
+  CHECK(cpu_model[0] > counting[0]);
+  auto w = [](auto const& p, std::size_t n) { return cpu::cost_model::weight(estimate(p, N = n)); };
+  auto lin = compile<order::linear>(causal_attn);
+  auto quad = compile<order::quadratic>(causal_attn);
+  CHECK(w(quad, cpu_model[0] - 1) <= w(lin, cpu_model[0] - 1));
+  CHECK(w(lin, cpu_model[0]) < w(quad, cpu_model[0]));
   constexpr auto full = normalize(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K))) * V;
   auto [counting_full, c3] = select_thresholds<decltype(compile(full))>();
   auto [cpu_full, c4] = select_thresholds<decltype(compile<order::automatic, cpu::cost_model>(full))>();

@@ -46,15 +46,35 @@ namespace detail {
 // cost is the sum over its nodes, a select counting the branch it takes.
 template <class N>
 struct cost_of_impl;
+// Is N a causal mask's result, or a transposed view of one? And is N a
+// product whose left operand is (its masked flops counted at N itself)?
+template <class N>
+inline constexpr bool masked_node = is_causal_op<typename N::op_type>;
+template <class X>
+inline constexpr bool masked_node<node<op::transpose, X>> = masked_node<X>;
+template <class N>
+inline constexpr bool product_of_masked = false;
+template <class A, class B>
+inline constexpr bool product_of_masked<node<op::product, A, B>> = masked_node<A>;
 template <class Op, class... K>
 struct cost_of_impl<node<Op, K...>> {
+  template <class Src>
+  static constexpr cost_estimate own(Src const& s, double elem) {
+    return op_traits<Op>::template cost<typename node<Op, K...>::shape, typename K::shape...>(s, elem);
+  }
   template <class Src>
   static constexpr cost_estimate of(Src const& s, double elem) {
     if constexpr (is_select_op<Op>) {
       return select_branch<K...>(s, elem);
     } else {
-      cost_estimate c = op_traits<Op>::template cost<typename node<Op, K...>::shape, typename K::shape...>(s, elem);
+      cost_estimate c = own(s, elem);
+      if constexpr (product_of_masked<node<Op, K...>>) c.masked_flops = c.flops;  // causal(…)·B
       ((c += cost_of_impl<K>::of(s, elem)), ...);
+      if constexpr (is_causal_op<Op> && sizeof...(K) == 1) {  // causal(A·B)
+        using X = type_at_t<0, type_list<K...>>;
+        if constexpr (std::is_same_v<typename X::op_type, op::product> && !product_of_masked<X>)
+          c.masked_flops += cost_of_impl<X>::own(s, elem).flops;
+      }
       return c;
     }
   }

@@ -39,10 +39,15 @@ struct cost_estimate {
   // The part of `flops` done inside fused scans (contract, prefix/suffix, ⊗),
   // which a backend may run at another rate than products (cpu::cost_model).
   double scan_flops = 0;
+  // The part of `flops` in products half of whose terms a causal mask zeroes
+  // (the left operand is a mask's result, or a mask reads the product):
+  // backends that skip the masked triangle do about half of them.
+  double masked_flops = 0;
   constexpr cost_estimate& operator+=(cost_estimate const& o) {
     flops += o.flops;
     bytes += o.bytes;
     scan_flops += o.scan_flops;
+    masked_flops += o.masked_flops;
     return *this;
   }
 };
