@@ -68,7 +68,7 @@ struct lower<op::phi<Map>> {
   }
 };
 template <>
-struct lower<op::product> {  // (zeros: where they are known, program::zeros_of; the simple path multiplies in full)
+struct lower<op::product> {  // (zeros: those program::product knows of; the simple path multiplies in full)
   template <class T>
   static void run(op::product const&, matrix<T>& out, matrix<T> const& a, matrix<T> b,
                   kernels::product_zeros zeros = {}) {
@@ -981,40 +981,39 @@ class program {
       }
     return v;
   }
-  // A product A·B, skipping the zeros known at compile time (zeros_of). Its
-  // operands may carry exponents: A's rows give the result's; along the
-  // contraction, A's column and B's row exponents cancel when opposite (the
-  // backward's Eᵀ·ĝ), else are multiplied out.
+  // A product A·B, skipping the zeros known at compile time (triangle_of,
+  // lower_only). Its operands may carry exponents: A's rows give the
+  // result's; along the contraction, A's column and B's row exponents cancel
+  // when opposite (the backward's Eᵀ·ĝ), else are multiplied out.
   template <std::size_t J>
   void product(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
     using ops = typename S::template operands<J>;
     matrix<T> a = operand<lina::detail::type_at_t<0, ops>>(slot, w);
     matrix<T> b = operand<lina::detail::type_at_t<1, ops>>(slot, w);
     constexpr kernels::product_zeros zeros{triangle_of<lina::detail::type_at_t<0, ops>, true>(), lower_only<J>()};
-    auto const& o = S::template node_at<J>(plan_).op;
-    if constexpr (!with_exp) {
-      lower<op::product>::run(o, slot[J], a, std::move(b), zeros);
-    } else {
-    T const* rows_exp = std::exchange(a.row_exp, nullptr);
+    [[maybe_unused]] T const* rows_exp = nullptr;
     lease ma, mb;
-    if (b.col_exp) b = multiplied_out(std::move(b), mb, w);
-    if (a.col_exp || b.row_exp) {
-      bool cancel = a.col_exp && b.row_exp;
-      for (index k = 0; cancel && k < a.cols; ++k) cancel = a.col_exp[k] == -b.row_exp[k];
-      if (cancel) {
-        a.col_exp = b.row_exp = nullptr;
-      } else {
-        a = multiplied_out(std::move(a), ma, w);
-        b = multiplied_out(std::move(b), mb, w);
+    if constexpr (with_exp) {
+      rows_exp = std::exchange(a.row_exp, nullptr);
+      if (b.col_exp) b = multiplied_out(std::move(b), mb, w);
+      if (a.col_exp || b.row_exp) {
+        bool cancel = a.col_exp && b.row_exp;
+        for (index k = 0; cancel && k < a.cols; ++k) cancel = a.col_exp[k] == -b.row_exp[k];
+        if (cancel) {
+          a.col_exp = b.row_exp = nullptr;
+        } else {
+          a = multiplied_out(std::move(a), ma, w);
+          b = multiplied_out(std::move(b), mb, w);
+        }
       }
     }
-    lower<op::product>::run(o, slot[J], a, std::move(b), zeros);
-    if (rows_exp) {
-      w.exps[J] = ws_.take(w.arena, static_cast<std::size_t>(a.rows));
-      std::copy_n(rows_exp, a.rows, w.exps[J]);
-      slot[J].row_exp = w.exps[J];
-    }
-    }
+    lower<op::product>::run(S::template node_at<J>(plan_).op, slot[J], a, std::move(b), zeros);
+    if constexpr (with_exp)
+      if (rows_exp) {
+        w.exps[J] = ws_.take(w.arena, static_cast<std::size_t>(a.rows));
+        std::copy_n(rows_exp, a.rows, w.exps[J]);
+        slot[J].row_exp = w.exps[J];
+      }
   }
 
   // ---- products that skip known zeros ----
@@ -1058,7 +1057,7 @@ class program {
     } else if constexpr (std::is_same_v<Op, op::product>) {
       return Demand && lower_only<J>() ? triangle::lower : triangle::full;
     } else if constexpr (sched::row_wise<N>()) {  // the group that ends at J
-      return group_triangle<S::chain_start[J], J, Demand>(
+      return group_triangle<S::chain_start[J], J>(
           triangle_of<lina::detail::type_at_t<0, typename S::template operands<S::chain_start[J]>>, Demand>());
     } else if constexpr (std::is_same_v<Op, op::hadamard> || std::is_same_v<Op, op::add>) {
       constexpr triangle x = triangle_of<lina::detail::type_at_t<0, ops>, Demand>();
@@ -1072,14 +1071,14 @@ class program {
     }
   }
   // Members M ... Last of a group, from its source's triangle t.
-  template <std::size_t M, std::size_t Last, bool Demand>
+  template <std::size_t M, std::size_t Last>
   static constexpr kernels::triangle group_triangle(kernels::triangle t) {
     using Op = typename S::template node_type<M>::op_type;
     t = is_causal_op<Op> ? kernels::triangle::lower : keeps_zeros<Op> ? t : kernels::triangle::full;
     if constexpr (M == Last)
       return t;
     else
-      return group_triangle<S::absorbed_by[M], Last, Demand>(t);
+      return group_triangle<S::absorbed_by[M], Last>(t);
   }
   // Does step K, if it reads step J (or a twin J may stand for), keep only
   // J's lower triangle (j <= i)? A causal mask does; so do column-local ops
