@@ -757,11 +757,10 @@ void gemm_strip(matrix<T> const& a, index i0, index i1, T const* b, index ldb, T
 // memory). The columns left after whole vectors (the normaliser's one, say)
 // go through a zero-padded copy of B's as a last, partial vector. Rows are
 // split across idle threads when the product is large (a single long
-// sequence), into parts of equal work. With known zeros (product_zeros) out
-// is first zeroed (unless accumulating), then each tile sums only its terms
-// that are not zero in A and skips itself when out's lower triangle is all
-// that is wanted and the tile lies above it; out past the diagonal is then
-// zero (what tiles made there is zeroed again).
+// sequence), into parts of equal work. With known zeros (product_zeros) each
+// tile sums only its terms that are not zero in A and skips itself when
+// out's lower triangle is all that is wanted and the tile lies above it; out
+// past the diagonal is then written as zeros.
 template <class T>
 void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate = false, product_zeros zeros = {}) {
   using shape = detail::scan_tile_shape<T>;
@@ -785,12 +784,15 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
   // L2 while every tile of the rows reads them; a long sum such as φ(K)ᵀ[V|1]
   // over N = 65536 rows otherwise streams B from memory once per tile).
   constexpr index block = 512;
+  // Out is zeroed first when a tile may sum no term (k = 0, or a triangular A);
+  // with only out's lower triangle wanted, what lies past it is zeroed after.
+  bool const zero_first = !accumulate && (k == 0 || zeros.a != triangle::full);
   auto rows = [&](index i0, index i1) {
-    if ((k == 0 || zeros.any()) && !accumulate)
+    if (zero_first)
       for (index i = i0; i < i1; ++i) std::fill_n(out.row_mut(i), c, T(0));
     for (index p0 = 0; p0 < k; p0 += block) {
       index kn = std::min(block, k - p0);
-      bool acc = accumulate || zeros.any() || p0 > 0;
+      bool acc = accumulate || zero_first || p0 > 0;
       matrix<T> ak = view<T>(a.data + p0 * a.cs, a.rows, kn, a.rs, a.cs);
       T const* bk = b.data + p0 * b.rs;
       index j0 = 0;
@@ -813,9 +815,9 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
       detail::gemm_strip<R, 1, vec>(ak, i0, i1, static_cast<T const*>(pad), index{L}, o0 + whole, out.rs, acc,
                                     strip_terms, c - whole);
     }
-    if (zeros.lower_out)  // (out was zeroed unless accumulating; tiles end at most R rows and a strip past the diagonal)
+    if (zeros.lower_out)  // (zeroed first: tiles end at most R rows and a strip past the diagonal)
       for (index i = i0; i < i1; ++i)
-        std::fill(out.row_mut(i) + std::min(c, i + 1), out.row_mut(i) + (accumulate ? c : std::min(c, i + R + V * L)),
+        std::fill(out.row_mut(i) + std::min(c, i + 1), out.row_mut(i) + (zero_first ? std::min(c, i + R + V * L) : c),
                   T(0));
   };
 #ifdef _OPENMP
