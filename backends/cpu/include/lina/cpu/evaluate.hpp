@@ -475,6 +475,26 @@ auto slice_of(V const& t, std::size_t b, std::size_t h) {
   return view<T>(base, static_cast<index>(t.shape()[2]), static_cast<index>(t.shape()[3]), s[2], s[3]);
 }
 
+// Memory from one arena of a workspace, given back when it goes.
+template <class T>
+struct scratch {
+  workspace<T>* ws = nullptr;
+  std::size_t arena = 0;
+  T* p = nullptr;
+  scratch() = default;  // holds nothing
+  scratch(workspace<T>& w, std::size_t a, std::size_t n) : ws(&w), arena(a), p(n ? w.take(a, n) : nullptr) {}
+  scratch(scratch const&) = delete;
+  scratch& operator=(scratch&& o) noexcept {
+    std::swap(ws, o.ws);
+    std::swap(arena, o.arena);
+    std::swap(p, o.p);
+    return *this;
+  }
+  ~scratch() {
+    if (p) ws->give(arena, p);
+  }
+};
+
 // One select-free plan's schedule, run slice by slice into `outs` (one
 // output tensor per schedule output).
 template <class T, class Plan, class Bound, std::size_t Outputs>
@@ -499,6 +519,7 @@ class program {
            return false;
        }()),
        ...);
+      ((extent_[J] = extent_of<typename S::template node_type<J>>()), ...);
     }(std::make_index_sequence<steps>{});
   }
 
@@ -511,8 +532,8 @@ class program {
 #else
     if (per_thread_) w.arena = 0;
 #endif
-    [&]<std::size_t... J>(std::index_sequence<J...>) { (step<J>(slot, direct, w), ...); }(
-        std::make_index_sequence<steps>{});
+    [&]<std::size_t... K>(std::index_sequence<K...>) { (step<passes.step[K]>(slot, direct, w), ...); }(
+        std::make_index_sequence<passes.count>{});
     [&]<class... O>(lina::detail::type_list<O...>) {
       std::size_t k = 0;
       ((direct[k] ? void() : store(operand<O>(slot, w), outs_[k], b, h), ++k), ...);
@@ -529,25 +550,9 @@ class program {
     std::array<T*, steps + 1> exps;  // a result's row exponents, from the arena
   };
 
-  // A kernel's scratch from the run's arena, given back when it goes.
-  struct lease {
-    workspace<T>* ws = nullptr;
-    std::size_t arena = 0;
-    T* p = nullptr;
-    lease() = default;  // holds nothing
-    lease(program const& prog, turn const& w, std::size_t n)
-        : ws(&prog.ws_), arena(w.arena), p(n ? ws->take(arena, n) : nullptr) {}
-    lease(lease const&) = delete;
-    lease& operator=(lease&& o) noexcept {
-      std::swap(ws, o.ws);
-      std::swap(arena, o.arena);
-      std::swap(p, o.p);
-      return *this;
-    }
-    ~lease() {
-      if (p) ws->give(arena, p);
-    }
-  };
+  // A kernel's scratch from the run's arena (scratch<T>, outside the class:
+  // one type per element type, not per plan).
+  using lease = scratch<T>;
 
   // An operand: a bound input's slice, an earlier result, or a view of either.
   template <class O>
@@ -565,15 +570,42 @@ class program {
     }
   }
 
-  // Output k when it is step J's result and the first output that is, else Outputs.
-  template <std::size_t J>
-  static constexpr std::size_t output_of() {
-    return []<class... O>(lina::detail::type_list<O...>) {
-      constexpr std::array<bool, sizeof...(O) + 1> hit{std::is_same_v<O, sched::step_operand<J>>..., true};
-      std::size_t k = 0;
-      while (!hit[k]) ++k;
-      return k;
-    }(typename S::outputs{});
+  // The steps that make their rows in a pass of their own, in order (the
+  // others' rows are made in another step's pass: a fused group, a scan's
+  // loads or output). run() instantiates step<J> only for these.
+  struct pass_list {
+    std::array<std::size_t, steps> step{};
+    std::size_t count = 0;
+  };
+  static constexpr pass_list passes = [] {
+    pass_list r{};
+    for (std::size_t j = 0; j < steps; ++j)
+      if (S::runs_in[j] == j) r.step[r.count++] = j;
+    return r;
+  }();
+
+  // Per step j: output k when it is step j's result and the first output that is, else Outputs.
+  static constexpr std::array<std::size_t, steps> output_index = []<class... O>(lina::detail::type_list<O...>) {
+    std::array<std::size_t, steps> r;
+    r.fill(Outputs);
+    std::size_t k = 0;
+    auto one = [&]<class Out>(Out*) {
+      if constexpr (requires { Out::step; })
+        if (std::is_same_v<Out, sched::step_operand<Out::step>> && r[Out::step] == Outputs) r[Out::step] = k;
+      ++k;
+    };
+    (one(static_cast<O*>(nullptr)), ...);
+    return r;
+  }(typename S::outputs{});
+
+  // A step's rows and columns at this call's extents (node types without a
+  // matrix shape, as a bundle of outputs, have none).
+  template <class N>
+  std::array<index, 2> extent_of() const {
+    if constexpr (requires { N::shape::rows::extent(in_.table); })
+      return {static_cast<index>(N::shape::rows::extent(in_.table)), static_cast<index>(N::shape::cols::extent(in_.table))};
+    else
+      return {0, 0};
   }
 
   template <std::size_t J>
@@ -590,14 +622,14 @@ class program {
               auto const& sc = st_->scan(S::scan_index[J]);
               std::copy_n(st_->at(S::scan_index[S::twin[J]], w.b, w.h), sc.a * sc.b, st_->at(S::scan_index[J], w.b, w.h));
             }
-          release<J>(slot, w);
+          release(J, slot, w);
           return;
         }
       }
       if constexpr (S::template is_scan<J>) {
         run_scan<J>(slot, direct, w);
       } else {
-        destination<J>(slot, direct, w);
+        destination(J, slot, direct, w);
         if constexpr (sched::row_wise<N>()) {
           rows_of_group<J>(slot, w);
         } else if constexpr (sched::row_local_pair<N>()) {
@@ -618,29 +650,26 @@ class program {
           }
         }
       }
-      release<J>(slot, w);
+      release(J, slot, w);
     }
   }
 
   // slot[J]: straight into the caller's output when J is one and its rows are
   // contiguous, else fresh memory.
-  template <std::size_t J>
-  void destination(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, turn& w) const {
-    using N = typename S::template node_type<J>;
-    index rows = static_cast<index>(N::shape::rows::extent(in_.table));
-    index cols = static_cast<index>(N::shape::cols::extent(in_.table));
-    constexpr std::size_t k = output_of<J>();
-    if constexpr (k < Outputs) {
+  void destination(std::size_t j, std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct,
+                   turn& w) const {
+    auto const [rows, cols] = extent_[j];
+    if (std::size_t const k = output_index[j]; k < Outputs) {
       matrix<T> out = slice_of(outs_[k], w.b, w.h);
       if (out.cs == 1 || cols <= 1) {
         out.cs = 1;
-        slot[J] = std::move(out);
+        slot[j] = std::move(out);
         direct[k] = true;
         return;
       }
     }
-    slot[J] = view<T>(ws_.take(w.arena, static_cast<std::size_t>(rows * cols)), rows, cols, cols, 1);
-    w.pooled[J] = true;
+    slot[j] = view<T>(ws_.take(w.arena, static_cast<std::size_t>(rows * cols)), rows, cols, cols, 1);
+    w.pooled[j] = true;
   }
 
   // A fused scan: its operands from their matrices, or made chunk by chunk as
@@ -662,7 +691,7 @@ class program {
     // scan K's running sums: the plan's state (carried across evaluations), or zeros
     auto sums_of = [&]<std::size_t K>(lease& space, std::size_t size) {
       if (S::scan_index[K] != sched::none && st_) return st_->at(S::scan_index[K], w.b, w.h);
-      space = lease(*this, w, size);
+      space = lease(ws_, w.arena, size);
       std::fill_n(space.p, size, T(0));
       return space.p;
     };
@@ -678,7 +707,7 @@ class program {
       } else if (int parts = sequence_parts(rows); parts > 1 && per_thread_ && decay == T(1)) {
         kernels::scan_rows_split(a_.rows(), b_.rows(), c_.rows(), sink, rows, sums_, reverse, parts, sec);
       } else {
-        lease space(*this, w, kernels::scan_scratch_size<T>(rows, a_.rows(), b_.rows(), c_.rows(), sink, sec));
+        lease space(ws_, w.arena, kernels::scan_scratch_size<T>(rows, a_.rows(), b_.rows(), c_.rows(), sink, sec));
         kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec, decay);
       }
     };
@@ -731,11 +760,11 @@ class program {
   void with_sink(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, turn& w, index cols,
                  F&& f) const {
     constexpr std::size_t E = S::emits[J] == sched::none ? J : S::emits[J];
-    destination<E>(slot, direct, w);
+    destination(E, slot, direct, w);
     if constexpr (E == J)
       f(kernels::matrix_sink<T>{slot[J]});
     else if constexpr (sched::row_wise<typename S::template node_type<E>>())
-      f(group_sink<E>{*this, slot[E], cols, group_width<S::chain_start[E], E>(cols), w.h});
+      f(group_sink<E>{*this, slot[E], cols, group_width(S::chain_start[E], E, cols), w.h});
     else
       f(pair_sink<E, J>{*this, slot[E], cols, operand<typename pair_sink<E, J>::side>(slot, w)});
   }
@@ -752,23 +781,22 @@ class program {
     if constexpr (std::is_same_v<Out, kernels::matrix_sink<T>>) {
       kernels::scan_simple(am, bm, cm, sink.m, sums, reverse, decay);
     } else {
-      mem[3] = lease(*this, w, static_cast<std::size_t>(rows * cm.cols));
+      mem[3] = lease(ws_, w.arena, static_cast<std::size_t>(rows * cm.cols));
       matrix<T> out = view<T>(mem[3].p, rows, cm.cols, cm.cols, 1);
       kernels::scan_simple(am, bm, cm, out, sums, reverse, decay);
-      lease work(*this, w, sink.work());
+      lease work(ws_, w.arena, sink.work());
       sink.take(0, rows, false, mem[3].p, cm.cols, work.p);
     }
   }
 
   // ---- fused groups of row-wise steps -------------------------------------
   // The widest row a group First ... Last handles (its source's and members' columns).
-  template <std::size_t First, std::size_t Last>
-  index group_width(index source_cols) const {
+  index group_width(std::size_t first, std::size_t last, index source_cols) const {
     index widest = source_cols;
-    for_members<First, Last>([&]<std::size_t M>() {
-      widest = std::max(widest, static_cast<index>(S::template node_type<M>::shape::cols::extent(in_.table)));
-    });
-    return widest;
+    for (std::size_t m = first;; m = S::absorbed_by[m]) {
+      widest = std::max(widest, extent_[m][1]);
+      if (m == last) return widest;
+    }
   }
   // Row i of group First ... Last from `in` (the source's row i, contiguous,
   // `cols` wide) into `dst`, each member after the other between two rows of
@@ -860,8 +888,8 @@ class program {
   void rows_of_group(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
     constexpr std::size_t first = S::chain_start[K];
     matrix<T> src = operand<lina::detail::type_at_t<0, typename S::template operands<first>>>(slot, w);
-    index widest = group_width<first, K>(src.cols);
-    lease rowbuf(*this, w, static_cast<std::size_t>(3 * widest));
+    index widest = group_width(first, K, src.cols);
+    lease rowbuf(ws_, w.arena, static_cast<std::size_t>(3 * widest));
     T* work = rowbuf.p;
     matrix<T>& out = slot[K];
     lease values;
@@ -931,7 +959,7 @@ class program {
     using ops = typename S::template operands<K>;
     matrix<T> x = operand<lina::detail::type_at_t<0, ops>>(slot, w);
     matrix<T> y = operand<lina::detail::type_at_t<1, ops>>(slot, w);
-    lease copies(*this, w, static_cast<std::size_t>(x.cols + y.cols));
+    lease copies(ws_, w.arena, static_cast<std::size_t>(x.cols + y.cols));
     auto const& o = S::template node_at<K>(plan_).op;
     using Op = typename S::template node_type<K>::op_type;
     if constexpr (with_exp && exponents::pair_reads<Op>) {
@@ -972,7 +1000,7 @@ class program {
   // m with its exponents multiplied out, in memory from `mem` (m itself when it has none).
   matrix<T> multiplied_out(matrix<T> m, lease& mem, turn& w) const {
     if (!m.row_exp && !m.col_exp) return m;
-    mem = lease(*this, w, static_cast<std::size_t>(m.rows * m.cols));
+    mem = lease(ws_, w.arena, static_cast<std::size_t>(m.rows * m.cols));
     matrix<T> v = view<T>(mem.p, m.rows, m.cols, m.cols, 1);
     for (index i = 0; i < m.rows; ++i)
       for (index j = 0; j < m.cols; ++j) {
@@ -1242,8 +1270,8 @@ class program {
     index cols() const { return g.cols(); }
     G const& rows() const { return g; }
     matrix<T> whole(index n, lease& mem, program const& p, turn& w) const {  // every row, into memory of its own
-      mem = lease(p, w, static_cast<std::size_t>(n * g.cols()));
-      lease work(p, w, g.work());
+      mem = lease(p.ws_, w.arena, static_cast<std::size_t>(n * g.cols()));
+      lease work(p.ws_, w.arena, g.work());
       g.pack(0, n, false, mem.p, g.cols(), work.p);
       return view<T>(mem.p, n, g.cols(), g.cols(), 1);
     }
@@ -1255,7 +1283,7 @@ class program {
         constexpr std::size_t G = O::step, first = S::chain_start[G];
         matrix<T> src = operand<lina::detail::type_at_t<0, typename S::template operands<first>>>(slot, w);
         index width = static_cast<index>(S::template node_type<G>::shape::cols::extent(in_.table));
-        index widest = group_width<first, G>(src.cols);
+        index widest = group_width(first, G, src.cols);
         return made_source<group_source<G>>{group_source<G>{*this, std::move(src), width, widest, w.h}};
       } else {
         return matrix_source<matrix<T>>{operand<O>(slot, w)};
@@ -1267,8 +1295,9 @@ class program {
 
 
   // Release every result whose last reader was step J (its memory back to the arena).
-  template <std::size_t J>
-  void release(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
+  // (A function of J at run time, as destination and group_width: one per
+  // program rather than one per step, for the compiler.)
+  void release(std::size_t J, std::array<matrix<T>, steps + 1>& slot, turn& w) const {
     auto one = [&](std::size_t i) {
       if (w.pooled[i]) ws_.give(w.arena, slot[i].data);
       if (w.exps[i]) ws_.give(w.arena, w.exps[i]);
@@ -1288,6 +1317,7 @@ class program {
   bool per_thread_;
   bool simple_;  // cpu::path::simple, the oracle
   std::array<bool, steps + 1> share_{};
+  std::array<std::array<index, 2>, steps> extent_{};  // each step's rows and columns (extent_of)
 };
 
 // Run a select-free plan over every (batch, head) slice.
