@@ -55,7 +55,7 @@ void check_orders(Expr const& expr, bool causal, bool normalized, std::uint64_t 
     // sums scale with their size; normalised ones are averages of v (|v| < 1).
     double scale = normalized ? 1.0 : test::max_abs(ref);
     double bound = test::rounding_bound<T>(static_cast<double>(s.n * s.d), scale);
-    CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CONTEXT(s.b, s.h, s.n, s.d, s.m);
     for (auto const* out : {&as_written, &quadratic, &linear, &automatic}) {
       double err = max_abs_diff(*out, ref);
       CHECK(err <= bound);

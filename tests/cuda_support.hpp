@@ -475,7 +475,7 @@ void check_forward(Expr const& expr, std::uint64_t seed, std::vector<shape> cons
     std::vector<shape> const cases = fixed.empty() ? shapes(seed, 3) : fixed;
     for (shape const& s : cases) {
       CAPTURE(cuda::name_of(dt));
-      CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      CONTEXT(s.b, s.h, s.n, s.d, s.m);
       auto [q, k, v] = random_inputs(s, dt, r, positive);
       // Exact fp32 products: within the output's rounding of both references.
       cuda::options opt{dt, dt, true};
@@ -556,7 +556,7 @@ double gradient_tolerance(cuda::dtype dt) { return dt == cuda::dtype::f32 ? 1e-5
 // One launch of `plan`'s kernel on the device against its emulation.
 template <class Plan>
 void launch_vs_emulation(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed) {
-  CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+  CONTEXT(cuda::name_of(dt), s.n, s.d, s.m);
   auto q = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed), dt);
   auto k = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1), dt);
   auto v = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dt);

@@ -19,6 +19,30 @@
 
 namespace test {
 
+// CONTEXT(a, b, …): as CAPTURE(a); CAPTURE(b); … ("a, b, … := 1, 2, …"), but
+// one object of one type, its text made at once. CAPTURE in a template (a
+// generic lambda run for each plan and element type) makes a doctest type, and
+// its functions, per capture and per instantiation: thousands in a test file,
+// a good part of what its build spent. For per-trial values, not inner loops.
+class context final : public doctest::detail::ContextScopeBase {
+ public:
+  template <class... V>
+  explicit context(char const* names, V const&... values) : text_(std::string(names) + " := ") {
+    bool first = true;
+    ((text_ += (first ? "" : ", "), text_ += doctest::toString(values).c_str(), first = false), ...);
+  }
+  ~context() override {
+    if (need_to_destroy) destroy();
+  }
+  void stringify(std::ostream* s) const override { *s << text_; }
+
+ private:
+  std::string text_;
+};
+#define TEST_CONTEXT_CAT2(a, b) a##b
+#define TEST_CONTEXT_CAT(a, b) TEST_CONTEXT_CAT2(a, b)
+#define CONTEXT(...) ::test::context TEST_CONTEXT_CAT(test_context_, __LINE__)(#__VA_ARGS__, __VA_ARGS__)
+
 // The user-defined map of docs/dsl.md, verbatim.
 struct softplus {
   static constexpr std::string_view name = "softplus";

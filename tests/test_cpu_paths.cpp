@@ -135,7 +135,7 @@ void fast_agrees_with_simple(Plan const& plan, std::uint64_t seed) {
   for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(63), std::size_t(64), std::size_t(65),
                         std::size_t(200), split, test::length(r)}) {
     std::size_t b = 1, h = n >= split ? 1 : r.in(1, 3), d = r.in(1, 24), m = r.in(1, 24);
-    CAPTURE(n); CAPTURE(h); CAPTURE(d); CAPTURE(m);
+    CONTEXT(n, h, d, m);
     auto q = bnhd_copy(tensor<T>::random({b, h, n, d}, r.next())), k = bnhd_copy(tensor<T>::random({b, h, n, d}, r.next()));
     auto v = bnhd_copy(tensor<T>::random({b, h, n, m}, r.next()));
     auto dout = tensor<T>::random({b, h, n, m}, r.next());

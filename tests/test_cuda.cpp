@@ -865,7 +865,7 @@ TEST_CASE("device: to_device / to_host round trip, evaluate = CPU backend, chain
 
   auto run = [&]<class E>(shape s, std::uint64_t seed) {
     cuda::dtype const dt = dtype_for<E>();
-    CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
     test::rng r{seed};
     auto [q, k, v] = random_inputs(s, dt, r, false);
     auto dq = device_copy<E>(q), dk = device_copy<E>(k), dv = device_copy<E>(v);

@@ -41,7 +41,7 @@ void check_backward(Expr const& expr, std::uint64_t seed, std::vector<shape> con
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
     double worst = 0, worst_mma = 0;
     for (shape const& s : cases) {
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
       auto bc = backward_case(plan, expr, s, dt, r, positive);
       auto &q = bc.q, &k = bc.k, &v = bc.v, &dout = bc.dout;
       auto const &cpu = bc.cpu;
@@ -213,7 +213,7 @@ void check_softmax_backward(Expr const& expr, std::uint64_t seed, std::vector<sh
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16, cuda::dtype::f16}) {
     double worst = 0, worst_mma = 0;
     for (shape const& s : cases) {
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
       auto bc = backward_case(plan, expr, s, dt, r, positive);
       auto &q = bc.q, &k = bc.k, &v = bc.v, &dout = bc.dout;
       auto const &cpu = bc.cpu;
@@ -309,7 +309,7 @@ void check_tied(Expr const& expr, std::uint64_t seed, std::size_t size = 16) {
                                                : std::vector<shape>{{1, 2, 70, size, size}};
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (shape s : shapes) {
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d);
+      CONTEXT(cuda::name_of(dt), s.n, s.d);
       auto inputs = random_inputs(s, dt, r, false);
       auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.d}, r.next()), dt);
@@ -457,7 +457,7 @@ TEST_CASE("user-defined feature maps lower with their CUDA formulas: forward and
 
 TEST_CASE("backward: emulated gradients = finite differences in double, small cases") {
   auto check_fd = [](auto const& expr, shape s, std::uint64_t seed) {
-    CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CONTEXT(s.n, s.d, s.m);
     auto const plan = plan_of(expr);
     auto q = tensor<float>::random({s.b, s.h, s.n, s.d}, seed), k = tensor<float>::random({s.b, s.h, s.n, s.d}, seed + 1);
     auto v = tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 2), dout = tensor<float>::random({s.b, s.h, s.n, s.m}, seed + 3);
@@ -525,7 +525,7 @@ void check_split_backward(Expr const& expr, std::uint64_t seed, std::vector<shap
         REQUIRE(sp.size() == 3);
         std::int64_t const t = sp[0].tiles.chunk;
         for (std::int64_t rows : {t, 2 * t, 3 * t, 1000 * t}) {
-          CAPTURE(cuda::name_of(dt)); CAPTURE(exact); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+          CONTEXT(cuda::name_of(dt), exact, s.b, s.h, s.n, s.d, s.m);
           CAPTURE(rows);
           cuda::options split = opt;
           split.split_rows = rows;
@@ -636,7 +636,7 @@ TEST_CASE("backward, chained: blocks differentiated last first, handing back ∂
     for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
       for (shape const& s : cases) {
         std::size_t const cut = s.n < 2 ? 0 : r.in(1, s.n - 1);
-        CAPTURE(spec.description); CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(cut);
+        CONTEXT(spec.description, cuda::name_of(dt), s.n, cut);
         auto inputs = random_inputs(s, dt, r, false);
         auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
         auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
@@ -725,7 +725,7 @@ TEST_CASE("device: chained blocks' gradients = their emulation, and gradient_int
   constexpr auto plan = compile<order::linear>(causal_expr);
   auto run = [&]<class E>(shape s, std::size_t cut, std::uint64_t seed) {
     cuda::dtype const dt = dtype_for<E>();
-    CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(cut);
+    CONTEXT(cuda::name_of(dt), s.n, s.d, cut);
     test::rng r{seed};
     auto inputs = random_inputs(s, dt, r, false);
     auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
@@ -867,7 +867,7 @@ TEST_CASE("device: gradients = their emulation") {
   if (skipped_without(dev)) return;
   auto run = [&]<class E>(auto const& plan, shape s, std::uint64_t seed) {
     cuda::dtype const dt = dtype_for<E>();
-    CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
     test::rng r{seed};
     auto inputs = random_inputs(s, dt, r, false);
     auto &q = inputs.q, &k = inputs.k, &v = inputs.v;

@@ -21,7 +21,7 @@ void check_cross(Expr const& expr, std::uint64_t seed, std::size_t max_d = 40) {
     for (auto const& ns : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}, {65, 64}, {1, 200}}) {
       std::size_t const n = ns.first, s = ns.second;  // (not a binding: Clang < 16 cannot capture one)
       std::size_t const d = r.in(1, max_d), m = r.in(1, 80), b = 2, h = 2;
-      CAPTURE(cuda::spec_of(plan).description); CAPTURE(cuda::name_of(dt)); CAPTURE(n); CAPTURE(s); CAPTURE(d); CAPTURE(m);
+      CONTEXT(cuda::spec_of(plan).description, cuda::name_of(dt), n, s, d, m);
       auto q = rounded(tensor<float>::random({b, h, n, d}, r.next()), dt);
       auto k = rounded(tensor<float>::random({b, h, s, d}, r.next()), dt);
       auto v = rounded(tensor<float>::random({b, h, s, m}, r.next()), dt);
@@ -95,7 +95,7 @@ void check_stack(Stack const& stack, Flat const& flat, std::uint64_t seed) {
   auto on_cpu = [](auto const& p, auto const&... b) { return cpu::evaluate(p, b...); };
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (shape const& s : cases) {
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      CONTEXT(cuda::name_of(dt), s.n, s.d, s.m);
       auto one = [&](std::size_t cols) { return rounded(tensor<float>::random({s.b, s.h, s.n, cols}, r.next()), dt); };
       auto q = one(s.d), k = one(s.d), v = one(s.d), q2 = one(s.d), k2 = one(s.d), v2 = one(s.m);
       auto got = on_inputs_of(plan, emulate({dt, dt, true}), Q = q, K = k, Vd = v, Q2 = q2, K2 = k2, V2 = v2);
@@ -127,7 +127,7 @@ TEST_CASE("stacked layers: one kernel per layer = CPU backend = the stack as wri
     double worst = 0;
     for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
       for (shape const& s : {shape{2, 2, 70, 12, 9}, shape{1, 1, 1, 5, 3}}) {
-        CAPTURE(cuda::name_of(dt)); CAPTURE(s.n);
+        CONTEXT(cuda::name_of(dt), s.n);
         auto one = [&](std::size_t cols) { return rounded(tensor<float>::random({s.b, s.h, s.n, cols}, r.next()), dt); };
         auto q = one(s.d), k = one(s.d), v = one(s.d), k2 = one(s.d), v2 = one(s.m), dout = one(s.m);
         auto g = cuda::emulate_gradient(plan, {dt, dt, true}, dout, Q = q, K = k, Vd = v, K2 = k2, V2 = v2);
@@ -204,7 +204,7 @@ TEST_CASE("stacked layers chain through a state per layer: blocks = one pass = t
   test::rng r{76};
   auto check = [&](auto const& expr, std::size_t layers, shape s) {
     auto const plan = compile(expr);
-    CAPTURE(layers); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CONTEXT(layers, s.b, s.h, s.n, s.d, s.m);
     auto one = [&](std::size_t cols) { return tensor<float>::random({s.b, s.h, s.n, cols}, r.next()); };
     auto q = one(s.d), k = one(s.d), v = one(s.d), k2 = one(s.d), v2 = one(s.m);
     auto once = on_inputs_of(plan, [](auto const& p, auto const&... b) { return cuda::emulate(p, {}, b...); }, Q = q, K = k,
@@ -328,14 +328,14 @@ TEST_CASE("stacked layers: chained gradients, block by block from the last = one
     auto const plan = compile(expr);
     auto const linear = compile<order::linear>(expr);
     int const which = dt == cuda::dtype::f32 ? 0 : 1;
-    CAPTURE(layers); CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CONTEXT(layers, cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
     auto one = [&](std::size_t cols) { return rounded(tensor<float>::random({s.b, s.h, s.n, cols}, r.next()), dt); };
     auto q = one(s.d), k = one(s.d), v = one(s.d), k2 = one(s.d), v2 = one(s.m), dout = one(s.m);
     cuda::options const opt{dt, dt, true};
     auto const whole = on_inputs_of(plan, [&](auto const& p, auto const&... b) { return cuda::emulate_gradient(p, opt, dout, b...); },
                                     Q = q, K = k, Vd = v, K2 = k2, V2 = v2);
     std::size_t const c1 = r.in(1, s.n / 2), c2 = r.in(c1 + 1, s.n - 1), cut[] = {0, c1, c2, s.n};
-    CAPTURE(c1); CAPTURE(c2);
+    CONTEXT(c1, c2);
     std::vector<cuda::state> begin;  // the state each block starts from
     cuda::state st(cuda::memory::host);
     for (int x = 0; x < 3; ++x) {
@@ -470,7 +470,7 @@ TEST_CASE("stacked layers decode: a prompt then steps, a recurrent per layer = o
   test::rng r{77};
   auto check = [&](auto const& expr, std::size_t layers, shape s, cuda::dtype dt) {
     auto const plan = compile(expr);
-    CAPTURE(layers); CAPTURE(cuda::name_of(dt)); CAPTURE(s.n);
+    CONTEXT(layers, cuda::name_of(dt), s.n);
     cuda::options const opt{dt, dt};
     auto one = [&](std::size_t cols) { return rounded(tensor<float>::random({s.b, s.h, s.n, cols}, r.next()), dt); };
     auto q = one(s.d), k = one(s.d), v = one(s.d), k2 = one(s.d), v2 = one(s.m);
@@ -602,7 +602,7 @@ void check_packed_emulation(Expr const& expr, std::uint64_t seed, bool cross = f
   auto const seqs = sequences::from_lengths({70, 0, 1, 129, 5});
   std::size_t const h = 2, d = r.in(1, 40), m = r.in(1, 40), keys = cross ? 33 : seqs.total();
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
-    CAPTURE(cuda::name_of(dt)); CAPTURE(d); CAPTURE(m);
+    CONTEXT(cuda::name_of(dt), d, m);
     auto one = [&](std::size_t rows, std::size_t cols) { return rounded(tensor<float>::random({1, h, rows, cols}, r.next()), dt); };
     auto q = one(seqs.total(), d), k = one(keys, d), v = one(keys, m);
     cuda::options const opt{dt, dt, true};
@@ -823,7 +823,7 @@ TEST_CASE("packed sequences through a state: each chained alone, the CPU's packe
   // Two schedules: one launch for the pack, and (groups of rows requested)
   // one launch per sequence, each on its state row, a long one split.
   for (auto [dt, groups] : {std::pair{cuda::dtype::f32, 0}, std::pair{cuda::dtype::bf16, 0}, std::pair{cuda::dtype::f32, 2}}) {
-    CAPTURE(cuda::name_of(dt)); CAPTURE(groups);
+    CONTEXT(cuda::name_of(dt), groups);
     cuda::options opt{dt, dt, true};
     opt.tiles.groups = groups;
     auto one = [&](std::size_t batch, std::size_t rows, std::size_t cols) {

@@ -238,7 +238,7 @@ TEST_CASE("decay per head: each head's rows are those of the kernel with that he
   test::rng r{114};
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (std::int64_t split : {0, 64}) {
-      CAPTURE(cuda::name_of(dt)); CAPTURE(split);
+      CONTEXT(cuda::name_of(dt), split);
       auto [q, k, v] = random_inputs({2, 3, 150, 16, 8}, dt, r, false);
       cuda::options opt{dt, dt};
       opt.split_rows = split;
@@ -340,7 +340,7 @@ TEST_CASE("device: decayed kernels = their emulation") {
     }
   auto gradient = [&]<class E>(auto const& p, shape s, std::uint64_t seed) {
     cuda::dtype const dt = cuda::dtype_of<E>;
-    CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CONTEXT(cuda::name_of(dt), s.n, s.d, s.m);
     test::rng r{seed};
     auto inputs = random_inputs(s, dt, r, false);
     auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);

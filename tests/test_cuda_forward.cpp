@@ -177,7 +177,7 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
       double const bound = tolerance(dt) + rounding_bound(expr, dt, q, k, v, exact);
       for (int t : {16, 32, 64})
         for (int tm : {0, 8, 24, 40, 100}) {
-          CAPTURE(cuda::name_of(dt)); CAPTURE(t); CAPTURE(tm);
+          CONTEXT(cuda::name_of(dt), t, tm);
           cuda::options opt{dt, dt};
           opt.tiles = {t, tm};
           auto const p = cuda::program_of(plan, opt, D = s.d, M = s.m);
@@ -226,7 +226,7 @@ TEST_CASE("requested tiles: every chunk and M tile that fits computes the same a
     double const bound = tolerance(dt) + rounding_bound(expr, dt, q, k, v, exact);
     double const grad_bound = dt == cuda::dtype::f32 ? tolerance(dt) : backward_mma_bound(dt, true);
     for (int t : {16, 32, 64}) {
-      CAPTURE(cuda::name_of(dt)); CAPTURE(t);
+      CONTEXT(cuda::name_of(dt), t);
       cuda::options opt{dt, dt};
       opt.tiles = {t, 16};
       // Chained: two blocks through a state, at these tiles, = the attention in one.
@@ -540,7 +540,7 @@ TEST_CASE("device: launches at a requested schedule = their emulation at it") {
   // the benchmark's sweep checks its D = 128 schedules against the emulation too)
   for (cuda::tile_request t : {cuda::tile_request{32, 64, true}, {16, 32}, {64, 64, false, 512}, {32, 0, false, 128},
                                {16, 0, false, 0, 4}}) {
-    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads); CAPTURE(t.groups);
+    CONTEXT(t.chunk, t.tile_m, t.prefetch, t.threads, t.groups);
     shape const s{1, 2, 777, 64, 64};
     test::rng r{1100};
     auto inputs = random_inputs(s, cuda::dtype::bf16, r, false);

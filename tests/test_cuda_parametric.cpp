@@ -32,7 +32,7 @@ void check_parametric(Expr const& expr, std::uint64_t seed) {
     double worst = 0, worst_mma = 0;
     for (shape const& s : cases) {
       std::size_t const f = r.in(1, 48);
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
+      CONTEXT(cuda::name_of(dt), s.n, s.d, s.m, f);
       auto inputs = random_inputs(s, dt, r, false);
       auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto w = rounded(gaussian_projection<float>(s.d, f, r.next()), dt);
@@ -115,7 +115,7 @@ TEST_CASE("favor and random Fourier features with a W for φ(Q) and another for 
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (shape const s : {shape{1, 2, 1, 7, 4}, shape{2, 1, 70, 16, 9}, shape{1, 2, 130, 24, 33}}) {
       std::size_t const f = r.in(1, 40);
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
+      CONTEXT(cuda::name_of(dt), s.n, s.d, s.m, f);
       auto inputs = random_inputs(s, dt, r, false);
       auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto const p1 = rounded(gaussian_projection<float>(s.d, f, r.next()), dt), p2 = rounded(gaussian_projection<float>(s.d, f, r.next()), dt);
@@ -178,7 +178,7 @@ void check_parametric_backward(Expr const& expr, std::uint64_t seed, std::vector
     for (shape const s : cases) {
       // F: given, or drawn (F = 1 leaves a normalised favor row φ(q)-free but for eps: ∂Q is noise)
       std::size_t const f = features ? features : r.in(2, 24);
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(f);
+      CONTEXT(cuda::name_of(dt), s.n, s.d, s.m, f);
       auto inputs = random_inputs(s, dt, r, false);
       auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
@@ -280,7 +280,7 @@ TEST_CASE("backward: favor and random Fourier features (∂W per batch and head)
     for (auto const& ns : {std::pair<std::size_t, std::size_t>{10, 130}, {130, 10}, {0, 7}, {7, 0}}) {
       std::size_t const n = ns.first, s = ns.second;  // (not a binding: Clang < 16 cannot capture one)
       std::size_t const b = 2, h = 1, d = 12, m = 9, f = 16;
-      CAPTURE(n); CAPTURE(s);
+      CONTEXT(n, s);
       auto q = tensor<float>::random({b, h, n, d}, r.next()), k = tensor<float>::random({b, h, s, d}, r.next());
       auto v = tensor<float>::random({b, h, s, m}, r.next()), dout = tensor<float>::random({b, h, n, m}, r.next());
       auto const w = gaussian_projection<float>(d, f, r.next());
@@ -306,7 +306,7 @@ TEST_CASE("backward: favor and random Fourier features (∂W per batch and head)
     for (auto const& ns : {std::pair<std::size_t, std::size_t>{20, 130}, {130, 20}, {65, 64}}) {
       std::size_t const n = ns.first, s = ns.second;  // (not a binding: Clang < 16 cannot capture one)
       std::size_t const b = 2, h = 1, d = 12, m = 9, f = 16;
-      CAPTURE(n); CAPTURE(s);
+      CONTEXT(n, s);
       auto q = tensor<float>::random({b, h, n, d}, r.next()), k = tensor<float>::random({b, h, s, d}, r.next());
       auto v = tensor<float>::random({b, h, s, m}, r.next()), dout = tensor<float>::random({b, h, n, m}, r.next());
       auto const p1 = gaussian_projection<float>(d, f, r.next()), p2 = gaussian_projection<float>(d, f, r.next());

@@ -24,7 +24,7 @@ auto both_ways(F&& f) {
 
 template <class Plan>
 void forward_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt) {
-  CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+  CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
   test::rng r{seed};
   auto inputs = random_inputs(s, dt, r, false);
   auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
@@ -38,7 +38,7 @@ void forward_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t 
 
 template <class Plan>
 void gradient_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt) {
-  CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(opt.split_rows);
+  CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m, opt.split_rows);
   test::rng r{seed};
   auto inputs = random_inputs(s, dt, r, false);
   auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
@@ -219,7 +219,7 @@ TEST_CASE("simt: steps, chained and split forwards, requested schedules as writt
   constexpr auto plan = compile<order::linear>(causal_expr);
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (shape s : {shape{2, 3, 9, 16, 8}, shape{1, 2, 40, 64, 64}, shape{2, 1, 20, 48, 130}, shape{1, 2, 6, 128, 128}}) {
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+      CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
       test::rng r{700};
       auto inputs = random_inputs(s, dt, r, false);
       auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
@@ -263,7 +263,7 @@ TEST_CASE("simt: steps, chained and split forwards, requested schedules as writt
   // The schedules the benchmark's sweep and the device test request.
   for (cuda::tile_request t : {cuda::tile_request{32, 64, true}, {16, 32}, {64, 64, false, 512}, {32, 0, false, 128},
                                {16, 0, false, 0, 4}}) {
-    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads); CAPTURE(t.groups);
+    CONTEXT(t.chunk, t.tile_m, t.prefetch, t.threads, t.groups);
     cuda::options opt{cuda::dtype::bf16, cuda::dtype::bf16};
     opt.tiles = t;
     forward_both_ways(plan, cuda::dtype::bf16, shape{1, 2, 177, 64, 64}, 1100, opt);
@@ -271,7 +271,7 @@ TEST_CASE("simt: steps, chained and split forwards, requested schedules as writt
   }
   // The benchmark's sweep at D = 128 (bench/cuda_forward.cpp, --tiles): an M tile of all 128 columns.
   for (cuda::tile_request t : {cuda::tile_request{64, 128}, {32, 128, true}, {16, 128}, {64, 128, false, 512}}) {
-    CAPTURE(t.chunk); CAPTURE(t.tile_m); CAPTURE(t.prefetch); CAPTURE(t.threads);
+    CONTEXT(t.chunk, t.tile_m, t.prefetch, t.threads);
     cuda::options opt{cuda::dtype::bf16, cuda::dtype::bf16};
     opt.tiles = t;
     forward_both_ways(plan, cuda::dtype::bf16, shape{1, 1, 100, 128, 128}, 1200, opt);

@@ -27,7 +27,7 @@ void check_chained(Expr const& expr, std::uint64_t seed, std::vector<shape> cons
       if (mid > 0 && mid % static_cast<std::size_t>(chunk) == 0) --mid;  // inside a chunk
       auto once = cuda::emulate(linear, opt, Q = q, K = k, V = v);
       for (std::size_t at : {std::size_t{0}, mid, s.n}) {
-        CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(at);
+        CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m, at);
         cuda::state st(cuda::memory::host);
         tensor<float> chained(once.shape());
         cuda::emulate_into(plan, opt, rows_of(chained, 0, at), st, Q = test::tokens(q, 0, at), K = test::tokens(k, 0, at),
@@ -294,7 +294,7 @@ void check_steps(Expr const& expr, std::uint64_t seed, std::vector<shape> const&
       auto inputs = random_inputs(s, dt, r, positive);
       auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
       std::size_t const prompt = s.n < 2 ? 0 : r.in(0, s.n / 2);
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(prompt);
+      CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m, prompt);
       for (bool exact : {true, false}) {
         cuda::options opt{dt, dt, exact};
         if (!exact && dt == cuda::dtype::f32) continue;
@@ -395,7 +395,7 @@ TEST_CASE("device: recurrent steps = their emulation, and allocate nothing after
   constexpr auto plan = compile(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
   auto run = [&]<class E>(shape s, std::uint64_t seed) {
     cuda::dtype const dt = dtype_for<E>();
-    CAPTURE(cuda::name_of(dt)); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
     test::rng r{seed};
     auto inputs = random_inputs(s, dt, r, false);
     auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
@@ -466,7 +466,7 @@ void check_split(Expr const& expr, std::uint64_t seed, std::vector<shape> const&
         auto const sp = cuda::split_programs_of(spec);
         std::int64_t const t = sp.scan.tiles.chunk;
         for (std::int64_t rows : {t, 2 * t, 3 * t, 1000 * t}) {
-          CAPTURE(cuda::name_of(dt)); CAPTURE(exact); CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+          CONTEXT(cuda::name_of(dt), exact, s.b, s.h, s.n, s.d, s.m);
           CAPTURE(rows);
           cuda::options split = opt;
           split.split_rows = rows;
@@ -540,7 +540,7 @@ TEST_CASE("split: a chained block (groups of rows from the state in) = one pass,
       tensor<float> once({s.b, s.h, s.n, s.m});
       auto const state = run(0, once);
       for (std::int64_t rows : {t, 2 * t, 1000 * t}) {
-        CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(rows);
+        CONTEXT(cuda::name_of(dt), s.n, s.d, s.m, rows);
         tensor<float> got({s.b, s.h, s.n, s.m});
         auto const got_state = run(rows, got);
         double const tol = dt == cuda::dtype::f32 ? 1e-5 : tolerance(dt);  // the same sums in another order
@@ -580,7 +580,7 @@ TEST_CASE("device: the chunk-parallel form = its emulation") {
   }
   for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16})
     for (shape s : {shape{1, 1, 1000, 64, 64}, shape{1, 2, 777, 128, 128}, shape{2, 1, 300, 16, 8}}) {
-      CAPTURE(cuda::name_of(dt)); CAPTURE(s.n); CAPTURE(s.d);
+      CONTEXT(cuda::name_of(dt), s.n, s.d);
       auto spec = cuda::spec_of(plan, {dt, dt});
       spec.d = s.d, spec.m = s.m;
       auto const p = cuda::program_of(spec);

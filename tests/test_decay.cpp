@@ -103,7 +103,7 @@ TEST_CASE_TEMPLATE("decay: the scan forgets as the mask says, at longer sequence
     auto e = causal(phi<identity>(Q) * transpose(phi<identity>(K)), decay{g}) * V;
     auto ref = cpu::evaluate(compile<order::quadratic>(e), Q = q, K = k, V = v);
     auto lin = cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v);
-    CAPTURE(n); CAPTURE(d); CAPTURE(m); CAPTURE(g);
+    CONTEXT(n, d, m, g);
     double bound = test::rounding_bound<T>(double(n * d * 4), 1.0) * (1 + test::max_abs(ref));
     CHECK(max_abs_diff(lin, ref) <= bound);
     // the plain mask's fast scan and a decay of 1 give the same plan
@@ -211,7 +211,7 @@ TEST_CASE("decay per head: each head's rows and gradients are those of its own d
     auto const grad = cpu::gradient(compile<order::linear>(e), dout, Q = q, K = k, V = v);
     auto const grad_quadratic = cpu::gradient(compile<order::quadratic>(e), dout, Q = q, K = k, V = v);
     for (std::size_t x = 0; x < h; ++x) {
-      CAPTURE(trial); CAPTURE(x); CAPTURE(g[x]); CAPTURE(n);
+      CONTEXT(trial, x, g[x], n);
       auto const one = compile<order::quadratic>(retention<elu_plus_one>(g[x]));
       auto const want = cpu::evaluate(one, Q = head_of(q, x), K = head_of(k, x), V = head_of(v, x));
       double const tol = 1e-12 * (1 + test::max_abs(want));

@@ -120,7 +120,7 @@ TEST_CASE("NaN propagates along the causal order and nowhere else") {
       for (std::size_t h = 0; h < 2; ++h)
         for (std::size_t i = 0; i < n; ++i) {
           bool poisoned = b == 1 && h == 0 && i >= bad;  // token i attends to token 5
-          CAPTURE(b); CAPTURE(h); CAPTURE(i);
+          CONTEXT(b, h, i);
           CHECK(std::isnan(out(b, h, i, 0)) == poisoned);
         }
   }
@@ -146,7 +146,7 @@ TEST_CASE("an output in an input's memory gets the numbers fresh memory gets") {
     tensor<double> const want = cpu::evaluate(plan, Q = q, K = k, V = v);
     for (int which = 0; which < 3; ++which) {
       for (bool bnhd : {false, true}) {
-        CAPTURE(name); CAPTURE(which); CAPTURE(bnhd);
+        CONTEXT(name, which, bnhd);
         auto q2 = q, k2 = k, v2 = v;
         tensor<double>& mem = which == 0 ? q2 : which == 1 ? k2 : v2;
         strides4 const layout = bnhd ? strides4{std::ptrdiff_t(n * h * 4), 4, std::ptrdiff_t(h * 4), 1}

@@ -35,8 +35,8 @@ void check_random_products(std::uint64_t seed, int trials, idx largest) {
       zeros.a = static_cast<cpu::kernels::triangle>(r.next() % 3);
       zeros.lower_out = r.next() % 2;
     }
-    CAPTURE(n); CAPTURE(k); CAPTURE(c); CAPTURE(at); CAPTURE(bt); CAPTURE(accumulate);
-    CAPTURE(static_cast<int>(zeros.a)); CAPTURE(zeros.lower_out);
+    CONTEXT(n, k, c, at, bt, accumulate);
+    CONTEXT(static_cast<int>(zeros.a), zeros.lower_out);
     std::vector<T> av(static_cast<std::size_t>(n * k) + 1), bv(static_cast<std::size_t>(k * c) + 1);
     for (auto& x : av) x = static_cast<T>(uniform(r));
     for (auto& x : bv) x = static_cast<T>(uniform(r));
@@ -94,7 +94,7 @@ TEST_CASE_TEMPLATE("favor through one product of all rows gives the bits of its 
   test::rng r{55};
   for (idx n : {1, 7, 300}) {
     idx d = static_cast<idx>(r.in(1, 70)), m = static_cast<idx>(r.in(1, 300));
-    CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    CONTEXT(n, d, m);
     std::vector<T> xv(static_cast<std::size_t>(n * d)), wv(static_cast<std::size_t>(d * m));
     for (auto& x : xv) x = static_cast<T>(uniform(r));
     for (auto& x : wv) x = static_cast<T>(uniform(r));

@@ -21,7 +21,7 @@ TEST_CASE_TEMPLATE("linear and quadratic gradients agree", T, float, double) {
     auto gq = cpu::gradient(compile<order::quadratic>(e), dout, Q = q, K = k, V = v);
     // Each gradient entry sums n rows of d (m+1)-term products of O(1) size.
     double bound = test::rounding_bound<T>(double(n * d * (m + 1)), 1.0);
-    CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    CONTEXT(n, d, m);
     CHECK(max_abs_diff(gl[Q], gq[Q]) <= bound * (1 + test::max_abs(gq[Q])));
     CHECK(max_abs_diff(gl[K], gq[K]) <= bound * (1 + test::max_abs(gq[K])));
     CHECK(max_abs_diff(gl[V], gq[V]) <= bound * (1 + test::max_abs(gq[V])));

@@ -61,7 +61,7 @@ TEST_CASE("parametric maps: gradients through products equal the map's vjp row b
     auto const plan = compile<order::linear>(expr);
     std::size_t b = r.in(1, 2), h = r.in(1, 2), n = r.next() % 2 ? r.in(1, 60) : r.in(500, 700), d = r.in(1, 40),
                 m = r.in(1, 24), f = r.in(1, 40);
-    CAPTURE(n); CAPTURE(d); CAPTURE(m); CAPTURE(f);
+    CONTEXT(n, d, m, f);
     auto q = tensor<double>::random({b, h, n, d}, r.next()), k = tensor<double>::random({b, h, n, d}, r.next());
     auto v = tensor<double>::random({b, h, n, m}, r.next()), dout = tensor<double>::random({b, h, n, m}, r.next());
     auto w = tensor<double>::random({b, h, d, f}, r.next());

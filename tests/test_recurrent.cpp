@@ -49,7 +49,7 @@ void check_recurrent(Expr const& expr, std::uint64_t seed, Extra const&... extra
     auto ref = cpu::evaluate(compile<order::quadratic>(expr), Q = q, K = k, V = v, extra...);
     auto once = cpu::evaluate(compile<order::linear>(expr), Q = q, K = k, V = v, extra...);
     double bound = test::rounding_bound<T>(double(s.n * s.d * 4), 1.0) * (1 + test::max_abs(ref));
-    CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m);
+    CONTEXT(s.b, s.h, s.n, s.d, s.m);
     CHECK(max_abs_diff(once, ref) <= bound);
 
     // token by token: the same scan, so the same numbers as one linear evaluation
@@ -122,7 +122,7 @@ void check_chained_gradient(Expr const& expr, std::uint64_t seed, bool identity,
     auto q = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next()), k = tensor<T>::random({s.b, s.h, s.n, s.d}, r.next());
     auto v = tensor<T>::random({s.b, s.h, s.n, s.m}, r.next()), dout = tensor<T>::random({s.b, s.h, s.n, s.m}, r.next());
     std::size_t const cut = r.in(0, s.n);
-    CAPTURE(s.b); CAPTURE(s.h); CAPTURE(s.n); CAPTURE(s.d); CAPTURE(s.m); CAPTURE(cut);
+    CONTEXT(s.b, s.h, s.n, s.d, s.m, cut);
     auto first = [&](tensor<T> const& x) { return tokens(x, 0, cut); };
     auto second = [&](tensor<T> const& x) { return tokens(x, cut, s.n); };
     auto whole = cpu::gradient(plan, dout, Q = q, K = k, V = v, extra...);
@@ -308,7 +308,7 @@ TEST_CASE_TEMPLATE("poly2 is exact: (q·k)² through C = D(D+1)/2 features", T, 
             for (std::size_t e2 = 0; e2 < m; ++e2) ref(x, y, i, e2) += dot * dot * double(v(x, y, j, e2));
           }
     double bound = test::rounding_bound<T>(double(n * d * d), test::max_abs(ref));
-    CAPTURE(n); CAPTURE(d);
+    CONTEXT(n, d);
     CHECK(max_abs_diff(cpu::evaluate(compile<order::linear>(e), Q = q, K = k, V = v), ref) <= bound);
     CHECK(max_abs_diff(cpu::evaluate(compile<order::quadratic>(e), Q = q, K = k, V = v), ref) <= bound);
   }

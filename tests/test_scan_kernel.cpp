@@ -98,7 +98,7 @@ void check_random_scans(std::uint64_t seed, int trials, int parts = 0, idx short
     idx da = state_rows(r), db = static_cast<idx>(r.in(1, 70));
     bool reverse = r.next() % 2;
     int la = static_cast<int>(r.in(0, 2)), lb = static_cast<int>(r.in(0, 2)), lc = static_cast<int>(r.in(0, 2));
-    CAPTURE(n); CAPTURE(da); CAPTURE(db); CAPTURE(reverse); CAPTURE(la); CAPTURE(lb); CAPTURE(lc);
+    CONTEXT(n, da, db, reverse, la, lb, lc);
     operand<T> a(r, n, da, la), b(r, n, da, lb), c(r, n, db, lc);
     std::vector<T> state(static_cast<std::size_t>(da * db));
     bool chained = r.next() % 2;  // start from a non-zero state, as a later block of a chained scan
@@ -150,7 +150,7 @@ void check_split_calls(std::uint64_t seed, int trials) {
     idx n = static_cast<idx>(r.in(1, 300)), da = state_rows(r), db = static_cast<idx>(r.in(1, 70));
     bool reverse = r.next() % 2;
     int la = static_cast<int>(r.in(0, 2)), lb = static_cast<int>(r.in(0, 2));
-    CAPTURE(n); CAPTURE(da); CAPTURE(db); CAPTURE(reverse);
+    CONTEXT(n, da, db, reverse);
     operand<T> a(r, n, da, la), b(r, n, da, lb), c(r, n, db, 0);
     std::vector<T> init(static_cast<std::size_t>(da * db));
     for (auto& x : init) x = static_cast<T>(uniform(r));
@@ -195,7 +195,7 @@ void check_dual_scans(std::uint64_t seed, int trials, idx shortest = 0) {
     bool reverse = r.next() % 2;
     int la = static_cast<int>(r.in(0, 2)), lb = static_cast<int>(r.in(0, 2)), lc = static_cast<int>(r.in(0, 2));
     int lx = static_cast<int>(r.in(0, 2));
-    CAPTURE(n); CAPTURE(da); CAPTURE(db); CAPTURE(reverse); CAPTURE(la); CAPTURE(lb); CAPTURE(lc); CAPTURE(lx);
+    CONTEXT(n, da, db, reverse, la, lb, lc, lx);
     operand<T> a(r, n, da, la), b(r, n, da, lb), c(r, n, db, lc), x(r, n, db, lx);
     std::vector<T> init(static_cast<std::size_t>(da * db));
     for (auto& v : init) v = static_cast<T>(uniform(r) * 2);

@@ -132,7 +132,7 @@ void check_past_exp_range(Expr const& expr, mask mk, std::uint64_t seed, double 
     T const f = T(3 * limit / (scale * top));
     for (std::size_t x = 0; x < q.size(); ++x) q.data()[x] *= f;
     auto want = definition(q, k, v, g, mk, scale, decay);
-    CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    CONTEXT(b, h, n, d, m);
     // A score s carries a rounding error of about (√d + 2) ε |s| (its d
     // products summed, then exp and the division), |s| up to 3·limit, and an
     // output moves by p (v − out) per unit of score, |v − out| < 2.
@@ -236,7 +236,7 @@ void check_chain(Expr const& expr, std::vector<row_op> const& ops, std::uint64_t
     auto v = tensor<T>::random({b, h, n, m}, r.next());
     for (std::size_t x = 0; x < q.size(); ++x) q.data()[x] *= T(4.0 / double(d));  // |q·k| < 4
     auto want = interpret(q, k, v, ops);
-    CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    CONTEXT(b, h, n, d, m);
     // A score's rounding, about √d ε |s| with |s| < 4, becomes exp's relative
     // error; an output sums n such weighted terms (√n ε) and divides once.
     double const scale = std::max(1.0, test::max_abs(want));

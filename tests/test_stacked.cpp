@@ -63,7 +63,7 @@ TEST_CASE_TEMPLATE("stacked layers: stateless, chained blocks and steps agree wi
     std::size_t b = r.in(1, 2), h = r.in(1, 3), n = r.in(1, 90), d = r.in(1, 5), m = r.in(1, 4);
     auto in = random_inputs(r, b, h, n, d, m);
     auto q = test::cast<T>(in.q), k = test::cast<T>(in.k), v = test::cast<T>(in.v), k2 = test::cast<T>(in.k2), v2 = test::cast<T>(in.v2);
-    CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    CONTEXT(b, h, n, d, m);
     auto ref = cpu::evaluate(layer2_elu, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
     double bound = test::rounding_bound<T>(double(n * d * d), 1 + test::max_abs(ref));
     CHECK(max_abs_diff(cpu::evaluate(compile<order::linear>(layer2_elu), Q = q, K = k, V = v, K2 = k2, V2 = v2), ref) <=
@@ -109,7 +109,7 @@ TEST_CASE("stacked layers: gradients of the linear plan equal those of the stack
     auto dout = tensor<double>::random({b, h, n, m}, r.next());
     auto lin = cpu::gradient(compile<order::linear>(layer2), dout, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
     auto ref = cpu::gradient(layer2, dout, Q = in.q, K = in.k, V = in.v, K2 = in.k2, V2 = in.v2);
-    CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    CONTEXT(n, d, m);
     CHECK(max_abs_diff(lin[Q], ref[Q]) <= 1e-10 * (1 + test::max_abs(ref[Q])));
     CHECK(max_abs_diff(lin[K], ref[K]) <= 1e-10 * (1 + test::max_abs(ref[K])));
     CHECK(max_abs_diff(lin[V], ref[V]) <= 1e-10 * (1 + test::max_abs(ref[V])));

@@ -32,7 +32,7 @@ template <class P>
 void agrees(P const& plan, test::rng& r, std::size_t kept) {
   std::size_t b = r.in(1, 2), h = r.in(1, 3), n = r.next() % 4 ? r.in(1, 40) : r.in(41, 300), d = r.in(1, 9),
               m = r.in(1, 9);
-  CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m);
+  CONTEXT(b, h, n, d, m);
   auto q = tensor<double>::random({b, h, n, d}, r.next()), k = tensor<double>::random({b, h, n, d}, r.next());
   auto v = tensor<double>::random({b, h, n, m}, r.next()), dout = tensor<double>::random({b, h, n, m}, r.next());
   auto run = [&](auto const& body) { return body(Q = q, K = k, V = v); };
@@ -68,7 +68,7 @@ void chained_agrees(P const& plan, test::rng& r, std::size_t kept) {
                     m = r.in(1, 6);
   std::size_t cut[4] = {0, r.in(0, n), r.in(0, n), n};
   if (cut[1] > cut[2]) std::swap(cut[1], cut[2]);
-  CAPTURE(b); CAPTURE(h); CAPTURE(n); CAPTURE(d); CAPTURE(m); CAPTURE(cut[1]); CAPTURE(cut[2]);
+  CONTEXT(b, h, n, d, m, cut[1], cut[2]);
   auto q = tensor<double>::random({b, h, n, d}, r.next()), k = tensor<double>::random({b, h, n, d}, r.next());
   auto v = tensor<double>::random({b, h, n, m}, r.next()), v2 = tensor<double>::random({b, h, n, m}, r.next());
   auto dout = tensor<double>::random({b, h, n, m}, r.next());
@@ -206,7 +206,7 @@ TEST_CASE("tape: a stack keeps each layer's scan once, and two reads of one type
   CHECK_FALSE(save_for_backward(stack(0.9, 0.5)).exact);
   for (int trial = 0; trial < test::trials(4); ++trial) {
     std::size_t b = r.in(1, 2), h = r.in(1, 2), n = r.in(1, 150), d = r.in(1, 6), m = r.in(1, 6);
-    CAPTURE(n); CAPTURE(d); CAPTURE(m);
+    CONTEXT(n, d, m);
     auto q = tensor<double>::random({b, h, n, d}, r.next()), k = tensor<double>::random({b, h, n, d}, r.next());
     auto v = tensor<double>::random({b, h, n, m}, r.next()), v2 = tensor<double>::random({b, h, n, m}, r.next());
     auto dout = tensor<double>::random({b, h, n, m}, r.next());
