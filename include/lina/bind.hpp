@@ -203,13 +203,23 @@ auto bind(B const&... bs) {
   return r;
 }
 
+// Whether a tree holds a decay per head (an op with `decays`): most plans hold
+// none, and the walk below then instantiates nothing.
+template <class N>
+inline constexpr bool has_head_decays = false;
+template <class Op, class... K>
+inline constexpr bool has_head_decays<node<Op, K...>> =
+    requires(Op const& o) { o.decays; } || (has_head_decays<K> || ...);
+
 // f(the op) for every decay per head in a plan (causal(S, head_decays{…})).
 template <class X, class F>
 void for_each_head_decays(X const&, F&&) {}
 template <class Op, class... K, class F>
 void for_each_head_decays(node<Op, K...> const& n, F&& f) {
-  if constexpr (requires { n.op.decays; }) f(n.op);
-  for_each_kid(n, [&](auto const& k) { for_each_head_decays(k, f); });
+  if constexpr (has_head_decays<node<Op, K...>>) {
+    if constexpr (requires { n.op.decays; }) f(n.op);
+    for_each_kid(n, [&](auto const& k) { for_each_head_decays(k, f); });
+  }
 }
 // Each against the bound number of heads: one decay per head, else
 // lina::shape_error "decay per head" before anything runs.

@@ -152,8 +152,12 @@ constexpr auto hoist_at(N const& n) {
 
 template <class N>
 constexpr auto hoist_selects(N const& n) {
-  auto kids_done = unpack_kids(n, [&](auto const&... k) { return make_node(n.op, hoist_selects(k)...); });
-  return hoist_at<0>(kids_done);
+  if constexpr (!contains_select<N>) {
+    return n;  // (not rebuilt node by node: a function per node type, for the compiler)
+  } else {
+    auto kids_done = unpack_kids(n, [&](auto const&... k) { return make_node(n.op, hoist_selects(k)...); });
+    return hoist_at<0>(kids_done);
+  }
 }
 
 // The gradient entries of every input (in the order of inputs_of) of a plan.

@@ -337,19 +337,30 @@ constexpr void for_each_kid(N const& n, F&& f) {
   [&]<std::size_t... I>(std::index_sequence<I...>) { (f(kid<I>(n)), ...); }(std::make_index_sequence<N::arity>{});
 }
 
+// Whether an op in the tree carries a value (a scale factor, an eps): a type
+// property, so a walk over values can skip the subtrees that carry none.
+template <class N>
+inline constexpr bool carries_values = false;
+template <class Op, class... K>
+inline constexpr bool carries_values<node<Op, K...>> = !std::is_empty_v<Op> || (carries_values<K> || ...);
+
 // Two nodes of one type are the same computation when their ops carry the
 // same values (scale factors, eps) all the way down.
 template <class Op, class... K>
 constexpr bool same_value(node<Op, K...> const& a, node<Op, K...> const& b) {
-  bool ops = [&] {
-    if constexpr (std::is_empty_v<Op>)
-      return true;
-    else
-      return a.op == b.op;
-  }();
-  return ops && [&]<std::size_t... I>(std::index_sequence<I...>) {
-    return (same_value(kid<I>(a), kid<I>(b)) && ...);
-  }(std::index_sequence_for<K...>{});
+  if constexpr (!carries_values<node<Op, K...>>) {
+    return true;
+  } else {
+    bool ops = [&] {
+      if constexpr (std::is_empty_v<Op>)
+        return true;
+      else
+        return a.op == b.op;
+    }();
+    return ops && [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return (same_value(kid<I>(a), kid<I>(b)) && ...);
+    }(std::index_sequence_for<K...>{});
+  }
 }
 
 // The decay of a mask's or scan's op (op::no_decay, op::decay_by or op::decay_per_head).
@@ -378,6 +389,11 @@ template <class T>
 inline constexpr bool is_select_op = false;
 template <class K, std::size_t T>
 inline constexpr bool is_select_op<op::select<K, T>> = true;
+// Whether a tree holds a run-time choice (select) anywhere (has_select<N>()).
+template <class N>
+inline constexpr bool contains_select = false;
+template <class Op, class... K>
+inline constexpr bool contains_select<node<Op, K...>> = is_select_op<Op> || (contains_select<K> || ...);
 
 // Builders of plan nodes, spelled as in the printed notation; they take
 // pattern variables too, so rule tables can be written with them.
@@ -494,9 +510,7 @@ constexpr bool has_square() {
 }
 template <class N>
 constexpr bool has_select() {
-  bool found = false;
-  detail::visit_types<N>([&]<class X>() { found = found || is_select_op<typename X::op_type>; });
-  return found;
+  return contains_select<std::remove_cvref_t<N>>;
 }
 
 // The plan a run-time select takes for long sequences: every select replaced

@@ -676,7 +676,9 @@ namespace sched {
 template <class Selects, std::size_t Mask, class N>
 constexpr auto resolve(N const& n) {
   using Op = typename N::op_type;
-  if constexpr (is_select_op<Op>) {
+  if constexpr (!contains_select<N>) {
+    return n;  // (not rebuilt node by node: a function per node type, for the compiler)
+  } else if constexpr (is_select_op<Op>) {
     constexpr std::size_t bit = detail::index_of_v<Op, Selects>;
     if constexpr ((Mask >> bit) & 1u)
       return resolve<Selects, Mask>(kid<0>(n));
