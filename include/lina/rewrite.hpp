@@ -159,30 +159,6 @@ struct pattern_op_value {
 };
 }  // namespace diagnose
 
-// Whether a pattern's root can match a node's, from the two types alone (a
-// pattern op carrying a value passes, for match() to diagnose). apply_first
-// asks it before instantiating try_rule: most rules of a table fail here, at
-// most nodes, and match(), its bindings and the rule's condition then stay
-// out of the compiler's way (a plan's rewriting was a fifth of its tests'
-// front-end time).
-template <class P, class E>
-inline constexpr bool root_may_match = [] {
-  using POp = typename P::op_type;
-  using EOp = typename E::op_type;
-  if constexpr (is_var<POp>)
-    return true;
-  else if constexpr (is_kind<POp>)
-    return std::is_same_v<typename POp::op, EOp>;
-  else if constexpr (!std::is_empty_v<POp>)
-    return true;
-  else if constexpr (P::arity != E::arity)
-    return false;
-  else if constexpr (is_op_var<POp>)
-    return same_op_family<typename POp::op, EOp>;
-  else
-    return std::is_same_v<POp, EOp>;
-}();
-
 template <class P, class E>
 constexpr auto match(P const& p, E const& e);
 
@@ -229,16 +205,27 @@ constexpr auto match_kids(Acc const& acc, P const& p, E const& e) {
 template <class P, class E>
 constexpr auto match(P const& p, E const& e) {
   using POp = typename P::op_type;
-  if constexpr (!diagnose::pattern_op_value<std::is_empty_v<POp>>::ok) {
-    return hana::nothing;  // diagnosed above
-  } else if constexpr (!root_may_match<P, E>) {
-    return hana::nothing;
-  } else if constexpr (is_var<POp> || is_kind<POp>) {
+  using EOp = typename E::op_type;
+  if constexpr (is_var<POp>) {
     return hana::just(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e)));
+  } else if constexpr (is_kind<POp>) {
+    if constexpr (std::is_same_v<typename POp::op, EOp>)
+      return hana::just(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e)));
+    else
+      return hana::nothing;
+  } else if constexpr (!diagnose::pattern_op_value<std::is_empty_v<POp>>::ok) {
+    return hana::nothing;  // diagnosed above
+  } else if constexpr (P::arity != E::arity) {
+    return hana::nothing;
   } else if constexpr (is_op_var<POp>) {
-    return match_kids<0, P::arity>(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e.op)), p, e);
-  } else {
+    if constexpr (same_op_family<typename POp::op, EOp>)
+      return match_kids<0, P::arity>(hana::make_map(hana::make_pair(hana::int_c<POp::index>, e.op)), p, e);
+    else
+      return hana::nothing;
+  } else if constexpr (std::is_same_v<POp, EOp>) {
     return match_kids<0, P::arity>(hana::make_map(), p, e);
+  } else {
+    return hana::nothing;
   }
 }
 
@@ -295,6 +282,30 @@ constexpr auto try_rule(Rule const& r, E const& e) {
     }
   }
 }
+
+// Whether a pattern's root can match a node's, from the two types alone: the
+// first test of match(), without instantiating it. Most rules of a table fail
+// here, at most nodes; skipping them keeps match(), its bindings and the
+// rule's condition out of the compiler's way (a plan's rewriting was a fifth
+// of its tests' front-end time). A pattern op carrying a value goes on to
+// match(), which diagnoses it.
+template <class P, class E>
+inline constexpr bool root_may_match = [] {
+  using POp = typename P::op_type;
+  using EOp = typename E::op_type;
+  if constexpr (is_var<POp>)
+    return true;
+  else if constexpr (is_kind<POp>)
+    return std::is_same_v<typename POp::op, EOp>;
+  else if constexpr (!std::is_empty_v<POp>)
+    return true;
+  else if constexpr (P::arity != E::arity)
+    return false;
+  else if constexpr (is_op_var<POp>)
+    return same_op_family<typename POp::op, EOp>;
+  else
+    return std::is_same_v<POp, EOp>;
+}();
 
 // First matching rule wins; nothing if none matches.
 template <std::size_t I, class Rules, class E>
