@@ -283,46 +283,17 @@ constexpr auto try_rule(Rule const& r, E const& e) {
   }
 }
 
-// Whether a pattern's root can match a node's, from the two types alone: the
-// first test of match(), without instantiating it. Most rules of a table fail
-// here, at most nodes; skipping them keeps match(), its bindings and the
-// rule's condition out of the compiler's way (a plan's rewriting was a fifth
-// of its tests' front-end time). A pattern op carrying a value goes on to
-// match(), which diagnoses it.
-template <class P, class E>
-inline constexpr bool root_may_match = [] {
-  using POp = typename P::op_type;
-  using EOp = typename E::op_type;
-  if constexpr (is_var<POp>)
-    return true;
-  else if constexpr (is_kind<POp>)
-    return std::is_same_v<typename POp::op, EOp>;
-  else if constexpr (!std::is_empty_v<POp>)
-    return true;
-  else if constexpr (P::arity != E::arity)
-    return false;
-  else if constexpr (is_op_var<POp>)
-    return same_op_family<typename POp::op, EOp>;
-  else
-    return std::is_same_v<POp, EOp>;
-}();
-
 // First matching rule wins; nothing if none matches.
 template <std::size_t I, class Rules, class E>
 constexpr auto apply_first(Rules const& rules, E const& e) {
   if constexpr (I == decltype(hana::size(rules))::value) {
     return hana::nothing;
   } else {
-    auto const& rule = hana::at_c<I>(rules);
-    if constexpr (!root_may_match<std::remove_cvref_t<decltype(rule.pattern)>, E>) {
+    auto r = try_rule(hana::at_c<I>(rules), e);
+    if constexpr (decltype(hana::is_just(r))::value)
+      return r;
+    else
       return apply_first<I + 1>(rules, e);
-    } else {
-      auto r = try_rule(rule, e);
-      if constexpr (decltype(hana::is_just(r))::value)
-        return r;
-      else
-        return apply_first<I + 1>(rules, e);
-    }
   }
 }
 
