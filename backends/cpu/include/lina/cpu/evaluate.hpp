@@ -16,6 +16,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -475,6 +476,26 @@ auto slice_of(V const& t, std::size_t b, std::size_t h) {
   return view<T>(base, static_cast<index>(t.shape()[2]), static_cast<index>(t.shape()[3]), s[2], s[3]);
 }
 
+// A node type's shape, void for one without a matrix shape (a bundle of outputs).
+template <class N>
+struct matrix_shape_of {
+  using type = void;
+};
+template <class N>
+  requires requires { typename N::shape; }
+struct matrix_shape_of<N> {
+  using type = typename N::shape;
+};
+// The rows and columns of a step of shape Shape at these bindings' extents
+// ({0, 0} for void). One function per shape and bindings, not per step and plan.
+template <class Shape, class Bound>
+std::array<index, 2> step_extent(Bound const& in) {
+  if constexpr (requires { Shape::rows::extent(in.table); })
+    return {static_cast<index>(Shape::rows::extent(in.table)), static_cast<index>(Shape::cols::extent(in.table))};
+  else
+    return {0, 0};
+}
+
 // Memory from one arena of a workspace, given back when it goes.
 template <class T>
 struct scratch {
@@ -510,17 +531,16 @@ class program {
       : plan_(plan), in_(in), outs_(outs), st_(st), ws_(ws), per_thread_(per_thread),
         simple_(current_path() == path::simple) {
     static_assert(S::outputs::size == Outputs, "lina::cpu: one output tensor per output of the schedule");
-    // Same-typed steps with values: shared when their values are equal (once per call).
-    [&]<std::size_t... J>(std::index_sequence<J...>) {
-      ((share_[J] = [&] {
-         if constexpr (S::twin[J] != sched::none)
-           return same_value(S::template node_at<S::twin[J]>(plan_), S::template node_at<J>(plan_));
-         else
-           return false;
-       }()),
+    // Same-typed steps with values: shared when their values are equal (once
+    // per call). Code for the steps with a twin only, and one extent function
+    // per shape: a fold over every step was, for a deep stack's gradient, the
+    // largest function its test file compiled.
+    [&]<std::size_t... K>(std::index_sequence<K...>) {
+      ((share_[twinned.step[K]] = same_value(S::template node_at<S::twin[twinned.step[K]]>(plan_),
+                                             S::template node_at<twinned.step[K]>(plan_))),
        ...);
-      ((extent_[J] = extent_of<typename S::template node_type<J>>()), ...);
-    }(std::make_index_sequence<steps>{});
+    }(std::make_index_sequence<twinned.count>{});
+    for (std::size_t j = 0; j < steps; ++j) extent_[j] = extent_fns[j](in_);
   }
 
   void run(std::size_t b, std::size_t h) const {
@@ -573,16 +593,25 @@ class program {
   // The steps that make their rows in a pass of their own, in order (the
   // others' rows are made in another step's pass: a fused group, a scan's
   // loads or output). run() instantiates step<J> only for these.
-  struct pass_list {
+  struct step_list {
     std::array<std::size_t, steps> step{};
     std::size_t count = 0;
   };
-  static constexpr pass_list passes = [] {
-    pass_list r{};
+  static constexpr step_list make_passes() {
+    step_list r{};
     for (std::size_t j = 0; j < steps; ++j)
       if (S::runs_in[j] == j) r.step[r.count++] = j;
     return r;
-  }();
+  }
+  static constexpr step_list passes = make_passes();
+  // The steps that may share a same-typed earlier step's result (share_).
+  static constexpr step_list make_twinned() {
+    step_list r{};
+    for (std::size_t j = 0; j < steps; ++j)
+      if (S::twin[j] != sched::none) r.step[r.count++] = j;
+    return r;
+  }
+  static constexpr step_list twinned = make_twinned();
 
   // Per step j: output k when it is step j's result and the first output that is, else Outputs.
   static constexpr std::array<std::size_t, steps> output_index = []<class... O>(lina::detail::type_list<O...>) {
@@ -598,15 +627,14 @@ class program {
     return r;
   }(typename S::outputs{});
 
-  // A step's rows and columns at this call's extents (node types without a
-  // matrix shape, as a bundle of outputs, have none).
-  template <class N>
-  std::array<index, 2> extent_of() const {
-    if constexpr (requires { N::shape::rows::extent(in_.table); })
-      return {static_cast<index>(N::shape::rows::extent(in_.table)), static_cast<index>(N::shape::cols::extent(in_.table))};
-    else
-      return {0, 0};
+  // Each step's rows and columns at this call's extents: a function per shape
+  // (step_extent), from a table per step.
+  using extent_fn = std::array<index, 2> (*)(Bound const&);
+  template <std::size_t... J>
+  static constexpr std::array<extent_fn, steps> make_extent_fns(std::index_sequence<J...>) {
+    return {&step_extent<typename matrix_shape_of<typename S::template node_type<J>>::type, Bound>...};
   }
+  static constexpr std::array<extent_fn, steps> extent_fns = make_extent_fns(std::make_index_sequence<steps>{});
 
   template <std::size_t J>
   void step(std::array<matrix<T>, steps + 1>& slot, std::array<bool, Outputs>& direct, turn& w) const {
@@ -1119,7 +1147,7 @@ class program {
     using ops = typename S::template operands<K>;
     using N = typename S::template node_type<K>;
     using Op = typename N::op_type;
-    constexpr int how = reads_of<J>(ops{});
+    constexpr int how = how_read[J * steps + K];
     if constexpr (how == 0) {
       return true;
     } else if constexpr (how == 2 || S::template is_scan<K>) {
@@ -1146,9 +1174,38 @@ class program {
       return false;
     }
   }
-  template <std::size_t J, std::size_t... K>
-  static constexpr bool all_keep_lower(std::index_sequence<K...>) {
-    return (keeps_lower<J, K>() && ...);
+  // how_read[J * steps + K]: reads_of<J>(step K's operands), for every J and
+  // K from one pass over the steps, so that the questions below are asked of
+  // J's readers only (asked of every pair, they were steps² instantiations).
+  template <class... O>
+  static constexpr void note_reads(std::array<std::uint8_t, (steps + 1) * steps>& how, std::size_t k,
+                                   lina::detail::type_list<O...>) {
+    auto note = [&](std::size_t step, std::uint8_t v) {
+      if (step == sched::none) return;
+      for (std::size_t j : {step, static_cast<std::size_t>(S::twin[step])})
+        if (j != sched::none && how[j * steps + k] < v) how[j * steps + k] = v;
+    };
+    (note(sched::reads<O>::step, std::is_same_v<O, sched::step_operand<sched::reads<O>::step>> ? 1 : 2), ...);
+  }
+  template <std::size_t... K>
+  static constexpr std::array<std::uint8_t, (steps + 1) * steps> make_how_read(std::index_sequence<K...>) {
+    std::array<std::uint8_t, (steps + 1) * steps> how{};
+    (note_reads(how, K, typename S::template operands<K>{}), ...);
+    return how;
+  }
+  static constexpr std::array<std::uint8_t, (steps + 1) * steps> how_read =
+      make_how_read(std::make_index_sequence<steps>{});
+  template <std::size_t J>
+  static constexpr step_list readers_of() {
+    step_list r{};
+    for (std::size_t k = 0; k < steps; ++k)
+      if (how_read[J * steps + k] != 0) r.step[r.count++] = k;
+    return r;
+  }
+  template <std::size_t J, std::size_t... I>
+  static constexpr bool all_keep_lower(std::index_sequence<I...>) {
+    constexpr step_list readers = readers_of<J>();
+    return (keeps_lower<J, readers.step[I]>() && ...);
   }
   // Is only the lower triangle of step J's value read (by some reader; J no output)?
   template <std::size_t J>
@@ -1156,12 +1213,7 @@ class program {
     if constexpr (reads_of<J>(typename S::outputs{}) != 0)
       return false;
     else
-      return reads_of_any<J>(std::make_index_sequence<steps>{}) &&
-             all_keep_lower<J>(std::make_index_sequence<steps>{});
-  }
-  template <std::size_t J, std::size_t... K>
-  static constexpr bool reads_of_any(std::index_sequence<K...>) {
-    return ((reads_of<J>(typename S::template operands<K>{}) != 0) || ...);
+      return readers_of<J>().count > 0 && all_keep_lower<J>(std::make_index_sequence<readers_of<J>().count>{});
   }
   // Is product J made in its lower triangle only (the rest zeros)? When
   // only that is read of J and of its twins (one of which may make the value
@@ -1317,7 +1369,7 @@ class program {
   bool per_thread_;
   bool simple_;  // cpu::path::simple, the oracle
   std::array<bool, steps + 1> share_{};
-  std::array<std::array<index, 2>, steps> extent_{};  // each step's rows and columns (extent_of)
+  std::array<std::array<index, 2>, steps> extent_{};  // each step's rows and columns (step_extent)
 };
 
 // Run a select-free plan over every (batch, head) slice.
