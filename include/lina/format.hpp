@@ -19,6 +19,7 @@
 #include <string_view>
 #include <type_traits>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 #include "lina/node.hpp"
@@ -30,6 +31,8 @@ namespace detail {
 // Subtrees to print as a name (a backward plan's shared subtrees), keyed by
 // identity: the same node type with the same values, never by printed text.
 // A subtree's identity: its type and, compared with same_value, its values.
+// Looked up by type_info and address, so that printing a tree makes no
+// function per node type for its name look-ups.
 struct node_identity {
   std::type_info const* type = nullptr;
   void const* node = nullptr;
@@ -43,10 +46,8 @@ struct node_identity {
   static node_identity of(N const& n) {
     return {&typeid(N), &n, &same_as<N>};
   }
-  template <class N>
-  bool is(N const& n) const {
-    return *type == typeid(N) && same(node, &n);
-  }
+  // Whether the node at n, of type t, is this one.
+  bool is(std::type_info const& t, void const* n) const { return *type == t && same(node, n); }
 };
 
 struct print_names {
@@ -56,10 +57,9 @@ struct print_names {
   };
   std::vector<entry> named;
 
-  template <class N>
-  std::string const* find(N const& n) const {
+  std::string const* find(std::type_info const& t, void const* n) const {
     for (auto const& e : named)
-      if (e.id.is(n)) return &e.name;
+      if (e.id.is(t, n)) return &e.name;
     return nullptr;
   }
 };
@@ -75,14 +75,18 @@ struct printer {
   std::string out;
   print_names const* names = nullptr;
 
+  // n (a kid: in parentheses if it binds looser than `at_least`), or its name.
   template <class N>
-  void operator()(N const& n) {
+  void operator()(N const& n, prec at_least = prec::sum) {
     if (names)
-      if (auto const* name = names->find(n)) {
+      if (std::string const* name = names->find(typeid(N), &n)) {
         out += *name;
         return;
       }
+    bool const paren = precedence<N>() < at_least;
+    if (paren) out += '(';
     node(n);
+    if (paren) out += ')';
   }
   // n's own notation, its kids through operator() (a definition's top line).
   template <class N>
@@ -91,28 +95,22 @@ struct printer {
     static_assert(requires { Traits::precedence; }, "lina: this op has no op_traits (no printed form)");
     Traits::print(n, *this);
   }
-  // A kid, in parentheses if it binds looser than `at_least`.
-  template <class K>
-  void kid(K const& k, prec at_least) {
-    bool paren = precedence<K>() < at_least && !(names && names->find(k));
-    if (paren) out += '(';
-    (*this)(k);
-    if (paren) out += ')';
-  }
+  // name(kid, kid, …suffix)
   template <class N>
   void call(std::string_view name, N const& n, std::string_view suffix = {}) {
     out += name;
     out += '(';
-    bool first = true;
-    for_each_kid(n, [&](auto const& k) {
-      if (!first) out += ", ";
-      first = false;
-      (*this)(k);
-    });
+    kids(n, std::make_index_sequence<N::arity>{});
     out += suffix;
     out += ')';
   }
   void text(std::string_view s) { out += s; }
+
+ private:
+  template <class N, std::size_t... I>
+  void kids(N const& n, std::index_sequence<I...>) {
+    ((out += I ? ", " : "", (*this)(kid<I>(n))), ...);
+  }
 };
 
 }  // namespace detail

@@ -356,17 +356,17 @@ struct repeat_counter {
 
   template <class N>
   bool operator()(N const& n) {
-    if (names.find(n)) {
+    if (names.find(typeid(N), &n)) {
       bool first = false;
       for (auto const& e : names.named)
-        if (e.id.is(n) && std::find(defined.begin(), defined.end(), e.id.node) == defined.end()) {
+        if (e.id.is(typeid(N), &n) && std::find(defined.begin(), defined.end(), e.id.node) == defined.end()) {
           defined.push_back(e.id.node);
           first = true;
         }
       if (first) for_each_kid(n, [&](auto const& k) { walk(k, *this); });
       return false;
     }
-    auto it = std::find_if(counts.begin(), counts.end(), [&](seen const& c) { return c.id.is(n); });
+    auto it = std::find_if(counts.begin(), counts.end(), [&](seen const& c) { return c.id.is(typeid(N), &n); });
     if (it == counts.end())
       counts.push_back(seen{node_identity::of(n), 1, to_string(n).size()});
     else
@@ -411,7 +411,7 @@ std::string to_string(backward_plan<F, E...> const& bp) {
     bool done = false;
     auto def = [&](auto const& n) {
       if (done) return false;
-      if (!entry.id.is(n)) return true;
+      if (!entry.id.is(typeid(n), &n)) return true;
       p.text(entry.name);
       p.text(" = ");
       p.node(n);

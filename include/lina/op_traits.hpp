@@ -121,9 +121,9 @@ template <fixed_string Name, fixed_string Symbol, prec Prec = prec::product>
 struct infix_notation : named<Name, Prec> {
   template <class N, class P>
   static void print(N const& n, P& p) {
-    p.kid(kid<0>(n), Prec == prec::sum ? prec::sum : prec::atom);
+    p(kid<0>(n), Prec == prec::sum ? prec::sum : prec::atom);
     p.text(Symbol.view());
-    p.kid(kid<1>(n), Prec == prec::sum ? prec::product : prec::atom);
+    p(kid<1>(n), Prec == prec::sum ? prec::product : prec::atom);
   }
 };
 }  // namespace detail
@@ -187,7 +187,7 @@ template <>
 struct op_traits<op::transpose> : detail::named<"transpose">, detail::free_cost {  // a view
   template <class N, class P>
   static void print(N const& n, P& p) {
-    p.kid(kid<0>(n), prec::atom);
+    p(kid<0>(n), prec::atom);
     p.text("ᵀ");
   }
   static constexpr bool differentiable = true;  // Xᵀ -> Gᵀ
@@ -237,7 +237,7 @@ struct op_traits<op::scale> : detail::named<"scale", prec::product>, detail::ele
   template <class N, class P>
   static void print(N const& n, P& p) {
     p.text(fmt::format("{}·", n.op.factor));
-    p.kid(kid<0>(n), prec::atom);
+    p(kid<0>(n), prec::atom);
   }
   static constexpr bool differentiable = true;  // s·X -> s·G
   template <class N, class G>
@@ -383,7 +383,7 @@ struct op_traits<op::phi_vjp<Map>> : detail::named<"phi_vjp", prec::product>, de
       p.text("(");
       p(kid<0>(n));
       p.text(")⊙");
-      p.kid(kid<1>(n), prec::atom);
+      p(kid<1>(n), prec::atom);
     } else {
       p.call(fmt::format("φ_vjp{}", detail::map_tag<Map>()), n);
     }
