@@ -283,17 +283,47 @@ constexpr auto try_rule(Rule const& r, E const& e) {
   }
 }
 
+// Whether a pattern's root can match a node's, from the two types alone: the
+// first test of match(), without instantiating it. Most rules of a table fail
+// here, at most nodes; skipping them keeps match(), its bindings and the
+// rule's condition out of the compiler's way (try_rule was a fifth of the
+// front end of a test file of gradients). A pattern op carrying a value goes
+// on to match(), which diagnoses it. (A function: as a variable template
+// initialised by a lambda, GCC 12 gave some pairs another pair's answer.)
+template <class P, class E>
+constexpr bool root_may_match() {
+  using POp = typename P::op_type;
+  using EOp = typename E::op_type;
+  if constexpr (is_var<POp>)
+    return true;
+  else if constexpr (is_kind<POp>)
+    return std::is_same_v<typename POp::op, EOp>;
+  else if constexpr (!std::is_empty_v<POp>)
+    return true;
+  else if constexpr (P::arity != E::arity)
+    return false;
+  else if constexpr (is_op_var<POp>)
+    return same_op_family<typename POp::op, EOp>;
+  else
+    return std::is_same_v<POp, EOp>;
+}
+
 // First matching rule wins; nothing if none matches.
 template <std::size_t I, class Rules, class E>
 constexpr auto apply_first(Rules const& rules, E const& e) {
   if constexpr (I == decltype(hana::size(rules))::value) {
     return hana::nothing;
   } else {
-    auto r = try_rule(hana::at_c<I>(rules), e);
-    if constexpr (decltype(hana::is_just(r))::value)
-      return r;
-    else
+    auto const& rule = hana::at_c<I>(rules);
+    if constexpr (!root_may_match<std::remove_cvref_t<decltype(rule.pattern)>, E>()) {
       return apply_first<I + 1>(rules, e);
+    } else {
+      auto r = try_rule(rule, e);
+      if constexpr (decltype(hana::is_just(r))::value)
+        return r;
+      else
+        return apply_first<I + 1>(rules, e);
+    }
   }
 }
 
@@ -303,15 +333,31 @@ inline constexpr std::size_t max_rounds = 64;
 
 // Bottom-up to a fixed point: kids first, then the first matching rule at this
 // node, then again on what it produced.
-template <std::size_t Round = 0, class Rules, class E>
+template <std::size_t Round, class Rules, class E>
+constexpr auto rewrite_node(Rules const& rules, E const& e);
+
+// Rewriting that leaves a tree's type as it was leaves its values as they
+// were: rules match on types alone, so a rule that fired on a node of a type
+// would fire again on its result of the same type until max_rounds. Such a
+// subtree is returned as it is, without code for its nodes (the type is
+// found at compile time; the function that found it is never called).
+template <class Rules, class E>
 constexpr auto rewrite(Rules const& rules, E const& e) {
+  if constexpr (std::is_same_v<decltype(rewrite_node<0>(rules, e)), E>)
+    return e;
+  else
+    return rewrite_node<0>(rules, e);
+}
+
+template <std::size_t Round, class Rules, class E>
+constexpr auto rewrite_node(Rules const& rules, E const& e) {
   static_assert(Round < max_rounds,
                 "lina: the rewrite rules did not reach a fixed point (a rule table cycles); "
                 "this is a bug in lina, please report the expression");
   auto e1 = unpack_kids(e, [&](auto const&... k) { return make_node(e.op, rewrite(rules, k)...); });
   auto r = apply_first<0>(rules, e1);
   if constexpr (decltype(hana::is_just(r))::value)
-    return rewrite<Round + 1>(rules, r.value());
+    return rewrite_node<Round + 1>(rules, r.value());
   else
     return e1;
 }
