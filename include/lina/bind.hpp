@@ -113,34 +113,95 @@ struct names_an_input;
 template <fixed_string S, class... I>
 struct names_an_input<S, lina::detail::type_list<I...>> : std::bool_constant<((I::name == S) || ...)> {};
 
-// A base dimension's extent is set by the first input that has it (or by its
-// static extent) and checked against every later one; a derived one (M+1: a
-// value the forward saved, save_for_backward) is checked once the bases are
-// known (check_derived_extent).
+// How an input's rows or columns are checked, as data, so that the checks
+// themselves (bind_views) are one function per kind of bindings rather than
+// lambdas per input of every plan (bind<> was ~500 functions of a test file
+// of gradients, 2026-12-06). A base dimension's extent is set by the first
+// input that has it (or by its static extent) and checked against every
+// later one; a derived one (M+1: a value the forward saved,
+// save_for_backward) is checked once the bases are known.
+template <class Table>
+struct extent_rule {
+  std::string (*label)() = nullptr;
+  bool base = false;                               // a named dimension (dim_t), else one derived from them
+  std::size_t index = 0;                           // a base's place in the table
+  bool fixed = false;                              // a base declared static
+  std::size_t fixed_extent = 0;
+  std::size_t (*derived)(Table const&) = nullptr;  // a derived one's extent
+};
 template <class Table, class Dim>
-void check_extent(Table& t, std::size_t got, std::string const& symbol) {
-  if constexpr (is_dim_t<Dim>) {
-    constexpr std::size_t k = Table::template index_of<Dim>();
-    if constexpr (Dim::is_static) {
-      if (got != Dim::static_extent)
-        throw shape_error(symbol, Dim::label(), got, Dim::static_extent,
-                          "declared static by dim<\"" + Dim::label() + "\", " + std::to_string(Dim::static_extent) +
-                              ">");
-      t.value[k] = got;
-    } else if (t.bound_by[k].empty()) {
-      t.value[k] = got;
-      t.bound_by[k] = symbol;
-    } else if (t.value[k] != got) {
-      throw shape_error(symbol, Dim::label(), got, t.value[k], "bound by input " + t.bound_by[k]);
-    }
+std::size_t derived_extent(Table const& t) {
+  return static_cast<std::size_t>(Dim::extent(t));
+}
+template <class Table, class Dim>
+constexpr extent_rule<Table> extent_rule_of() {
+  if constexpr (is_dim_t<Dim>)
+    return {&Dim::label, true, Table::template index_of<Dim>(), Dim::is_static, Dim::static_extent, nullptr};
+  else
+    return {&Dim::label, false, 0, false, 0, &derived_extent<Table, Dim>};
+}
+
+template <class Table>
+void check_extent(Table& t, extent_rule<Table> const& d, std::size_t got, std::string const& symbol) {
+  if (!d.base) return;
+  std::size_t const k = d.index;
+  if (d.fixed) {
+    if (got != d.fixed_extent)
+      throw shape_error(symbol, d.label(), got, d.fixed_extent,
+                        "declared static by dim<\"" + d.label() + "\", " + std::to_string(d.fixed_extent) + ">");
+    t.value[k] = got;
+  } else if (t.bound_by[k].empty()) {
+    t.value[k] = got;
+    t.bound_by[k] = symbol;
+  } else if (t.value[k] != got) {
+    throw shape_error(symbol, d.label(), got, t.value[k], "bound by input " + t.bound_by[k]);
   }
 }
 
-template <class Table, class Dim>
-void check_derived_extent(Table const& t, std::size_t got, std::string_view symbol) {
-  if constexpr (!is_dim_t<Dim>) {
-    auto const want = static_cast<std::size_t>(Dim::extent(t));
-    if (got != want) throw shape_error(std::string(symbol), Dim::label(), got, want, "of the plan's inputs");
+template <class Table>
+void check_derived_extent(Table const& t, extent_rule<Table> const& d, std::size_t got, std::string_view symbol) {
+  if (!d.derived) return;
+  std::size_t const want = d.derived(t);
+  if (got != want) throw shape_error(std::string(symbol), d.label(), got, want, "of the plan's inputs");
+}
+
+// A binding's view, where it is of the evaluation's kind (else diagnosed in bind).
+template <class View, class Binding>
+View const* view_of(Binding const& b) {
+  if constexpr (std::is_same_v<decltype(b.view), View>)
+    return &b.view;
+  else
+    return nullptr;
+}
+
+// The run-time checks of bind, input by input (given[k]: input k's view,
+// null where it is not bound, which bind diagnoses at compile time).
+template <class Bound, std::size_t Inputs>
+void bind_views(Bound& r, std::array<typename Bound::view_type const*, Inputs> const& given,
+                std::array<std::string_view, Inputs> const& names,
+                std::array<std::array<extent_rule<typename Bound::table_type>, 2>, Inputs> const& rules) {
+  bool first = true;
+  std::string first_symbol;
+  for (std::size_t k = 0; k < Inputs; ++k) {
+    if (!given[k]) continue;
+    auto const& v = *given[k];
+    std::string symbol(names[k]);
+    if (first) {
+      r.batch = v.shape()[0];
+      r.heads = v.shape()[1];
+      first_symbol = symbol;
+      first = false;
+    } else {
+      if (v.shape()[0] != r.batch) throw shape_error(symbol, "B (batch)", v.shape()[0], r.batch, "of input " + first_symbol);
+      if (v.shape()[1] != r.heads) throw shape_error(symbol, "H (heads)", v.shape()[1], r.heads, "of input " + first_symbol);
+    }
+    check_extent(r.table, rules[k][0], v.shape()[2], symbol);
+    check_extent(r.table, rules[k][1], v.shape()[3], symbol);
+    r.views[k] = v;
+  }
+  for (std::size_t k = 0; k < Inputs; ++k) {
+    check_derived_extent(r.table, rules[k][0], r.views[k].shape()[2], names[k]);
+    check_derived_extent(r.table, rules[k][1], r.views[k].shape()[3], names[k]);
   }
 }
 
@@ -161,44 +222,18 @@ auto bind(B const&... bs) {
   static_assert((diagnose::binding_symbol<B::name, detail::names_an_input<B::name, inputs>::value>::ok && ...) || true);
 
   using bound_type = bound_inputs<inputs, dims_of<Plan>, View>;
+  using table_type = typename bound_type::table_type;
   bound_type r;
-  bool first = true;
-  std::string first_symbol;
+  std::array<View const*, sizeof...(B)> const all{detail::view_of<View>(bs)...};
   [&]<class... I>(lina::detail::type_list<I...>) {
     static_assert((diagnose::input_binding<I::name, detail::times_bound<I::name, B...>()>::ok && ...) || true);
-    std::size_t k = 0;
-    auto one = [&]<class In>() {
-      constexpr std::size_t pos = detail::binding_position<In::name, B...>();
-      if constexpr (pos < sizeof...(B)) {
-        auto const& bound = std::get<pos>(std::forward_as_tuple(bs...));
-        View v;
-        if constexpr (std::is_same_v<decltype(bound.view), View>) v = bound.view;  // else: diagnosed above
-        std::string symbol(In::name.view());
-        if (first) {
-          r.batch = v.shape()[0];
-          r.heads = v.shape()[1];
-          first_symbol = symbol;
-          first = false;
-        } else {
-          if (v.shape()[0] != r.batch) throw shape_error(symbol, "B (batch)", v.shape()[0], r.batch, "of input " + first_symbol);
-          if (v.shape()[1] != r.heads) throw shape_error(symbol, "H (heads)", v.shape()[1], r.heads, "of input " + first_symbol);
-        }
-        detail::check_extent<typename bound_type::table_type, typename In::rows>(r.table, v.shape()[2], symbol);
-        detail::check_extent<typename bound_type::table_type, typename In::cols>(r.table, v.shape()[3], symbol);
-        r.views[k] = v;
-      }
-      ++k;
-    };
-    (one.template operator()<I>(), ...);
-    k = 0;
-    auto derived = [&]<class In>() {  // (no work for an input of base dimensions)
-      detail::check_derived_extent<typename bound_type::table_type, typename In::rows>(r.table, r.views[k].shape()[2],
-                                                                                        In::name.view());
-      detail::check_derived_extent<typename bound_type::table_type, typename In::cols>(r.table, r.views[k].shape()[3],
-                                                                                        In::name.view());
-      ++k;
-    };
-    (derived.template operator()<I>(), ...);
+    constexpr std::array<std::size_t, sizeof...(I)> position{detail::binding_position<I::name, B...>()...};
+    static constexpr std::array<std::string_view, sizeof...(I)> names{I::name.view()...};
+    static constexpr std::array<std::array<detail::extent_rule<table_type>, 2>, sizeof...(I)> rules{
+        {{detail::extent_rule_of<table_type, typename I::rows>(), detail::extent_rule_of<table_type, typename I::cols>()}...}};
+    std::array<View const*, sizeof...(I)> given{};
+    for (std::size_t k = 0; k < sizeof...(I); ++k) given[k] = position[k] < sizeof...(B) ? all[position[k]] : nullptr;
+    detail::bind_views(r, given, names, rules);
   }(inputs{});
   return r;
 }
