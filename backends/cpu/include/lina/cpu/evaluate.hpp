@@ -614,18 +614,23 @@ class program {
   static constexpr step_list twinned = make_twinned();
 
   // Per step j: output k when it is step j's result and the first output that is, else Outputs.
-  static constexpr std::array<std::size_t, steps> output_index = []<class... O>(lina::detail::type_list<O...>) {
-    std::array<std::size_t, steps> r;
+  template <class Out>
+  static constexpr std::size_t output_step() {  // the step output Out is, else none (a view of one, an input)
+    if constexpr (requires { Out::step; })
+      return std::is_same_v<Out, sched::step_operand<Out::step>> ? Out::step : sched::none;
+    else
+      return sched::none;
+  }
+  template <class... O>
+  static constexpr std::array<std::size_t, steps> make_output_index(lina::detail::type_list<O...>) {
+    std::array<std::size_t, steps> r{};
     r.fill(Outputs);
-    std::size_t k = 0;
-    auto one = [&]<class Out>(Out*) {
-      if constexpr (requires { Out::step; })
-        if (std::is_same_v<Out, sched::step_operand<Out::step>> && r[Out::step] == Outputs) r[Out::step] = k;
-      ++k;
-    };
-    (one(static_cast<O*>(nullptr)), ...);
+    constexpr std::array<std::size_t, sizeof...(O) + 1> step{output_step<O>()..., sched::none};
+    for (std::size_t k = 0; k < sizeof...(O); ++k)
+      if (step[k] != sched::none && r[step[k]] == Outputs) r[step[k]] = k;
     return r;
-  }(typename S::outputs{});
+  }
+  static constexpr std::array<std::size_t, steps> output_index = make_output_index(typename S::outputs{});
 
   // Each step's rows and columns at this call's extents: a function per shape
   // (step_extent), from a table per step.
@@ -1346,10 +1351,10 @@ class program {
   }
 
 
-  // Release every result whose last reader was step J (its memory back to the arena).
-  // (A function of J at run time, as destination and group_width: one per
+  // Release every result whose last reader was step j (its memory back to the arena).
+  // (A function of j at run time, as destination and group_width: one per
   // program rather than one per step, for the compiler.)
-  void release(std::size_t J, std::array<matrix<T>, steps + 1>& slot, turn& w) const {
+  void release(std::size_t j, std::array<matrix<T>, steps + 1>& slot, turn& w) const {
     auto one = [&](std::size_t i) {
       if (w.pooled[i]) ws_.give(w.arena, slot[i].data);
       if (w.exps[i]) ws_.give(w.arena, w.exps[i]);
@@ -1357,8 +1362,8 @@ class program {
       w.exps[i] = nullptr;
       slot[i] = matrix<T>{};
     };
-    for (std::size_t i = 0; i <= J; ++i)  // (a loop, not a fold: steps² expressions for a deep stack's gradient)
-      if (S::last_use[i] == J) one(i);
+    for (std::size_t i = 0; i <= j; ++i)  // (a loop, not a fold: steps² expressions for a deep stack's gradient)
+      if (S::last_use[i] == j) one(i);
   }
 
   Plan const& plan_;
