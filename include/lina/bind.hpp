@@ -123,11 +123,10 @@ struct names_an_input<S, lina::detail::type_list<I...>> : std::bool_constant<((I
 template <class Table>
 struct extent_rule {
   std::string (*label)() = nullptr;
-  bool base = false;                               // a named dimension (dim_t), else one derived from them
-  std::size_t index = 0;                           // a base's place in the table
-  bool fixed = false;                              // a base declared static
+  std::size_t (*derived)(Table const&) = nullptr;  // a derived one's extent; null for a named dimension (dim_t)
+  std::size_t index = 0;                           // a named one's place in the table
+  bool fixed = false;                              // a named one declared static
   std::size_t fixed_extent = 0;
-  std::size_t (*derived)(Table const&) = nullptr;  // a derived one's extent
 };
 template <class Table, class Dim>
 std::size_t derived_extent(Table const& t) {
@@ -136,14 +135,14 @@ std::size_t derived_extent(Table const& t) {
 template <class Table, class Dim>
 constexpr extent_rule<Table> extent_rule_of() {
   if constexpr (is_dim_t<Dim>)
-    return {&Dim::label, true, Table::template index_of<Dim>(), Dim::is_static, Dim::static_extent, nullptr};
+    return {&Dim::label, nullptr, Table::template index_of<Dim>(), Dim::is_static, Dim::static_extent};
   else
-    return {&Dim::label, false, 0, false, 0, &derived_extent<Table, Dim>};
+    return {&Dim::label, &derived_extent<Table, Dim>};
 }
 
 template <class Table>
 void check_extent(Table& t, extent_rule<Table> const& d, std::size_t got, std::string const& symbol) {
-  if (!d.base) return;
+  if (d.derived) return;  // checked once the named ones are known
   std::size_t const k = d.index;
   if (d.fixed) {
     if (got != d.fixed_extent)
