@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -46,16 +47,6 @@ std::uint64_t fnv1a(std::string_view s) {
 
 using launch_fn = int (*)(void const* args, long long blocks, int threads, long long shared_bytes, char* error,
                           int error_size);
-
-// The entry point appended to each kernel's source: the launch, by name.
-std::string entry_for(std::string const& kernel) {
-  return fmt::format(
-      "\nextern \"C\" __attribute__((visibility(\"default\"))) int lina_simt_launch(const void* args, long long blocks, "
-      "int threads, long long shared_bytes, char* error, int error_size) {{\n"
-      "  return lina_simt::run(blocks, threads, shared_bytes, [](void* a) {{ {}(*static_cast<const "
-      "lina::tile::forward_args*>(a)); }}, const_cast<void*>(args), error, error_size);\n}}\n",
-      kernel);
-}
 
 // Whether this process runs with AddressSanitizer (LD_PRELOAD, as ctest
 // starts the simt tests): then the kernels are built with it too.
@@ -123,44 +114,145 @@ prelude const& prelude_in(fs::path const& cache) {
   return p;
 }
 
-// The shared object of p's kernel: from the cache folder, else compiled into it.
+// One kernel as the runner builds it. Kernels are compiled in units — one
+// shared object for one kernel, or for every kernel a prepare run recorded —
+// each kernel in a namespace of its own, its launch an extern "C" entry named
+// by the hash of its key. The entry's folder in the cache holds the key and a
+// link to its unit's shared object.
+struct kernel {
+  std::string name;    // the kernel's, for messages
+  std::string key;     // the prelude's key and the emitted source: what the cache is keyed by
+  fs::path folder;     // its folder in the cache
+  std::string entry;   // lina_simt_launch_<hash>, the launch in the unit
+  std::string source;  // its part of a unit's source
+};
+
+// The emitted source in a namespace of its own, and its launch. The kernel
+// loses its C linkage there: two kernels of a unit may share a name (the same
+// name with other constants) and would otherwise be one C function. Its
+// `extern … shared[]` would declare the namespace's own array: the namespace
+// declares it first as the shim's (by its symbol, a global variable's name).
+kernel kernel_of(cuda::program const& p, prelude const& pre, fs::path const& cache) {
+  std::string emitted = cuda::emit(p);
+  std::string const linkage = "extern \"C\" __global__";
+  auto const at = emitted.find(linkage);
+  if (at == std::string::npos || emitted.find(linkage, at + 1) != std::string::npos)
+    throw std::runtime_error("simt: kernel " + p.kernel_name + ": its source should declare one kernel, 'extern \"C\" __global__'");
+  std::string key = pre.key + "\n" + emitted;
+  std::uint64_t const hash = fnv1a(key);
+  emitted.erase(at, linkage.size() - std::string_view("__global__").size());
+  std::string const space = fmt::format("lina_simt_{:016x}", hash), entry = fmt::format("lina_simt_launch_{:016x}", hash);
+  return kernel{p.kernel_name, std::move(key), cache / fmt::format("{:016x}", hash), entry,
+                fmt::format("namespace {0} {{\nextern unsigned char shared[] __asm__(\"shared\");\n{1}}}  // namespace {0}\n\n"
+                            "extern \"C\" __attribute__((visibility(\"default\"))) int {2}(const void* args, long long blocks, "
+                            "int threads, long long shared_bytes, char* error, int error_size) {{\n"
+                            "  return lina_simt::run(blocks, threads, shared_bytes, [](void* a) {{ {0}::{3}(*static_cast<const "
+                            "lina::tile::forward_args*>(a)); }}, const_cast<void*>(args), error, error_size);\n}}\n\n",
+                            space, emitted, entry, p.kernel_name)};
+}
+
+// Compiles the kernels into one shared object (a unit) and gives each its
+// folder in the cache. Most of a kernel's compile time is code for tiles.cuh's
+// templates at its constants, which kernels share: one unit of the 190 kernels
+// the simt tests launch compiled in 12 s; compiled one by one as the tests first
+// launched them, they added 113 s to the tests' 27 s (2026-12-06, this machine).
+void build(std::vector<kernel> const& kernels, prelude const& pre, fs::path const& cache) {
+  std::string source;
+  for (kernel const& k : kernels) source += k.source;
+  std::string const key = pre.key + "\n" + source;
+  fs::path const unit = cache / fmt::format("unit-{:016x}", fnv1a(key));
+  if (read_file(unit / "key") != key) {
+    fs::path const work = work_folder(unit);
+    fs::create_directories(work);
+    write_file(work / "unit.cu", source);
+    compile(kernels.size() == 1 ? "kernel " + kernels[0].name : fmt::format("a unit of {} kernels", kernels.size()),
+            fmt::format("-shared -include '{}' -I'{}' -x c++ '{}' -o '{}'", (pre.folder / "prelude.hpp").string(),
+                        pre.folder.string(), (work / "unit.cu").string(), (work / "unit.so").string()),
+            work / "log");
+    write_file(work / "key", key);
+    publish(work, unit);
+  }
+  for (kernel const& k : kernels) {
+    if (read_file(k.folder / "key") == k.key) continue;
+    fs::path const work = work_folder(k.folder);
+    fs::create_directories(work);
+    fs::create_symlink(fs::path("..") / unit.filename() / "unit.so", work / "kernel.so");
+    write_file(work / "key", k.key);
+    publish(work, k.folder);
+  }
+}
+
+std::mutex mutex;  // (the cache, the loaded entries and the recorded kernels)
+
+// The launch of p's kernel: from the cache folder, else compiled into it.
 launch_fn load(cuda::program const& p) {
-  static std::mutex mutex;
   static std::map<std::string, launch_fn> loaded;
   std::lock_guard<std::mutex> lock(mutex);
   fs::path const cache = LINA_SIMT_CACHE;
   fs::create_directories(cache);
   prelude const& pre = prelude_in(cache);
-  std::string const source = cuda::emit(p) + entry_for(p.kernel_name);
-  std::string const key = pre.key + "\n" + source;
-  if (auto it = loaded.find(key); it != loaded.end()) return it->second;
-
-  fs::path const folder = cache / fmt::format("{:016x}", fnv1a(key)), so = folder / "kernel.so";
-  if (read_file(folder / "key") != key) {
-    fs::path const work = work_folder(folder);
-    fs::create_directories(work);
-    write_file(work / "kernel.cu", source);
-    compile("kernel " + p.kernel_name,
-            fmt::format("-shared -include '{}' -I'{}' -x c++ '{}' -o '{}'", (pre.folder / "prelude.hpp").string(),
-                        pre.folder.string(), (work / "kernel.cu").string(), (work / "kernel.so").string()),
-            work / "log");
-    write_file(work / "key", key);
-    publish(work, folder);
-  }
-  void* const library = dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL);
+  kernel const k = kernel_of(p, pre, cache);
+  if (auto it = loaded.find(k.key); it != loaded.end()) return it->second;
+  if (read_file(k.folder / "key") != k.key) build({k}, pre, cache);
+  fs::path const so = k.folder / "kernel.so";
+  void* const library = dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL);  // (a unit's kernels share one handle)
   if (!library) throw std::runtime_error(fmt::format("simt: dlopen {}: {}", so.string(), dlerror()));
-  auto const launch = reinterpret_cast<launch_fn>(dlsym(library, "lina_simt_launch"));
-  if (!launch) throw std::runtime_error(fmt::format("simt: {} has no lina_simt_launch", so.string()));
-  return loaded[key] = launch;
+  auto const launch = reinterpret_cast<launch_fn>(dlsym(library, k.entry.c_str()));
+  if (!launch) throw std::runtime_error(fmt::format("simt: {} has no {}", so.string(), k.entry));
+  return loaded[k.key] = launch;
+}
+
+// A prepare run (LINA_SIMT_PREPARE set): the kernels not yet in the cache, in
+// the order the tests first launch them. The launches do nothing: what the
+// tests check in this run is not looked at, and the kernels a launch runs do
+// not depend on what earlier ones computed (where a test throws on what it
+// got, the kernels it would launch next are compiled when the test runs).
+std::vector<kernel> recorded;
+std::set<std::string> recorded_keys;
+
+void record(cuda::program const& p) {
+  std::lock_guard<std::mutex> lock(mutex);
+  fs::path const cache = LINA_SIMT_CACHE;
+  fs::create_directories(cache);
+  kernel k = kernel_of(p, prelude_in(cache), cache);
+  if (read_file(k.folder / "key") != k.key && recorded_keys.insert(k.key).second) recorded.push_back(std::move(k));
+}
+
+// The prepare run's mark: this test binary (its kernels, tiles.cuh inside it)
+// and this prelude had every kernel compiled.
+fs::path prepared_mark() {
+  fs::path const cache = LINA_SIMT_CACHE;
+  fs::create_directories(cache);
+  return cache / fmt::format("prepared-{:016x}", fnv1a(read_file("/proc/self/exe") + "\n" + prelude_in(cache).key));
 }
 
 }  // namespace
 
 void run(cuda::program const& p, cuda::forward_args const& args, std::int64_t blocks) {
+  if (preparing()) return record(p);
   launch_fn const launch = load(p);
   char error[512] = {};
   if (launch(&args, blocks, p.tiles.threads, static_cast<long long>(p.shared_bytes()), error, sizeof error) != 0)
     throw std::runtime_error(fmt::format("simt: kernel {}: {}", p.kernel_name, error));
+}
+
+bool preparing() {
+  static bool const yes = std::getenv("LINA_SIMT_PREPARE") != nullptr;
+  return yes;
+}
+
+bool prepared() { return fs::exists(prepared_mark()); }
+
+int compile_recorded() {
+  try {
+    if (!recorded.empty()) build(recorded, prelude_in(LINA_SIMT_CACHE), LINA_SIMT_CACHE);
+    write_file(prepared_mark(), "");
+  } catch (std::exception const& e) {
+    fmt::print(stderr, "{}\n", e.what());
+    return 1;
+  }
+  fmt::print("simt: {} kernel(s) compiled in one unit into {}\n", recorded.size(), LINA_SIMT_CACHE);
+  return 0;
 }
 
 }  // namespace test::simt
