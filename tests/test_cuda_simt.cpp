@@ -53,6 +53,26 @@ void gradient_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t
   gradient_both_ways(plan, dt, s, seed, {dt, dt});
 }
 
+// The forward and the backward of `plan` both ways, on random Q, K, V of shape
+// s as dtype dt reads them, and the other bindings given (a W): every gradient.
+template <class Plan, class... Bound>
+void both_passes(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, Bound const&... bound) {
+  CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
+  test::rng r{seed};
+  auto inputs = random_inputs(s, dt, r, false);
+  auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
+  cuda::options const opt{dt, dt};
+  auto [got, want] = both_ways([&] { return cuda::emulate(plan, opt, Q = q, K = k, V = v, bound...); });
+  CHECK(relative_rms(got, want) <= forward_tolerance(dt));
+  auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
+  auto [g, g_want] = both_ways([&] { return cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v, bound...); });
+  REQUIRE(g.all().size() == g_want.all().size());
+  for (std::size_t i = 0; i < g.all().size(); ++i) {
+    CAPTURE(i);
+    CHECK(relative_rms(g.all()[i], g_want.all()[i]) <= gradient_tolerance(dt));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("simt: forward kernels as written = the interpreter") {
@@ -347,4 +367,41 @@ TEST_CASE("simt: decayed kernels (retention) as written = the interpreter") {
     CHECK(relative_rms(got.first, want.first) <= forward_tolerance(dt));
     CHECK(relative_rms(got.second, want.second) <= 1e-6);
   }
+}
+
+// Every other kind of kernel the emitter writes, each map and mask forward and
+// backward: what the cases above leave to the interpreter alone (the row maps
+// of poly2 below a block's state, relu, user formulas; sin and cos of random
+// features; W per side; softmax without a mask, or with the mask before exp).
+TEST_CASE("simt: every feature map, causal and not, forward and backward, as written = the interpreter") {
+  constexpr auto W2 = input<"W2">(D, Fw);
+  auto both_types = [](auto const& plan, shape s, std::uint64_t seed, auto const&... bound) {
+    both_passes(plan, cuda::dtype::f32, s, seed, bound...);
+    both_passes(plan, cuda::dtype::bf16, s, seed + 1, bound...);
+  };
+  shape const small{2, 2, 40, 8, 12}, chunks{1, 2, 150, 16, 24};
+  for (shape s : {small, chunks}) {
+    both_types(compile<order::linear>(normalize(causal(phi<poly2>(Q) * transpose(phi<poly2>(K)))) * V), s, 1500);
+    both_types(compile<order::linear>(normalize(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V), s, 1510);
+    both_types(compile<order::linear>(normalize(causal(phi<relu>(Q) * transpose(phi<relu>(K)))) * V), s, 1520);
+    both_types(compile<order::linear>(Q * transpose(K) * V), s, 1530);
+    both_types(compile<order::linear>(normalize(causal(phi<test::softplus>(Q) * transpose(phi<test::softplus>(K)))) * V), s,
+               1540);
+    both_types(compile<order::linear>(normalize(phi<test::softplus>(Q) * transpose(phi<elu_plus_one>(K))) * V), s, 1550);
+    both_types(compile(normalize(exp(Q * transpose(K) * 0.25)) * V), s, 1560);
+    both_types(compile(normalize(exp(causal(Q * transpose(K)) * 0.25)) * V), s, 1570);
+    auto const projection = gaussian_projection<float>(s.d, 24, 1580), projection2 = gaussian_projection<float>(s.d, 24, 1581);
+    auto const w = broadcast(projection, s.b, s.h), w2 = broadcast(projection2, s.b, s.h);
+    both_types(compile<order::linear>(normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W))) * V), s, 1590, W = w);
+    both_types(compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)))) * V), s, 1600, W = w,
+               W2 = w2);
+    both_types(compile<order::linear>(causal(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W))) * V), s, 1610,
+               W = w);
+    both_types(compile<order::linear>(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W2)) * V), s, 1620, W = w,
+               W2 = w2);
+    both_types(compile(normalize(exp(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W)) * 0.5)) * V), s, 1630,
+               W = w);
+  }
+  // poly2 past a block's state without a mask: quadratic, through (q·k)².
+  both_types(compile<order::linear>(normalize(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V), shape{1, 2, 130, 64, 16}, 1640);
 }
