@@ -372,7 +372,8 @@ TEST_CASE("simt: decayed kernels (retention) as written = the interpreter") {
 // Every other kind of kernel the emitter writes, each map and mask forward and
 // backward: what the cases above leave to the interpreter alone (the row maps
 // of poly2 below a block's state, relu, user formulas; sin and cos of random
-// features; W per side; softmax without a mask, or with the mask before exp).
+// features; W per side; softmax without a mask, or with the mask before exp, or
+// a row map or W inside exp).
 TEST_CASE("simt: every feature map, causal and not, forward and backward, as written = the interpreter") {
   constexpr auto W2 = input<"W2">(D, Fw);
   auto both_types = [](auto const& plan, shape s, std::uint64_t seed, auto const&... bound) {
@@ -401,6 +402,8 @@ TEST_CASE("simt: every feature map, causal and not, forward and backward, as wri
                W2 = w2);
     both_types(compile(normalize(exp(phi<random_fourier>(Q, W) * transpose(phi<random_fourier>(K, W)) * 0.5)) * V), s, 1630,
                W = w);
+    both_types(compile(normalize(exp(phi<favor>(Q, W) * transpose(phi<favor>(K, W2)) * 0.01)) * V), s, 1650, W = w, W2 = w2);
+    both_types(compile(normalize(causal(exp(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)) * 0.25))) * V), s, 1660);
   }
   // poly2 past a block's state without a mask: quadratic, through (q·k)².
   both_types(compile<order::linear>(normalize(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V), shape{1, 2, 130, 64, 16}, 1640);
