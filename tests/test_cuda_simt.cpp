@@ -131,6 +131,10 @@ TEST_CASE("simt: layouts, poly2 past a block's state, stacked layers and cross-a
     auto [g, g_want] = both_ways([&] { return cuda::emulate_gradient(shared, {}, dout, Q = q, K = k, Vd = v, V2 = v2); });
     CHECK(relative_rms(g[K], g_want[K]) <= 1e-5);
     CHECK(relative_rms(g[Q], g_want[Q]) <= 1e-5);
+    cuda::options const bf16{cuda::dtype::bf16, cuda::dtype::bf16};  // (the add kernel on 16-bit sums)
+    auto [gb, gb_want] = both_ways([&] { return cuda::emulate_gradient(shared, bf16, dout, Q = q, K = k, Vd = v, V2 = v2); });
+    CHECK(relative_rms(gb[K], gb_want[K]) <= gradient_tolerance(cuda::dtype::bf16));
+    CHECK(relative_rms(gb[Q], gb_want[Q]) <= gradient_tolerance(cuda::dtype::bf16));
   }
   // Cross-attention: K and V over 130 rows, Q over 70 (n_keys).
   {

@@ -1935,13 +1935,19 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
             return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), nullptr, b...);
           }
         },
-        [&](lina::tensor<float>& to, lina::tensor<float> const& from) {  // as add_program's kernel: rounded to opt.out
-          for (std::size_t i = 0; i < to.size(); ++i) {
-            float const x = to.data()[i] + from.data()[i];
-            to.data()[i] = opt.out == dtype::f32    ? x
-                           : opt.out == dtype::bf16 ? from_bf16_bits(bf16_bits(x))
-                                                    : from_f16_bits(f16_bits(x));
-          }
+        [&](lina::tensor<float>& to, lina::tensor<float> const& from) {  // add_program's kernel, emulated
+          shape4 const sh = to.shape();
+          if (to.size() == 0) return;
+          forward_args a;
+          a.batch = static_cast<std::int64_t>(sh[0]), a.heads = static_cast<std::int64_t>(sh[1]);
+          a.n = static_cast<std::int64_t>(sh[2]);
+          std::vector<std::uint16_t> x, sum;  // (16-bit: both as the kernel reads them)
+          a.in[0] = detail::operand_of(from.view(), opt.out, x);
+          a.out = detail::operand_of(to.view(), opt.out, sum);
+          emulate(add_program(opt.out, sh[3]), a);
+          if (opt.out != dtype::f32)
+            for (std::size_t i = 0; i < to.size(); ++i)  // (to is dense, as the copy)
+              to.data()[i] = opt.out == dtype::bf16 ? from_bf16_bits(sum[i]) : from_f16_bits(sum[i]);
         },
         bindings...);
   } else if constexpr (F::ok && !F::stacked) {
