@@ -1352,6 +1352,22 @@ template <class T>
 void add_into(tensor<T>& to, tensor<T> const& from, void* stream) {
   add_into(to.view(), from.view(), stream);
 }
+// to += from as add_into's kernel computes it (the elements as type t reads them,
+// the sums rounded to t), emulated on host floats.
+inline void emulate_add(lina::tensor_view<float> to, lina::tensor_view<float const> from, dtype t) {
+  shape4 const sh = to.shape();
+  if (sh[0] * sh[1] * sh[2] * sh[3] == 0) return;
+  forward_args a;
+  a.batch = static_cast<std::int64_t>(sh[0]), a.heads = static_cast<std::int64_t>(sh[1]);
+  a.n = static_cast<std::int64_t>(sh[2]);
+  std::vector<std::uint16_t> x, sum;  // (16-bit: both as the kernel reads them, dense)
+  a.in[0] = operand_of(from, t, x);
+  a.out = operand_of(to, t, sum);
+  emulate(add_program(t, sh[3]), a);
+  if (t == dtype::f32) return;
+  std::size_t i = 0;
+  for_each_index(sh, [&](auto... j) { to(j...) = t == dtype::bf16 ? from_bf16_bits(sum[i]) : from_f16_bits(sum[i]), ++i; });
+}
 
 // The launch of `plan`'s kernel on bound device inputs into `out` (shape
 // checked), chained through `st` when given (checked and sized).
@@ -1935,20 +1951,7 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
             return emulate_gradient_impl(p, opt, d, static_cast<void const*>(nullptr), nullptr, b...);
           }
         },
-        [&](lina::tensor<float>& to, lina::tensor<float> const& from) {  // add_program's kernel, emulated
-          shape4 const sh = to.shape();
-          if (to.size() == 0) return;
-          forward_args a;
-          a.batch = static_cast<std::int64_t>(sh[0]), a.heads = static_cast<std::int64_t>(sh[1]);
-          a.n = static_cast<std::int64_t>(sh[2]);
-          std::vector<std::uint16_t> x, sum;  // (16-bit: both as the kernel reads them)
-          a.in[0] = detail::operand_of(from.view(), opt.out, x);
-          a.out = detail::operand_of(to.view(), opt.out, sum);
-          emulate(add_program(opt.out, sh[3]), a);
-          if (opt.out != dtype::f32)
-            for (std::size_t i = 0; i < to.size(); ++i)  // (to is dense, as the copy)
-              to.data()[i] = opt.out == dtype::bf16 ? from_bf16_bits(sum[i]) : from_f16_bits(sum[i]);
-        },
+        [&](lina::tensor<float>& to, lina::tensor<float> const& from) { detail::emulate_add(to.view(), from.view(), opt.out); },
         bindings...);
   } else if constexpr (F::ok && !F::stacked) {
     auto in = bind<Plan>(bindings...);
@@ -2042,10 +2045,10 @@ auto emulate_gradient_impl(Plan const& plan, options opt, Dout const& dout, Chai
     for (auto const& [t, b] : bits)
       for (std::size_t i = 0; i < t->size(); ++i)
         t->data()[i] = opt.out == dtype::bf16 ? from_bf16_bits(b[i]) : from_f16_bits(b[i]);
-    auto sum_shares = [&](lina::tensor<float>& gw, lina::tensor<float> const& shares) {
+    auto sum_shares = [&](lina::tensor<float>& gw, lina::tensor<float> const& shares) {  // (gw: zeros)
       std::size_t const one = gw.size();  // (in.batch is 1 when packed)
       for (std::size_t q = 0; q < each; ++q)
-        for (std::size_t i = 0; i < one; ++i) gw.data()[i] += shares.data()[q * one + i];
+        detail::emulate_add(gw.view(), lina::tensor_view<float const>(shares.data() + q * one, gw.shape()), opt.out);
     };
     if constexpr (F::parametric)
       if (packed) sum_shares(detail::gradient_slot<typename F::q::param>(g), per_sequence[0]);
