@@ -84,6 +84,16 @@ void compile(std::string const& what, std::string const& arguments, fs::path con
     throw std::runtime_error(fmt::format("simt: the host compile of {} failed:\n{}", what, read_file(log)));
 }
 
+// The cache folder in the build tree (made on first use).
+fs::path const& cache() {
+  static fs::path const folder = [] {
+    fs::path f = LINA_SIMT_CACHE;
+    fs::create_directories(f);
+    return f;
+  }();
+  return folder;
+}
+
 // What every kernel includes first — this folder's host_cuda.hpp, then
 // lina/tiles.cuh as NVRTC gets it — precompiled once per cache folder (most of
 // a kernel's compile time was these headers). A kernel's own
@@ -92,11 +102,11 @@ struct prelude {
   fs::path folder;
   std::string key;
 };
-prelude const& prelude_in(fs::path const& cache) {
+prelude const& the_prelude() {
   static std::string const shim = read_file(LINA_SIMT_SHIM);
   static prelude const p = [&] {
     std::string const key = fmt::format("{}\n{}\n{}\n{}", LINA_SIMT_CXX, flags, shim, cuda::tiles_header());
-    fs::path const folder = cache / fmt::format("prelude-{:016x}", fnv1a(key));
+    fs::path const folder = cache() / fmt::format("prelude-{:016x}", fnv1a(key));
     if (read_file(folder / "key") != key) {
       fs::path const work = work_folder(folder);
       fs::create_directories(work / "lina");
@@ -132,17 +142,17 @@ struct kernel {
 // name with other constants) and would otherwise be one C function. Its
 // `extern … shared[]` would declare the namespace's own array: the namespace
 // declares it first as the shim's (by its symbol, a global variable's name).
-kernel kernel_of(cuda::program const& p, prelude const& pre, fs::path const& cache) {
+kernel kernel_of(cuda::program const& p) {
   std::string emitted = cuda::emit(p);
   std::string const linkage = "extern \"C\" __global__";
   auto const at = emitted.find(linkage);
   if (at == std::string::npos || emitted.find(linkage, at + 1) != std::string::npos)
     throw std::runtime_error("simt: kernel " + p.kernel_name + ": its source should declare one kernel, 'extern \"C\" __global__'");
-  std::string key = pre.key + "\n" + emitted;
+  std::string key = the_prelude().key + "\n" + emitted;
   std::uint64_t const hash = fnv1a(key);
   emitted.erase(at, linkage.size() - std::string_view("__global__").size());
   std::string const space = fmt::format("lina_simt_{:016x}", hash), entry = fmt::format("lina_simt_launch_{:016x}", hash);
-  return kernel{p.kernel_name, std::move(key), cache / fmt::format("{:016x}", hash), entry,
+  return kernel{p.kernel_name, std::move(key), cache() / fmt::format("{:016x}", hash), entry,
                 fmt::format("namespace {0} {{\nextern unsigned char shared[] __asm__(\"shared\");\n{1}}}  // namespace {0}\n\n"
                             "extern \"C\" __attribute__((visibility(\"default\"))) int {2}(const void* args, long long blocks, "
                             "int threads, long long shared_bytes, char* error, int error_size) {{\n"
@@ -156,11 +166,12 @@ kernel kernel_of(cuda::program const& p, prelude const& pre, fs::path const& cac
 // templates at its constants, which kernels share: one unit of the 190 kernels
 // the simt tests launch compiled in 12 s; compiled one by one as the tests first
 // launched them, they added 113 s to the tests' 27 s (2026-12-06, this machine).
-void build(std::vector<kernel> const& kernels, prelude const& pre, fs::path const& cache) {
+void build(std::vector<kernel> const& kernels) {
+  prelude const& pre = the_prelude();
   std::string source;
   for (kernel const& k : kernels) source += k.source;
   std::string const key = pre.key + "\n" + source;
-  fs::path const unit = cache / fmt::format("unit-{:016x}", fnv1a(key));
+  fs::path const unit = cache() / fmt::format("unit-{:016x}", fnv1a(key));
   if (read_file(unit / "key") != key) {
     fs::path const work = work_folder(unit);
     fs::create_directories(work);
@@ -188,12 +199,9 @@ std::mutex mutex;  // (the cache, the loaded entries and the recorded kernels)
 launch_fn load(cuda::program const& p) {
   static std::map<std::string, launch_fn> loaded;
   std::lock_guard<std::mutex> lock(mutex);
-  fs::path const cache = LINA_SIMT_CACHE;
-  fs::create_directories(cache);
-  prelude const& pre = prelude_in(cache);
-  kernel const k = kernel_of(p, pre, cache);
+  kernel const k = kernel_of(p);
   if (auto it = loaded.find(k.key); it != loaded.end()) return it->second;
-  if (read_file(k.folder / "key") != k.key) build({k}, pre, cache);
+  if (read_file(k.folder / "key") != k.key) build({k});
   fs::path const so = k.folder / "kernel.so";
   void* const library = dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL);  // (a unit's kernels share one handle)
   if (!library) throw std::runtime_error(fmt::format("simt: dlopen {}: {}", so.string(), dlerror()));
@@ -212,18 +220,14 @@ std::set<std::string> recorded_keys;
 
 void record(cuda::program const& p) {
   std::lock_guard<std::mutex> lock(mutex);
-  fs::path const cache = LINA_SIMT_CACHE;
-  fs::create_directories(cache);
-  kernel k = kernel_of(p, prelude_in(cache), cache);
+  kernel k = kernel_of(p);
   if (read_file(k.folder / "key") != k.key && recorded_keys.insert(k.key).second) recorded.push_back(std::move(k));
 }
 
 // The prepare run's mark: this test binary (its kernels, tiles.cuh inside it)
 // and this prelude had every kernel compiled.
 fs::path prepared_mark() {
-  fs::path const cache = LINA_SIMT_CACHE;
-  fs::create_directories(cache);
-  return cache / fmt::format("prepared-{:016x}", fnv1a(read_file("/proc/self/exe") + "\n" + prelude_in(cache).key));
+  return cache() / fmt::format("prepared-{:016x}", fnv1a(read_file("/proc/self/exe") + "\n" + the_prelude().key));
 }
 
 }  // namespace
@@ -245,13 +249,13 @@ bool prepared() { return fs::exists(prepared_mark()); }
 
 int compile_recorded() {
   try {
-    if (!recorded.empty()) build(recorded, prelude_in(LINA_SIMT_CACHE), LINA_SIMT_CACHE);
+    if (!recorded.empty()) build(recorded);
     write_file(prepared_mark(), "");
   } catch (std::exception const& e) {
     fmt::print(stderr, "{}\n", e.what());
     return 1;
   }
-  fmt::print("simt: {} kernel(s) compiled in one unit into {}\n", recorded.size(), LINA_SIMT_CACHE);
+  fmt::print("simt: {} kernel(s) compiled in one unit into {}\n", recorded.size(), cache().string());
   return 0;
 }
 
