@@ -764,8 +764,8 @@ TEST_CASE("packed sequences: favor's backward in one launch, ∂W summed over th
     auto q = x(d, 1), k = x(d, 2), v = x(m, 3), dout = x(m, 4);
     kernel_count launches;
     auto g = cuda::emulate_gradient(plan, opt, dout, seqs, Q = q, K = k, V = v, W = w);
-    std::size_t const one_launch = 1 + seqs.count();  // (the backward, then an add per sequence)
-    CHECK(kernel_count::runs == one_launch);
+    int const pack_launches = 1 + static_cast<int>(seqs.count());  // (the backward, then an add per sequence)
+    CHECK(kernel_count::runs == pack_launches);
     tensor<float> sum_w(g[W].shape());
     for (std::size_t s = 0; s < seqs.count(); ++s) {
       CAPTURE(s);
@@ -793,7 +793,7 @@ TEST_CASE("packed sequences: favor's backward in one launch, ∂W summed over th
       auto into = bnhc_views(cuda::emulate_gradient_views(plan), expected, store);
       kernel_count::runs = 0;
       cuda::emulate_gradient_into(plan, o, into, dout, seqs, Q = q, K = k, V = v, W = w);
-      CHECK(kernel_count::runs == (split ? sequence_by_sequence : static_cast<int>(one_launch)));
+      CHECK(kernel_count::runs == (split ? sequence_by_sequence : pack_launches));
       for (std::size_t i = 0; i < expected.all().size(); ++i) CHECK(max_abs_diff(into.all()[i], expected.all()[i]) == 0);
       // Errors before any view is written (∂W's would be zeroed first, per sequence).
       std::vector<std::vector<float>> untouched;
