@@ -22,13 +22,15 @@ auto both_ways(F&& f) {
   return std::pair{f(), std::move(want)};
 }
 
-template <class Plan>
-void forward_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt) {
+// The forward, or the backward (every gradient), of `plan` both ways, on random
+// Q, K, V of shape s as dtype dt reads them and the other bindings given (a W).
+template <class Plan, class... Bound>
+void forward_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt, Bound const&... bound) {
   CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
   test::rng r{seed};
   auto inputs = random_inputs(s, dt, r, false);
   auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
-  auto [got, want] = both_ways([&] { return cuda::emulate(plan, opt, Q = q, K = k, V = v); });
+  auto [got, want] = both_ways([&] { return cuda::emulate(plan, opt, Q = q, K = k, V = v, bound...); });
   CHECK(relative_rms(got, want) <= forward_tolerance(dt));
 }
 template <class Plan>
@@ -36,41 +38,23 @@ void forward_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t 
   forward_both_ways(plan, dt, s, seed, {dt, dt});
 }
 
-template <class Plan>
-void gradient_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt) {
+template <class Plan, class... Bound>
+void gradient_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, cuda::options opt, Bound const&... bound) {
   CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m, opt.split_rows);
   test::rng r{seed};
   auto inputs = random_inputs(s, dt, r, false);
   auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
   auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
-  auto [got, want] = both_ways([&] { return cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v); });
-  CHECK(relative_rms(got[Q], want[Q]) <= gradient_tolerance(dt));
-  CHECK(relative_rms(got[K], want[K]) <= gradient_tolerance(dt));
-  CHECK(relative_rms(got[V], want[V]) <= gradient_tolerance(dt));
+  auto [got, want] = both_ways([&] { return cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v, bound...); });
+  REQUIRE(got.all().size() == want.all().size());
+  for (std::size_t i = 0; i < got.all().size(); ++i) {
+    CAPTURE(i);  // (Q, K, V, then W's)
+    CHECK(relative_rms(got.all()[i], want.all()[i]) <= gradient_tolerance(dt));
+  }
 }
 template <class Plan>
 void gradient_both_ways(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed) {
   gradient_both_ways(plan, dt, s, seed, {dt, dt});
-}
-
-// The forward and the backward of `plan` both ways, on random Q, K, V of shape
-// s as dtype dt reads them, and the other bindings given (a W): every gradient.
-template <class Plan, class... Bound>
-void both_passes(Plan const& plan, cuda::dtype dt, shape s, std::uint64_t seed, Bound const&... bound) {
-  CONTEXT(cuda::name_of(dt), s.b, s.h, s.n, s.d, s.m);
-  test::rng r{seed};
-  auto inputs = random_inputs(s, dt, r, false);
-  auto &q = inputs.q, &k = inputs.k, &v = inputs.v;
-  cuda::options const opt{dt, dt};
-  auto [got, want] = both_ways([&] { return cuda::emulate(plan, opt, Q = q, K = k, V = v, bound...); });
-  CHECK(relative_rms(got, want) <= forward_tolerance(dt));
-  auto dout = rounded(tensor<float>::random({s.b, s.h, s.n, s.m}, r.next()), dt);
-  auto [g, g_want] = both_ways([&] { return cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v, bound...); });
-  REQUIRE(g.all().size() == g_want.all().size());
-  for (std::size_t i = 0; i < g.all().size(); ++i) {
-    CAPTURE(i);
-    CHECK(relative_rms(g.all()[i], g_want.all()[i]) <= gradient_tolerance(dt));
-  }
 }
 
 }  // namespace
@@ -381,8 +365,10 @@ TEST_CASE("simt: decayed kernels (retention) as written = the interpreter") {
 TEST_CASE("simt: every feature map, causal and not, forward and backward, as written = the interpreter") {
   constexpr auto W2 = input<"W2">(D, Fw);
   auto both_types = [](auto const& plan, shape s, std::uint64_t seed, auto const&... bound) {
-    both_passes(plan, cuda::dtype::f32, s, seed, bound...);
-    both_passes(plan, cuda::dtype::bf16, s, seed + 1, bound...);
+    for (auto dt : {cuda::dtype::f32, cuda::dtype::bf16}) {
+      forward_both_ways(plan, dt, s, seed, {dt, dt}, bound...);
+      gradient_both_ways(plan, dt, s, seed + 1, {dt, dt}, bound...);
+    }
   };
   shape const small{2, 2, 40, 8, 12}, chunks{1, 2, 150, 16, 24};
   for (shape s : {small, chunks}) {
