@@ -15,8 +15,9 @@
 // --favor does the same for FAVOR+ (m = 64) at N = 4096.
 // --softmax times causal softmax attention, normalize(causal(exp(Q Kᵀ/8))) V
 // (quadratic), forward and backward into reused buffers at B = 1, H = 8,
-// N = 1024 and 2048, GFLOP/s by the products it runs (forward 2·H·N²·(D + M + 1):
-// Q Kᵀ and E·[V|1] in full, the mask applied after; the backward twice that).
+// N = 1024 and 2048 (the forward alone at 4096 and 8192), GFLOP/s by the
+// products it runs (forward 2·H·N²·(D + M + 1): Q Kᵀ and E·[V|1] in full, the
+// mask applied after; the backward twice that), and the forward's extra memory.
 // --chained times a training step over one sequence of N = 16384 in four
 // blocks of 4096 (as truncated backpropagation runs it): each block's forward
 // through the state, then the blocks' backward last first, each handing ∂ of
@@ -120,19 +121,30 @@ void rate(std::size_t n, int reps) {
              2 * flops / bwd / 1e6, fwd, flops / fwd / 1e6, fwd_tape, bwd_tape, 2 * flops / bwd_tape / 1e6,
              (fwd + bwd) / (fwd_tape + bwd_tape));
 }
-// Causal softmax at B = 1, H = 8, N = n: forward and backward into reused buffers.
-void rate_softmax(std::size_t n, int reps) {
+// Causal softmax at B = 1, H = 8, N = n: forward and backward into reused
+// buffers (the backward up to N = backward_max), and the forward's extra
+// memory (cpu::memory().peak of a first call, nothing cached before it).
+void rate_softmax(std::size_t n, int reps, std::size_t backward_max) {
   auto plan = compile(normalize(causal(exp(Q * transpose(K) * 0.125))) * V);
   io x(n);
-  auto buffers = gradient_buffers(plan, x.dout, Q = x.q, K = x.k, V = x.v);
-  auto& into = buffers.second;  // (not a structured binding: Clang 14 captures none in lambdas)
   auto &q = x.q, &k = x.k, &v = x.v, &dout = x.dout;
   std::size_t const heads = x.heads;
-  auto o = cpu::evaluate(plan, Q = q, K = k, V = v);
+  tensor<float> o({1, heads, n, 64});
+  cpu::release_cached_memory();
+  cpu::memory().reset();
+  cpu::evaluate_into(plan, o.view(), Q = q, K = k, V = v);
+  double const mib = double(cpu::memory().peak) / (1 << 20);
   double fwd = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), Q = q, K = k, V = v); });
-  double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); });
   double flops = 2.0 * double(heads) * double(n) * double(n) * (64 + 65);
-  fmt::print("{:>6} | {:>9.2f} {:>8.1f} | {:>9.2f} {:>8.1f}\n", n, fwd, flops / fwd / 1e6, bwd, 2 * flops / bwd / 1e6);
+  if (n > backward_max) {
+    fmt::print("{:>6} | {:>9.2f} {:>8.1f} {:>9.1f} | {:>9} {:>8}\n", n, fwd, flops / fwd / 1e6, mib, "-", "-");
+    return;
+  }
+  auto buffers = gradient_buffers(plan, dout, Q = q, K = k, V = v);
+  auto& into = buffers.second;  // (not a structured binding: Clang 14 captures none in lambdas)
+  double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); });
+  fmt::print("{:>6} | {:>9.2f} {:>8.1f} {:>9.1f} | {:>9.2f} {:>8.1f}\n", n, fwd, flops / fwd / 1e6, mib, bwd,
+             2 * flops / bwd / 1e6);
 }
 // FAVOR+ (m = 64 random features of D = 64) at B = 1, H = 8, N = n: the
 // forward, the backward into reused buffers (∂W included), and both through a tape.
@@ -224,9 +236,11 @@ int main(int argc, char** argv) {
   }
   if (softmax) {
     fmt::print("causal softmax attention (quadratic), B=1 H=8 D=M=64 float, {} threads, into reused buffers\n", threads);
-    fmt::print("{:>6} | {:>9} {:>8} | {:>9} {:>8}\n", "N", "fwd ms", "GFLOP/s", "bwd ms", "GFLOP/s");
-    rate_softmax(1024, reps);
-    rate_softmax(2048, std::max(1, reps / 4));
+    fmt::print("{:>6} | {:>9} {:>8} {:>9} | {:>9} {:>8}\n", "N", "fwd ms", "GFLOP/s", "fwd MiB", "bwd ms", "GFLOP/s");
+    rate_softmax(1024, reps, 2048);
+    rate_softmax(2048, std::max(1, reps / 4), 2048);
+    rate_softmax(4096, std::max(1, reps / 8), 2048);
+    rate_softmax(8192, std::max(1, reps / 16), 2048);
     return 0;
   }
   if (favor_rates) {

@@ -4,7 +4,8 @@
 // a few vectors and tiles, A in both layouts (the products of non-causal
 // plans read φ(K)ᵀ, a transposed view), B not contiguous, accumulate or not;
 // with known zeros (a triangle of A zero, only out's lower triangle wanted:
-// the masked products of softmax) in half of the trials.
+// the masked products of softmax; their diagonals on the first column or
+// right of it) in half of the trials.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -34,9 +35,14 @@ void check_random_products(std::uint64_t seed, int trials, idx largest) {
     if (r.next() % 2) {
       zeros.a = static_cast<cpu::kernels::triangle>(r.next() % 3);
       zeros.lower_out = r.next() % 2;
+      if (r.next() % 2) {  // diagonals right of the first column (a block of query rows' scores)
+        zeros.a_diagonal = static_cast<idx>(r.in(0, 20));
+        zeros.out_diagonal = static_cast<idx>(r.in(0, 20));
+      }
     }
     CONTEXT(n, k, c, at, bt, accumulate);
-    CONTEXT(static_cast<int>(zeros.a), zeros.lower_out);
+    CONTEXT(static_cast<int>(zeros.a), zeros.lower_out, zeros.a_diagonal, zeros.out_diagonal);
+    idx const oa = zeros.a_diagonal, oo = zeros.out_diagonal;
     std::vector<T> av(static_cast<std::size_t>(n * k) + 1), bv(static_cast<std::size_t>(k * c) + 1);
     for (auto& x : av) x = static_cast<T>(uniform(r));
     for (auto& x : bv) x = static_cast<T>(uniform(r));
@@ -44,7 +50,8 @@ void check_random_products(std::uint64_t seed, int trials, idx largest) {
     auto a = at ? cpu::view<T>(av.data(), n, k, 1, n) : cpu::view<T>(av.data(), n, k, k, 1);
     for (idx i = 0; i < n; ++i)  // the triangle gemm is told is zero
       for (idx p = 0; p < k; ++p)
-        if ((zeros.a == cpu::kernels::triangle::lower && p > i) || (zeros.a == cpu::kernels::triangle::upper && p < i))
+        if ((zeros.a == cpu::kernels::triangle::lower && p > i + oa) ||
+            (zeros.a == cpu::kernels::triangle::upper && p < i - oa))
           av[static_cast<std::size_t>(at ? p * n + i : i * k + p)] = 0;
     auto b = bt ? cpu::view<T>(bv.data(), k, c, 1, k) : cpu::view<T>(bv.data(), k, c, c, 1);
     idx ldo = c + 3;  // rows of out further apart than its columns
@@ -62,7 +69,7 @@ void check_random_products(std::uint64_t seed, int trials, idx largest) {
           mag += std::abs(static_cast<long double>(a(i, p)) * b(p, j));
         }
         double bound = double(k + 2) * std::numeric_limits<T>::epsilon() * double(mag) + std::numeric_limits<T>::min();
-        if (zeros.lower_out && j > i) {  // not wanted: written as zero
+        if (zeros.lower_out && j > i + oo) {  // not wanted: written as zero
           ok = ok && ov[static_cast<std::size_t>(i * ldo + j)] == T(0);
           continue;
         }

@@ -70,9 +70,20 @@ TEST_CASE("the slices of one call reuse their thread's memory") {
   CHECK(allocations(16) <= threads * one);  // not 16x: each thread's later slices take the first's buffers
 }
 
-TEST_CASE("the counters see the quadratic plan's N x N similarity") {
-  std::size_t n = 1000;
-  CHECK(largest_allocation(compile<order::quadratic>(attn), n) == n * n * sizeof(float));
+TEST_CASE("the quadratic forward makes its scores a block of query rows at a time (N x N on the simple path)") {
+  if (cpu::current_path() == cpu::path::simple) {  // the oracle runs plans whole: the counters see N x N
+    std::size_t n = 1000;
+    CHECK(largest_allocation(compile<order::quadratic>(attn), n) == n * n * sizeof(float));
+    return;
+  }
+  for (std::size_t n : {1000u, 4000u}) {
+    CAPTURE(n);
+    std::size_t const rows = cpu::row_blocks::rows_per_block(n);
+    CHECK(rows < n);
+    std::size_t const largest = largest_allocation(compile<order::quadratic>(attn), n);
+    CHECK(largest <= rows * n * sizeof(float));  // a block's scores: its rows x the keys it reads
+    CHECK(4 * largest >= rows * n * sizeof(float));  // (and they are counted)
+  }
 }
 
 namespace {

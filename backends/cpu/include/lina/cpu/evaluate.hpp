@@ -33,6 +33,7 @@
 #include "lina/cpu/kernels.hpp"
 #include "lina/cpu/matrix.hpp"
 #include "lina/cpu/path.hpp"
+#include "lina/cpu/row_blocks.hpp"
 #include "lina/cpu/state.hpp"
 #include "lina/detail/each_lane.hpp"
 #include "lina/detail/exp.hpp"
@@ -831,6 +832,10 @@ class program {
       if (m == last) return widest;
     }
   }
+  // Where step j's diagonal lies: j_diag = i + its columns less its rows (0
+  // for a square matrix; r0 for the R x (r0 + R) scores of a block of query
+  // rows from r0, row_blocks.hpp).
+  index diagonal(std::size_t j) const { return extent_[j][1] - extent_[j][0]; }
   // Row i of group First ... Last from `in` (the source's row i, contiguous,
   // `cols` wide) into `dst`, each member after the other between two rows of
   // `work` (2 x widest), so its intermediate rows are never stored.
@@ -859,7 +864,7 @@ class program {
         // mask drops the others before anything reads across them (lower_read;
         // their exp may overflow and is not made).
         constexpr bool masked = lower_read<M>();
-        index kept = masked ? std::max<index>(0, std::min(i + 1, cols)) : cols;
+        index kept = masked ? std::max<index>(0, std::min(i + 1 + diagonal(M), cols)) : cols;
         T m = exponents::shift_of(cur, kept);  // (x − 0 is x: an unshifted row is exp as written)
         lina::detail::each_lane(to, kept, [cur, m](index j) { return lina::detail::exp(cur[j] - m); });
         std::fill(to + kept, to + cols, T(0));
@@ -867,8 +872,8 @@ class program {
       } else if constexpr (rule == exponents::rule::ends) {
         row<Op>::run(exponents::with_eps_scaled(o, r), i, cur, cols, to);
         r = 0;
-      } else if constexpr (is_causal_op<Op>) {  // (its decay may be the head's)
-        row<Op>::run(o, head, i, cur, cols, to);
+      } else if constexpr (is_causal_op<Op>) {  // (its decay may be the head's; row i's diagonal is at i + offset)
+        row<Op>::run(o, head, i + diagonal(M), cur, cols, to);
       } else {
         row<Op>::run(o, i, cur, cols, to);
         if constexpr (std::is_same_v<Op, op::append_ones>)
@@ -1051,7 +1056,12 @@ class program {
     using ops = typename S::template operands<J>;
     matrix<T> a = operand<lina::detail::type_at_t<0, ops>>(slot, w);
     matrix<T> b = operand<lina::detail::type_at_t<1, ops>>(slot, w);
-    constexpr kernels::product_zeros zeros{triangle_of<lina::detail::type_at_t<0, ops>, true>(), lower_only<J>()};
+    constexpr kernels::triangle at = triangle_of<lina::detail::type_at_t<0, ops>, true>();
+    // (diagonals: a lower triangle's lies its columns less its rows right of
+    // the first column, `diagonal`; an upper one, a lower one's transpose, its
+    // rows less its columns)
+    kernels::product_zeros const zeros{at, lower_only<J>(), at == kernels::triangle::upper ? a.rows - a.cols : a.cols - a.rows,
+                                       diagonal(J)};
     [[maybe_unused]] T const* rows_exp = nullptr;
     lease ma, mb;
     if constexpr (with_exp) {
@@ -1377,6 +1387,26 @@ class program {
   std::array<std::array<index, 2>, steps> extent_{};  // each step's rows and columns (step_extent)
 };
 
+// The position of the input named Name in a list of inputs.
+template <fixed_string Name, class... I>
+constexpr std::size_t index_named(lina::detail::type_list<I...>) {
+  constexpr std::array<bool, sizeof...(I) + 1> named{(I::name == Name)..., true};
+  std::size_t k = 0;
+  while (!named[k]) ++k;
+  return k;
+}
+// Dimension X's extent in a block of `rows` query rows reading `keys` keys
+// of the sequence dimension Nd (others: the whole plan's).
+template <class X, class Nd, class Table>
+std::size_t block_extent(Table const& t, std::size_t rows, std::size_t keys) {
+  if constexpr (std::is_same_v<X, row_blocks::query_rows<Nd>>)
+    return rows;
+  else if constexpr (std::is_same_v<X, row_blocks::key_rows<Nd>>)
+    return keys;
+  else
+    return t.template get<X>();
+}
+
 // Run a select-free plan over every (batch, head) slice.
 template <class T, class Plan, class Bound, std::size_t Outputs>
 void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Outputs> outs, state<T>* st = nullptr,
@@ -1430,9 +1460,79 @@ void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Ou
     if (spare[k].size()) copy_elements<T>(spare[k].view(), callers[k]);
 }
 
+// A quadratic plan in blocks of query rows (row_blocks.hpp): every (block,
+// slice) pair runs the block plan, in parallel (the last rows first: with a
+// mask they read the most keys, so what a thread's first pair takes from its
+// arena fits every later one; and the larger pairs start first). False where
+// it runs whole instead: the simple path (the oracle), a sequence of one
+// block, an output in memory an input may share (a block would overwrite rows
+// a later block reads), or one that reaches an element twice (run_slices
+// says so).
+template <class T, class P, class Bound>
+bool run_row_blocks(P const& plan, Bound const& in, tensor_view<T> out) {
+  using Nd = typename P::shape::rows;
+  using blocks_of = decltype(row_blocks::block_plan(plan));
+  using block_bound = bound_inputs<inputs_of<blocks_of>, dims_of<blocks_of>, typename Bound::view_type>;
+  std::size_t const n = in.table.template get<Nd>(), r = row_blocks::rows_per_block(n);
+  if (current_path() == path::simple || n <= r || lina::detail::overlaps_itself(out)) return false;
+  for (auto const& v : in.views)
+    if (lina::detail::may_share_memory(out, v)) return false;
+  check_head_decays(plan, in.heads);  // (before the threads: it throws)
+  auto const blocked = row_blocks::block_plan(plan);
+  constexpr bool cut_keys = row_blocks::verdict_of<P>().masks;
+  // Block x's bindings: its query rows of the inputs read as queries, the keys
+  // up to its last row (with a mask) or all of them of those read as keys.
+  auto bindings = [&](std::size_t r0, std::size_t rows) {
+    std::size_t const keys = cut_keys ? r0 + rows : n;
+    block_bound b;
+    b.batch = in.batch;
+    b.heads = in.heads;
+    [&]<class... I>(lina::detail::type_list<I...>) {
+      std::size_t k = 0;
+      ((b.views[k++] = [&] {
+         auto const& v = in.views[index_named<I::name>(typename Bound::inputs{})];
+         if constexpr (std::is_same_v<typename I::rows, row_blocks::query_rows<Nd>>)
+           return v.rows(r0, rows);
+         else if constexpr (std::is_same_v<typename I::rows, row_blocks::key_rows<Nd>>)
+           return v.rows(0, keys);
+         else
+           return v;
+       }()),
+       ...);
+    }(typename block_bound::inputs{});
+    [&]<class... X>(lina::detail::type_list<X...>) {
+      ((b.table.value[block_bound::table_type::template index_of<X>()] = block_extent<X, Nd>(in.table, rows, keys)),
+       ...);
+    }(dims_of<blocks_of>{});
+    return b;
+  };
+  cached_workspace<T> per_call;
+  workspace<T>& ws = *per_call.get();
+#ifdef _OPENMP
+  ws.begin(static_cast<std::size_t>(omp_get_max_threads()));
+  [[maybe_unused]] bool const threads = !omp_in_parallel();  // (read by the pragma alone)
+#else
+  ws.begin(1);
+#endif
+  long const slices = static_cast<long>(in.batch * in.heads), blocks = static_cast<long>((n + r - 1) / r);
+#pragma omp parallel for schedule(dynamic, 1) if (threads)
+  for (long t = 0; t < blocks * slices; ++t) {
+    std::size_t const r0 = static_cast<std::size_t>(blocks - 1 - t / slices) * r, rows = std::min(r, n - r0);
+    auto const bh = static_cast<std::size_t>(t % slices);
+    block_bound const b = bindings(r0, rows);
+    program<T, blocks_of, block_bound, 1> prog(blocked, b, std::array{out.rows(r0, rows)}, nullptr, ws, true);
+    prog.run(bh / in.heads, bh % in.heads);
+  }
+  return true;
+}
+
 template <class T, class Plan, class Bound>
 void evaluate_slices(Plan const& plan, Bound const& in, tensor_view<T> out) {
-  with_resolved_plan(plan, in.table, [&](auto const& p) { run_slices<T>(p, in, std::array{out}); });
+  with_resolved_plan(plan, in.table, [&](auto const& p) {
+    if constexpr (row_blocks::eligible<std::remove_cvref_t<decltype(p)>>())
+      if (run_row_blocks<T>(p, in, out)) return;
+    run_slices<T>(p, in, std::array{out});
+  });
 }
 }  // namespace detail
 

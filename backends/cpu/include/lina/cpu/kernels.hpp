@@ -673,14 +673,18 @@ void scan_contract_split(matrix<T> const& a, matrix<T> const& b, matrix<T> const
 }
 
 // Where a product's zeros are known (a causal mask made them): which
-// triangle of A may be non-zero (lower: A_ik = 0 for k > i; upper: for
-// k < i), and whether only out's lower triangle (j <= i) is wanted, the rest
-// then being written as zeros. gemm skips the terms and tiles that are zero
-// or unwanted: about half of an N x N product.
+// triangle of A may be non-zero (lower: A_ik = 0 for k > i + a_diagonal;
+// upper: for k < i - a_diagonal), and whether only out's lower triangle
+// (j <= i + out_diagonal) is wanted, the rest then being written as zeros.
+// The diagonals' offsets are 0 for the square scores of a whole plan; the
+// scores of a block of query rows from r0 against the keys up to its last
+// row have theirs r0 columns right (cpu/row_blocks.hpp). gemm skips the
+// terms and tiles that are zero or unwanted: about half of an N x N product.
 enum class triangle { full, lower, upper };
 struct product_zeros {
   triangle a = triangle::full;
   bool lower_out = false;
+  index a_diagonal = 0, out_diagonal = 0;
   bool any() const { return a != triangle::full || lower_out; }
 };
 
@@ -773,11 +777,12 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
   T* o0 = out.row_mut(0);
   // The terms [kb, ke) a tile of `rows` rows from row i sums, of the block [0, kn)
   // from term p0, when its strip starts at column j0 (none: kb >= ke).
-  auto terms = [&zeros](index i, index rows, index p0, index kn, index j0) {
+  index const oa = zeros.a_diagonal, oo = zeros.out_diagonal;
+  auto terms = [&zeros, oa, oo](index i, index rows, index p0, index kn, index j0) {
     index kb = 0, ke = kn;
-    if (zeros.a == triangle::lower) ke = std::min(kn, i + rows - p0);
-    if (zeros.a == triangle::upper) kb = std::max(index{0}, i - p0);
-    if (zeros.lower_out && j0 >= i + rows) ke = kb;
+    if (zeros.a == triangle::lower) ke = std::max(index{0}, std::min(kn, i + rows + oa - p0));
+    if (zeros.a == triangle::upper) kb = std::max(index{0}, i - oa - p0);
+    if (zeros.lower_out && j0 >= i + rows + oo) ke = kb;
     return std::pair{kb, ke};
   };
   // Rows [i0, i1) of out, k in blocks of `block` rows of B (which then stay in
@@ -817,8 +822,8 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
     }
     if (zeros.lower_out)  // (zeroed first: tiles end at most R rows and a strip past the diagonal)
       for (index i = i0; i < i1; ++i)
-        std::fill(out.row_mut(i) + std::min(c, i + 1), out.row_mut(i) + (zero_first ? std::min(c, i + R + V * L) : c),
-                  T(0));
+        std::fill(out.row_mut(i) + std::clamp<index>(i + 1 + oo, 0, c),
+                  out.row_mut(i) + (zero_first ? std::clamp<index>(i + R + V * L + oo, 0, c) : c), T(0));
   };
 #ifdef _OPENMP
   // rows in blocks of whole tiles over idle threads, when there is work for them
@@ -831,7 +836,7 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
     std::vector<double> upto(static_cast<std::size_t>(blocks) + 1, 0.0);
     for (index x = 0; x < blocks; ++x) {
       auto [kb, ke] = zeros.a == triangle::full ? std::pair{index{0}, k} : terms(x * R, R, 0, k, 0);
-      index cols = zeros.lower_out ? std::min(c, (x + 1) * R) : c;
+      index cols = zeros.lower_out ? std::clamp<index>((x + 1) * R + oo, 0, c) : c;
       upto[x + 1] = upto[x] + double(std::max(index{0}, ke - kb)) * double(cols) + 1;
     }
     auto cut = [&](int t) {  // the first block of part t
