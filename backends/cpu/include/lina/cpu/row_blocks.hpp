@@ -36,32 +36,26 @@
 
 namespace lina::cpu::row_blocks {
 
-// A block's query rows, and the keys it reads, of the sequence dimension D.
-template <class D>
-struct query_rows {
-  static constexpr bool is_static = false;
-  static constexpr std::size_t static_extent = dynamic_extent;
-  using bases = lina::detail::type_list<query_rows>;
-  template <class Source>
-  static constexpr auto extent(Source const& s) {
-    return s.template get<query_rows>();
-  }
-  static std::string label() { return D::label() + " (a block's rows)"; }
-};
-template <class D>
-struct key_rows {
-  static constexpr bool is_static = false;
-  static constexpr std::size_t static_extent = dynamic_extent;
-  using bases = lina::detail::type_list<key_rows>;
-  template <class Source>
-  static constexpr auto extent(Source const& s) {
-    return s.template get<key_rows>();
-  }
-  static std::string label() { return D::label() + " (a block's keys)"; }
-};
-
 // What a node's rows or columns run over.
 enum class role { other, query, key };
+
+// A block's query rows (R = query), or the keys it reads (R = key), of the
+// sequence dimension D: dimensions of their own, looked up in a block's table.
+template <class D, role R>
+struct block_dim {
+  static constexpr bool is_static = false;
+  static constexpr std::size_t static_extent = dynamic_extent;
+  using bases = lina::detail::type_list<block_dim>;
+  template <class Source>
+  static constexpr auto extent(Source const& s) {
+    return s.template get<block_dim>();
+  }
+  static std::string label() { return D::label() + (R == role::query ? " (a block's rows)" : " (a block's keys)"); }
+};
+template <class D>
+using query_rows = block_dim<D, role::query>;
+template <class D>
+using key_rows = block_dim<D, role::key>;
 
 // What the walk found of a node: ok (the node qualifies), kept (its values
 // where a block keeps them are those of the whole plan when the keys are
@@ -71,15 +65,18 @@ struct verdict {
   bool ok = false, kept = false, masked = false, masks = false;
 };
 
-template <class Op>
-inline constexpr bool sums_rows = std::is_same_v<Op, op::normalize> || std::is_same_v<Op, op::row_divide>;
+// Row-wise ops of the forward: those that keep a matrix's shape (and of
+// them, those that keep its zeros: a mask's stays), and those that add or
+// drop a column (on rows of features, never of scores); two sum a row.
 template <class Op>
 inline constexpr bool keeps_mask = std::is_same_v<Op, op::scale> || std::is_same_v<Op, op::normalize>;
 template <class Op>
-inline constexpr bool column_wise = std::is_same_v<Op, op::exp> || keeps_mask<Op>;  // (scale, normalize, exp)
+inline constexpr bool keeps_shape = std::is_same_v<Op, op::exp> || keeps_mask<Op>;
 template <class Op>
 inline constexpr bool on_columns = std::is_same_v<Op, op::append_ones> || std::is_same_v<Op, op::row_divide> ||
                                    std::is_same_v<Op, op::drop_last>;
+template <class Op>
+inline constexpr bool sums_rows = std::is_same_v<Op, op::normalize> || std::is_same_v<Op, op::row_divide>;
 template <class Op>
 inline constexpr bool is_phi = false;
 template <class Map>
@@ -112,7 +109,7 @@ constexpr verdict check(node<Op, K...> const*) {
   } else if constexpr (is_causal_op<Op>) {
     verdict k = check_of<Nd, R, C, K0>();
     return {k.ok && R == role::query && C == role::key, k.kept, true, true};
-  } else if constexpr (column_wise<Op> || on_columns<Op>) {
+  } else if constexpr (keeps_shape<Op> || on_columns<Op>) {
     verdict k = check_of<Nd, R, C, K0>();
     bool across = sums_rows<Op> && C == role::key;  // a sum over the row's keys
     return {k.ok && (!on_columns<Op> || C == role::other), k.kept && (!across || k.masked),
@@ -144,12 +141,10 @@ constexpr verdict verdict_of() {
 template <class Nd, role R, role C, class Op, class... K>
 constexpr auto rename(node<Op, K...> const& n) {
   if constexpr (is_input_op_v<Op>) {
-    if constexpr (R == role::query)
-      return make_node(op::input<Op::name, query_rows<Nd>, typename Op::cols>{});
-    else if constexpr (R == role::key)
-      return make_node(op::input<Op::name, key_rows<Nd>, typename Op::cols>{});
-    else
+    if constexpr (R == role::other)
       return n;
+    else
+      return make_node(op::input<Op::name, block_dim<Nd, R>, typename Op::cols>{});
   } else if constexpr (std::is_same_v<Op, op::transpose>) {
     return make_node(n.op, rename<Nd, C, R>(kid<0>(n)));
   } else if constexpr (std::is_same_v<Op, op::product>) {
