@@ -1387,13 +1387,10 @@ class program {
   std::array<std::array<index, 2>, steps> extent_{};  // each step's rows and columns (step_extent)
 };
 
-// The position of the input named Name in a list of inputs.
+// The position of the input named Name in a list of inputs (bind's rule for bindings).
 template <fixed_string Name, class... I>
 constexpr std::size_t index_named(lina::detail::type_list<I...>) {
-  constexpr std::array<bool, sizeof...(I) + 1> named{(I::name == Name)..., true};
-  std::size_t k = 0;
-  while (!named[k]) ++k;
-  return k;
+  return lina::detail::binding_position<Name, I...>();
 }
 // Dimension X's extent in a block of `rows` query rows reading `keys` keys
 // of the sequence dimension Nd (others: the whole plan's).
