@@ -742,7 +742,10 @@ class program {
         kernels::scan_rows_split(a_.rows(), b_.rows(), c_.rows(), sink, rows, sums_, reverse, parts, sec);
       } else {
         lease space(ws_, w.arena, kernels::scan_scratch_size<T>(rows, a_.rows(), b_.rows(), c_.rows(), sink, sec));
-        kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec, decay);
+        if constexpr (scan_decays<J>())
+          kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec, decay);
+        else  // (no decayed kernels compiled for a plan without one)
+          kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec);
       }
     };
     with_sink<J>(slot, direct, w, c.cols(), [&](auto const& sink) {
@@ -771,10 +774,16 @@ class program {
       }
     });
   }
-  // The decay of scan step J's running sums in head h (1: none).
+  // The decay of scan step J's running sums in head h (1: none), and whether
+  // its mask has one at all (else it is 1 whatever the head).
   template <std::size_t J>
   T scan_decay(std::size_t h) const {
     return static_cast<T>(kid<1>(S::template node_at<J>(plan_)).op.at(h));
+  }
+  template <std::size_t J>
+  static constexpr bool scan_decays() {
+    using scan = std::remove_cvref_t<decltype(kid<1>(S::template node_at<J>(std::declval<Plan const&>())))>;
+    return !std::is_base_of_v<op::no_decay, typename scan::op_type>;  // (prefix_scan_t<Decay> is a Decay)
   }
   // Do two operands hold the same rows: the same, or twins whose values are equal (shared)?
   template <class O1, class O2>

@@ -465,10 +465,18 @@ std::size_t scan_scratch_size(matrix<T> const& b, matrix<T> const& c) {  // into
 //
 // With a second (x, out2), a dual scan: out2's row i = S_i x_i as well (S_i's
 // columns contracted with x_i: b's width), from the same state updates.
-// decay != 1: a decayed scan (fade).
-template <bool Outputs = true, class T, class A, class B, class C, class Out, class Second = no_second>
+// decay != 1: a decayed scan (fade). A scan that never decays passes no
+// decay (unit_decay): the decayed kernels, half of the strip kernels, are then
+// not instantiated, which a plan without a decay would otherwise compile for
+// nothing (each scan's code, per plan and dtype, in every translation unit).
+struct unit_decay {};
+template <bool Outputs = true, class T, class A, class B, class C, class Out, class Second = no_second,
+          class Decay = unit_decay>
 void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, index hi, T* state, bool reverse,
-               T* scratch, Second const& sec = {}, T decay = 1) {
+               T* scratch, Second const& sec = {}, Decay const decay_or_unit = {}) {
+  constexpr bool decays = !std::is_same_v<Decay, unit_decay>;
+  T decay = 1;
+  if constexpr (decays) decay = decay_or_unit;
   using shape = detail::scan_tile_shape<T>;
   using vec = typename shape::vec;
   constexpr int P = shape::rows, L = shape::lanes, V = shape::vectors;
@@ -537,14 +545,22 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
           detail::scan_column<vec, Outputs, Sums, Dual, F>(state, da, db, q0, ra, lda, rb, ldb, rc, ldc, po, ldo, m, d,
                                                            decay);
       };
-      if (decay != T(1) && reverse)
-        strips.template operator()<detail::sums::one_level, detail::fade::after>();
-      else if (decay != T(1))
-        strips.template operator()<detail::sums::one_level, detail::fade::before>();
-      else if (n > two_level_rows<T>)
-        strips.template operator()<detail::sums::two_level>();
-      else
-        strips.template operator()<detail::sums::one_level>();
+      auto undecayed = [&] {
+        if (n > two_level_rows<T>)
+          strips.template operator()<detail::sums::two_level>();
+        else
+          strips.template operator()<detail::sums::one_level>();
+      };
+      if constexpr (decays) {
+        if (decay == T(1))
+          undecayed();
+        else if (reverse)
+          strips.template operator()<detail::sums::one_level, detail::fade::after>();
+        else
+          strips.template operator()<detail::sums::one_level, detail::fade::before>();
+      } else {
+        undecayed();
+      }
     }
     if (Outputs && !out_rows) out.take(first, m, reverse, po, lay.ldc, work);
     if constexpr (Dual) detail::hand_rows(sec.out, first, m, reverse, static_cast<T const*>(po2), ldab, da, work);
