@@ -1,10 +1,10 @@
 // Quadratic plans in blocks of query rows (lina/cpu/row_blocks.hpp): the
-// fast path runs a softmax or quadratic plan's forward a block of Q's rows at
-// a time, reading only the keys up to the block's last row under a mask; the
-// simple path, its oracle, runs it whole (and the fast path does, in one
-// block: the same bits). Both in one process, over signed inputs, strided
-// [B,N,H,D] views, N = 0, 1, around and past the block, and block heights
-// that divide nothing.
+// fast path runs a softmax or quadratic plan's forward and backward a block of
+// Q's rows at a time, reading only the keys up to the block's last row under a
+// mask (the backward adding up the blocks' ∂K, ∂V and ∂W); the simple path, its
+// oracle, runs it whole (and the fast path does, in one block: the forward's
+// bits). Both in one process, over signed inputs, strided [B,N,H,D] views,
+// N = 0, 1, around and past the block, and block heights that divide nothing.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -95,6 +95,124 @@ TEST_CASE_TEMPLATE("quadratic linear attention in blocks of query rows = whole: 
   blocks_agree_with_whole<T>(compile<order::quadratic>(causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V), 5, qkv);
   auto favor_full = normalize(phi<favor>(Q, W) * transpose(phi<favor>(K, W))) * V;
   blocks_agree_with_whole<T>(compile<order::quadratic>(favor_full), 6, qkvw);
+}
+
+namespace {
+// The gradients of the plan in blocks (heights 1, 7, 16, automatic) against
+// the whole plan's on both paths, into [B,N,H,D] views through gradient_into;
+// the gradients of inputs read as queries are the whole fast plan's bits (each
+// row's sums are the whole plan's), the sums over blocks (∂K, ∂V, ∂W) agree to
+// rounding. Returns the largest temporary of the automatic height at the last N.
+template <class T, bool with_w = false, class Plan>
+std::size_t gradient_blocks_agree_with_whole(Plan const& plan, std::uint64_t seed) {
+  static_assert(cpu::row_blocks::eligible<Plan>(), "the plan runs in blocks");
+  restore guard;
+  test::rng r{seed};
+  std::size_t largest = 0;
+  for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(17), test::length(r), std::size_t(1100)}) {
+    std::size_t b = r.in(1, 2), h = n > 200 ? 1 : r.in(1, 3), d = r.in(1, 12), m = r.in(1, 12);
+    CONTEXT(n, b, h, d, m);
+    auto q = bnhd_copy(tensor<T>::random({b, h, n, d}, r.next())), k = bnhd_copy(tensor<T>::random({b, h, n, d}, r.next()));
+    auto v = bnhd_copy(tensor<T>::random({b, h, n, m}, r.next())), dout = bnhd_copy(tensor<T>::random({b, h, n, m}, r.next()));
+    auto w = tensor<T>::random({b, h, d, 12}, r.next());
+    auto run = [&] {
+      auto g = cpu::gradient_views<T>(plan);
+      auto dq = bnhd_copy(tensor<T>({b, h, n, d})), dk = dq, dv = bnhd_copy(tensor<T>({b, h, n, m}));
+      tensor<T> dw({b, h, d, 12});
+      g[Q] = dq.view(), g[K] = dk.view(), g[V] = dv.view();
+      if constexpr (with_w) {
+        g[W] = dw.view();
+        cpu::gradient_into(plan, g, dout.view(), Q = q.view(), K = k.view(), V = v.view(), W = w.view());
+      } else {
+        cpu::gradient_into(plan, g, dout.view(), Q = q.view(), K = k.view(), V = v.view());
+      }
+      std::vector<tensor<T>> out;
+      for (auto* x : {&dq, &dk, &dv}) {
+        tensor<T> t({b, h, n, x->shape[3]});
+        for_each_index(t.shape(), [&](auto... i) { t(i...) = x->view()(i...); });
+        out.push_back(std::move(t));
+      }
+      if constexpr (with_w) out.push_back(std::move(dw));
+      return out;
+    };
+    cpu::use_path(cpu::path::simple);
+    auto const whole = run();
+    cpu::use_path(cpu::path::fast);
+    cpu::use_block_rows(n + 1);  // one block: the fast path's whole plan
+    auto const whole_fast = run();
+    for (std::size_t rows : {1u, 7u, 16u, 0u}) {
+      CONTEXT(rows);
+      cpu::use_block_rows(rows);
+      cpu::release_cached_memory();
+      cpu::memory().reset();
+      auto const got = run();
+      largest = cpu::memory().largest;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        CAPTURE(i);  // ∂Q, ∂K, ∂V, ∂W
+        double const bound = test::rounding_bound<T>(double(8 * n * (d + m) + 1), 1 + test::max_abs(whole[i]));
+        CHECK(max_abs_diff(got[i], whole[i]) <= bound);
+        if (i == 0)
+          CHECK(max_abs_diff(got[i], whole_fast[i]) == 0);
+        else
+          CHECK(max_abs_diff(got[i], whole_fast[i]) <= bound);
+      }
+    }
+  }
+  return largest;
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("gradients in blocks of query rows = whole: softmax, decays, elu+1, poly2, FAVOR+", T, float, double) {
+  std::size_t const n = 1100, rows = cpu::row_blocks::rows_per_block(n);
+  // (the largest temporary in blocks: a block's rows x N, where the whole backward's is N x N)
+  std::size_t const largest =
+      gradient_blocks_agree_with_whole<T>(compile(normalize(causal(exp(2.0 * (Q * transpose(K))))) * V), 21);
+  CHECK(largest <= rows * n * sizeof(T));
+  CHECK(largest < n * n * sizeof(T) / 2);
+  gradient_blocks_agree_with_whole<T>(compile(normalize(exp(0.5 * (Q * transpose(K)))) * V), 22);
+  gradient_blocks_agree_with_whole<T>(compile<order::quadratic>(causal(Q * transpose(K), decay{0.9}) * V), 23);
+  auto causal_elu = normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V;
+  gradient_blocks_agree_with_whole<T>(compile<order::quadratic>(causal_elu), 24);
+  gradient_blocks_agree_with_whole<T>(compile<order::quadratic>(causal(phi<poly2>(Q) * transpose(phi<poly2>(K))) * V),
+                                      25);
+  auto favor_causal = normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V;
+  gradient_blocks_agree_with_whole<T, true>(compile<order::quadratic>(favor_causal), 26);
+}
+
+TEST_CASE("gradients in blocks: NaN where the whole plan puts it, a gradient over an input runs whole") {
+  restore guard;
+  auto const plan = compile(normalize(causal(exp(Q * transpose(K)))) * V);
+  std::size_t const n = 50;
+  auto q = tensor<double>::random({1, 2, n, 6}, 30), k = tensor<double>::random({1, 2, n, 6}, 31),
+       v = tensor<double>::random({1, 2, n, 6}, 32), dout = tensor<double>::random({1, 2, n, 6}, 33);
+  v(0, 1, 20, 3) = std::numeric_limits<double>::quiet_NaN();  // every row from 20 on reads it
+  // (against the fast path whole, which skips the masked terms as the blocks
+  // do; the simple path multiplies them out, 0 · NaN, into rows before 20 too)
+  cpu::use_path(cpu::path::fast);
+  cpu::use_block_rows(n + 1);
+  auto const whole = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  cpu::use_block_rows(8);
+  auto const got = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  for (std::size_t h = 0; h < 2; ++h)
+    for (std::size_t i = 0; i < n; ++i) {
+      CAPTURE(h);
+      CAPTURE(i);
+      CHECK(std::isnan(got[Q](0, h, i, 0)) == std::isnan(whole[Q](0, h, i, 0)));
+      // (rows from 20 read it; a row before may meet it as 0 · NaN where a
+      // product's tile crosses the diagonal: as the whole plan's tiles do)
+      if (h == 0 || i >= 20) CHECK(std::isnan(got[Q](0, h, i, 0)) == (h == 1));
+      CHECK(std::isnan(got[K](0, h, i, 0)) == std::isnan(whole[K](0, h, i, 0)));
+      CHECK(std::isnan(got[V](0, h, i, 3)) == std::isnan(whole[V](0, h, i, 3)));
+    }
+  v(0, 1, 20, 3) = 0.5;
+  auto const want = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  // ∂V written over dout, which every block reads: the plan runs whole
+  auto into = cpu::gradient_views<double>(plan);
+  auto dq = tensor<double>({1, 2, n, 6}), dk = dq, d2 = dout;
+  into[Q] = dq.view(), into[K] = dk.view(), into[V] = d2.view();
+  cpu::gradient_into(plan, into, d2.view(), Q = q, K = k, V = v);
+  CHECK(max_abs_diff(dq, want[Q]) == 0);
+  CHECK(max_abs_diff(d2, want[V]) <= 1e-12);
 }
 
 TEST_CASE("a static sequence length runs in blocks too (its block plan's rows are dimensions of their own)") {

@@ -59,6 +59,7 @@ template <class Dims>
 struct extent_table;
 template <class... D>
 struct extent_table<lina::detail::type_list<D...>> {
+  using dims = lina::detail::type_list<D...>;
   static constexpr std::size_t size = sizeof...(D);
   std::array<std::size_t, size> value{};
   std::array<std::string, size> bound_by{};  // the input that set a dynamic extent

@@ -123,9 +123,14 @@ template <fixed_string Name, std::size_t E>
 inline constexpr bool is_dim_t<dim_t<Name, E>> = true;
 
 namespace concepts {
-// A dimension declared by the user: dim<"N"> or dim<"D", 64>.
+// A dimension whose extent a binding's table holds, its own one base: one
+// declared by the user, dim<"N"> or dim<"D", 64> (or a backend's of its own,
+// as the CPU's blocks of query rows). Not D + 1 or a feature map's width,
+// which follow from their bases.
 template <class T>
-concept base_dimension = is_dim_t<std::remove_cvref_t<T>>;
+concept base_dimension = requires { typename std::remove_cvref_t<T>::bases; } &&
+                         std::is_same_v<typename std::remove_cvref_t<T>::bases,
+                                        detail::type_list<std::remove_cvref_t<T>>>;
 }  // namespace concepts
 
 // Two dimensions are the same when they are the same type; pattern variables

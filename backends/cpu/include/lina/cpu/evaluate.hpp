@@ -1466,6 +1466,34 @@ void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Ou
     if (spare[k].size()) copy_elements<T>(spare[k].view(), callers[k]);
 }
 
+// The bindings of a block of `rows` query rows from r0 reading `keys` keys
+// (all of them, or with a mask those up to its last row): the inputs read
+// as queries cut to its rows, those read as keys to its keys, the others
+// whole (BlockBound: the block plan's bound inputs; Nd: the sequence).
+template <class BlockBound, class Nd, class Bound>
+BlockBound block_bindings(Bound const& in, std::size_t r0, std::size_t rows, std::size_t keys) {
+  BlockBound b;
+  b.batch = in.batch;
+  b.heads = in.heads;
+  [&]<class... I>(lina::detail::type_list<I...>) {
+    std::size_t k = 0;
+    ((b.views[k++] = [&] {
+       auto const& v = in.views[index_named<I::name>(typename Bound::inputs{})];
+       if constexpr (std::is_same_v<typename I::rows, row_blocks::query_rows<Nd>>)
+         return v.rows(r0, rows);
+       else if constexpr (std::is_same_v<typename I::rows, row_blocks::key_rows<Nd>>)
+         return v.rows(0, keys);
+       else
+         return v;
+     }()),
+     ...);
+  }(typename BlockBound::inputs{});
+  [&]<class... X>(lina::detail::type_list<X...>) {
+    ((b.table.value[BlockBound::table_type::template index_of<X>()] = block_extent<X, Nd>(in.table, rows, keys)), ...);
+  }(typename BlockBound::table_type::dims{});
+  return b;
+}
+
 // A quadratic plan in blocks of query rows (row_blocks.hpp): every (block,
 // slice) pair runs the block plan, in parallel (the last rows first: with a
 // mask they read the most keys, so what a thread's first pair takes from its
@@ -1486,32 +1514,6 @@ bool run_row_blocks(P const& plan, Bound const& in, tensor_view<T> out) {
   check_head_decays(plan, in.heads);  // (before the threads: it throws)
   auto const blocked = row_blocks::block_plan(plan);
   constexpr bool cut_keys = row_blocks::verdict_of<P>().masks;
-  // Block x's bindings: its query rows of the inputs read as queries, the keys
-  // up to its last row (with a mask) or all of them of those read as keys.
-  auto bindings = [&](std::size_t r0, std::size_t rows) {
-    std::size_t const keys = cut_keys ? r0 + rows : n;
-    block_bound b;
-    b.batch = in.batch;
-    b.heads = in.heads;
-    [&]<class... I>(lina::detail::type_list<I...>) {
-      std::size_t k = 0;
-      ((b.views[k++] = [&] {
-         auto const& v = in.views[index_named<I::name>(typename Bound::inputs{})];
-         if constexpr (std::is_same_v<typename I::rows, row_blocks::query_rows<Nd>>)
-           return v.rows(r0, rows);
-         else if constexpr (std::is_same_v<typename I::rows, row_blocks::key_rows<Nd>>)
-           return v.rows(0, keys);
-         else
-           return v;
-       }()),
-       ...);
-    }(typename block_bound::inputs{});
-    [&]<class... X>(lina::detail::type_list<X...>) {
-      ((b.table.value[block_bound::table_type::template index_of<X>()] = block_extent<X, Nd>(in.table, rows, keys)),
-       ...);
-    }(dims_of<blocks_of>{});
-    return b;
-  };
   cached_workspace<T> per_call;
   workspace<T>& ws = *per_call.get();
 #ifdef _OPENMP
@@ -1525,7 +1527,7 @@ bool run_row_blocks(P const& plan, Bound const& in, tensor_view<T> out) {
   for (long t = 0; t < blocks * slices; ++t) {
     std::size_t const r0 = static_cast<std::size_t>(blocks - 1 - t / slices) * r, rows = std::min(r, n - r0);
     auto const bh = static_cast<std::size_t>(t % slices);
-    block_bound const b = bindings(r0, rows);
+    auto const b = block_bindings<block_bound, Nd>(in, r0, rows, cut_keys ? r0 + rows : n);
     program<T, blocks_of, block_bound, 1> prog(blocked, b, std::array{out.rows(r0, rows)}, nullptr, ws, true);
     prog.run(bh / in.heads, bh % in.heads);
   }

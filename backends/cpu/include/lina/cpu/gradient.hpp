@@ -37,11 +37,13 @@ auto bind_backward(BP const& bp, D const& dout, B const&... bindings) {
   auto dview = view_of(dout);
   return bind<decltype(as_bundle(bp))>(bindings..., binding<cotangent_symbol, decltype(dview)>{dview});
 }
+// The type of gradient entry I of backward plan BP.
+template <class BP, std::size_t I>
+using entry_of = std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<BP const&>().entries))>;
 // Position in the bound inputs of the input gradient i is of.
 template <class BP, class Bound, std::size_t I>
 constexpr std::size_t gradient_input_index() {
-  using Entry = std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<BP const&>().entries))>;
-  return Bound::template input_index<typename Entry::input>();
+  return Bound::template input_index<typename entry_of<BP, I>::input>();
 }
 template <class BP>
 inline constexpr std::size_t gradient_count = decltype(hana::size(std::declval<BP const&>().entries))::value;
@@ -96,6 +98,110 @@ auto checked_gradient_views(Bound const& in, gradients<tensor_view<T>, In...>& i
                           " may share memory; give each gradient memory of its own");
   return outs;
 }
+
+// A quadratic plan's backward in blocks of query rows, as its forward
+// (row_blocks.hpp). The loss is a sum over the blocks, Σ_b dout_b · out_b, and
+// block b's rows are its block plan's output, so the gradients are the sums
+// of the block plans' gradients: ∂ of an input read as queries is written a
+// block of rows at a time; those of inputs read as keys (∂K, ∂V: the keys up
+// to the block's last row under a mask) or whole (a map's W) add up over the
+// blocks. A slice's blocks run in order (the last first) on one thread, so
+// every sum is made in one order (the same bits from run to run), and slices
+// run in parallel.
+// The scores of a block are R x N, as the forward's, where the whole backward
+// makes N x N matrices. False where the plan runs whole: as the forward's
+// (the simple path, one block, an output that reaches an element twice),
+// and a gradient in memory an input may share.
+template <class T, class BP, class P, class Bound, std::size_t G>
+bool run_gradient_blocks(P const& fwd, Bound const& in, std::array<tensor_view<T>, G> const& outs) {
+  using Nd = typename P::shape::rows;
+  auto const bundle = as_bundle(backward_of(row_blocks::block_plan(fwd)));
+  using BBP = std::remove_cvref_t<decltype(backward_of(row_blocks::block_plan(fwd)))>;
+  using bundle_t = std::remove_cvref_t<decltype(bundle)>;
+  using block_bound = bound_inputs<inputs_of<bundle_t>, dims_of<bundle_t>, typename Bound::view_type>;
+  static_assert([]<std::size_t... I>(std::index_sequence<I...>) {
+    return gradient_count<BBP> == G &&
+           ((entry_of<BBP, I>::input::name.view() == entry_of<BP, I>::input::name.view()) && ...);
+  }(std::make_index_sequence<G>{}), "lina::cpu: a block plan's gradients in another order than its plan's");
+  std::size_t const n = in.table.template get<Nd>(), r = row_blocks::rows_per_block(n);
+  if (current_path() == path::simple || n <= r) return false;
+  for (auto const& o : outs) {
+    if (lina::detail::overlaps_itself(o)) return false;
+    for (auto const& v : in.views)
+      if (lina::detail::may_share_memory(o, v)) return false;
+  }
+  check_head_decays(fwd, in.heads);  // (before the threads: it throws)
+  constexpr bool cut_keys = row_blocks::verdict_of<P>().masks;
+  constexpr std::array<bool, G> by_rows = []<std::size_t... I>(std::index_sequence<I...>) {
+    return std::array<bool, G>{std::is_same_v<typename entry_of<BBP, I>::input::rows, row_blocks::query_rows<Nd>>...};
+  }(std::make_index_sequence<G>{});
+  cached_workspace<T> per_call;
+  workspace<T>& ws = *per_call.get();
+#ifdef _OPENMP
+  ws.begin(static_cast<std::size_t>(omp_get_max_threads()));
+  [[maybe_unused]] bool const threads = !omp_in_parallel();  // (read by the pragma alone)
+#else
+  ws.begin(1);
+#endif
+  long const slices = static_cast<long>(in.batch * in.heads);
+#pragma omp parallel for schedule(dynamic, 1) if (threads)
+  for (long bh = 0; bh < slices; ++bh) {
+    std::size_t const b = static_cast<std::size_t>(bh) / in.heads, h = static_cast<std::size_t>(bh) % in.heads;
+    // The sums: a block's share of each in a buffer of its own (counted, as
+    // every temporary), added to the gradient's slice, zeroed first.
+    std::array<buffer<T>, G> share;
+    for (std::size_t k = 0; k < G; ++k)
+      if (!by_rows[k]) {
+        auto const s = outs[k].shape();
+        share[k] = buffer<T>(s[2] * s[3]);
+        for_each_index(shape4{1, 1, s[2], s[3]}, [&](std::size_t, std::size_t, std::size_t i, std::size_t j) {
+          outs[k](b, h, i, j) = T(0);
+        });
+      }
+    // (the last rows first: with a mask they read the most keys, so what the
+    // first block takes from the thread's arena fits every later one)
+    for (std::size_t x = (n + r - 1) / r; x-- > 0;) {
+      std::size_t const r0 = x * r, rows = std::min(r, n - r0);
+      auto const bound = block_bindings<block_bound, Nd>(in, r0, rows, cut_keys ? r0 + rows : n);
+      std::array<tensor_view<T>, G> block_outs;
+      std::array<std::size_t, G> extent{};  // the rows of each share
+      [&]<std::size_t... I>(std::index_sequence<I...>) {
+        auto one = [&]<std::size_t K>() {
+          if (by_rows[K]) {
+            block_outs[K] = outs[K].rows(r0, rows);
+          } else {
+            auto const& v = bound.views[block_bound::template input_index<typename entry_of<BBP, K>::input>()];
+            extent[K] = v.shape()[2];
+            auto const cols = static_cast<std::ptrdiff_t>(v.shape()[3]);
+            // (every slice at the same place: one slice of it is written per run)
+            block_outs[K] = tensor_view<T>(share[K].get(), {in.batch, in.heads, extent[K], v.shape()[3]}, {0, 0, cols, 1});
+          }
+        };
+        (one.template operator()<I>(), ...);
+      }(std::make_index_sequence<G>{});
+      program<T, bundle_t, block_bound, G> prog(bundle, bound, block_outs, nullptr, ws, true);
+      prog.run(b, h);
+      for (std::size_t k = 0; k < G; ++k)
+        if (!by_rows[k]) {
+          std::size_t const cols = outs[k].shape()[3];
+          for (std::size_t i = 0; i < extent[k]; ++i)
+            for (std::size_t j = 0; j < cols; ++j) outs[k](b, h, i, j) += share[k].get()[i * cols + j];
+        }
+    }
+  }
+  return true;
+}
+
+// Run backward plan bp's bundle into the gradient views: in blocks of query
+// rows where its forward qualifies (above), else whole.
+template <class T, class BP, class Bound, std::size_t G>
+void run_backward(BP const& bp, Bound const& in, std::array<tensor_view<T>, G> const& outs) {
+  bool done = false;
+  with_resolved_plan(bp.forward, in.table, [&](auto const& fwd) {
+    if constexpr (row_blocks::eligible<std::remove_cvref_t<decltype(fwd)>>()) done = run_gradient_blocks<T, BP>(fwd, in, outs);
+  });
+  if (!done) with_resolved_plan(as_bundle(bp), in.table, [&](auto const& p) { run_slices<T>(p, in, outs); });
+}
 }  // namespace detail
 
 // gradient(plan or backward_plan, dout, bindings...) -> gradients: g[Q], g[K], ...
@@ -108,7 +214,7 @@ auto gradient(P const& plan, D const& dout, B const&... bindings) {
   using T = typename decltype(in)::value_type;
   std::array<tensor_view<T>, detail::gradient_count<BP>> outs;
   auto g = detail::new_gradients<T, BP>(in, outs);
-  with_resolved_plan(as_bundle(bp), in.table, [&](auto const& p) { detail::run_slices<T>(p, in, outs); });
+  detail::run_backward<T>(bp, in, outs);
   return g;
 }
 
@@ -133,7 +239,7 @@ void gradient_into(P const& plan, gradients<tensor_view<T>, In...>& into, D cons
                 "lina::cpu::gradient_into: the gradient views and dout must have one element type");
   auto in = detail::bind_backward(bp, dout, bindings...);
   auto outs = detail::checked_gradient_views<BP>(in, into);
-  with_resolved_plan(as_bundle(bp), in.table, [&](auto const& p) { detail::run_slices<T>(p, in, outs); });
+  detail::run_backward<T>(bp, in, outs);
 }
 
 // ---- chained blocks ----
