@@ -335,10 +335,27 @@ class cached_workspace {  // one call's workspace, back to the pool at the end o
   cached_workspace(cached_workspace const&) = delete;
   ~cached_workspace() { workspace_pool<T>::instance().give(std::move(w_)); }
   workspace<T>* get() const { return w_.get(); }
+  // Begun with an arena per thread, for a call whose loop runs on the threads.
+  workspace<T>& per_thread() {
+#ifdef _OPENMP
+    w_->begin(static_cast<std::size_t>(omp_get_max_threads()));
+#else
+    w_->begin(1);
+#endif
+    return *w_;
+  }
 
  private:
   std::unique_ptr<workspace<T>> w_;
 };
+// Whether a parallel loop here gets threads of its own (not inside another's).
+inline bool outside_parallel() {
+#ifdef _OPENMP
+  return !omp_in_parallel();
+#else
+  return false;
+#endif
+}
 }  // namespace detail
 
 // Free the memory that finished calls keep for the next ones (detail::workspace_pool).
@@ -1440,12 +1457,7 @@ void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Ou
   std::optional<cached_workspace<T>> per_call;  // from the pool only when the caller brings none (a step does)
   bool per_thread = ws == nullptr;
   if (per_thread) {
-    ws = per_call.emplace().get();
-#ifdef _OPENMP
-    ws->begin(static_cast<std::size_t>(omp_get_max_threads()));
-#else
-    ws->begin(1);
-#endif
+    ws = &per_call.emplace().per_thread();
   } else {
     ws->begin(in.batch * in.heads);
   }
@@ -1515,13 +1527,8 @@ bool run_row_blocks(P const& plan, Bound const& in, tensor_view<T> out) {
   auto const blocked = row_blocks::block_plan(plan);
   constexpr bool cut_keys = row_blocks::verdict_of<P>().masks;
   cached_workspace<T> per_call;
-  workspace<T>& ws = *per_call.get();
-#ifdef _OPENMP
-  ws.begin(static_cast<std::size_t>(omp_get_max_threads()));
-  [[maybe_unused]] bool const threads = !omp_in_parallel();  // (read by the pragma alone)
-#else
-  ws.begin(1);
-#endif
+  workspace<T>& ws = per_call.per_thread();
+  [[maybe_unused]] bool const threads = outside_parallel();  // (read by the pragma alone)
   long const slices = static_cast<long>(in.batch * in.heads), blocks = static_cast<long>((n + r - 1) / r);
 #pragma omp parallel for schedule(dynamic, 1) if (threads)
   for (long t = 0; t < blocks * slices; ++t) {

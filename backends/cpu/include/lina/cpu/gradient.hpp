@@ -136,13 +136,8 @@ bool run_gradient_blocks(P const& fwd, Bound const& in, std::array<tensor_view<T
     return std::array<bool, G>{std::is_same_v<typename entry_of<BBP, I>::input::rows, row_blocks::query_rows<Nd>>...};
   }(std::make_index_sequence<G>{});
   cached_workspace<T> per_call;
-  workspace<T>& ws = *per_call.get();
-#ifdef _OPENMP
-  ws.begin(static_cast<std::size_t>(omp_get_max_threads()));
-  [[maybe_unused]] bool const threads = !omp_in_parallel();  // (read by the pragma alone)
-#else
-  ws.begin(1);
-#endif
+  workspace<T>& ws = per_call.per_thread();
+  [[maybe_unused]] bool const threads = outside_parallel();  // (read by the pragma alone)
   long const slices = static_cast<long>(in.batch * in.heads);
 #pragma omp parallel for schedule(dynamic, 1) if (threads)
   for (long bh = 0; bh < slices; ++bh) {
@@ -193,12 +188,18 @@ bool run_gradient_blocks(P const& fwd, Bound const& in, std::array<tensor_view<T
 }
 
 // Run backward plan bp's bundle into the gradient views: in blocks of query
-// rows where its forward qualifies (above), else whole.
+// rows where its forward qualifies (above) and is softmax-like (has an exp),
+// else whole. A quadratic order of linear attention runs whole: its linear
+// order needs O(N) memory, and an automatic plan takes the quadratic branch
+// only below the crossover (tens of rows), where a block is the whole plan;
+// its blocked backward would be code compiled for nothing (a CI build took
+// 250 CPU-seconds longer with it).
 template <class T, class BP, class Bound, std::size_t G>
 void run_backward(BP const& bp, Bound const& in, std::array<tensor_view<T>, G> const& outs) {
   bool done = false;
   with_resolved_plan(bp.forward, in.table, [&](auto const& fwd) {
-    if constexpr (row_blocks::eligible<std::remove_cvref_t<decltype(fwd)>>()) done = run_gradient_blocks<T, BP>(fwd, in, outs);
+    using F = std::remove_cvref_t<decltype(fwd)>;
+    if constexpr (contains_op<F, op::exp>() && row_blocks::eligible<F>()) done = run_gradient_blocks<T, BP>(fwd, in, outs);
   });
   if (!done) with_resolved_plan(as_bundle(bp), in.table, [&](auto const& p) { run_slices<T>(p, in, outs); });
 }
