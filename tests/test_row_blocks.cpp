@@ -1,7 +1,8 @@
 // Quadratic plans in blocks of query rows (lina/cpu/row_blocks.hpp): the
-// fast path runs a softmax or quadratic plan's forward and backward a block of
-// Q's rows at a time, reading only the keys up to the block's last row under a
-// mask (the backward adding up the blocks' ∂K, ∂V and ∂W); the simple path, its
+// fast path runs a softmax or quadratic plan's forward, and a softmax plan's
+// backward, a block of Q's rows at a time, reading only the keys up to the
+// block's last row under a mask (the backward adding up the blocks' ∂K, ∂V
+// and ∂W); the simple path, its
 // oracle, runs it whole (and the fast path does, in one block: the forward's
 // bits). Both in one process, over signed inputs, strided [B,N,H,D] views,
 // N = 0, 1, around and past the block, and block heights that divide nothing.
