@@ -37,13 +37,16 @@
 //     template <class T> static void finish(T const* x, std::size_t d, std::size_t m, T* out);
 // (out[0, m) holds z on entry, the features on exit): a backend then projects
 // every row at once, as one product, instead of calling apply row by row.
-// Its gradients may say the same with
-//     template <class T> static void finish_vjp(T const* x, std::size_t d, std::size_t m, T const* z, T const* g,
-//                                               T* h, T* dx);
-// (z = x·W and the features' cotangent g on entry; h[0, m) = ∂L/∂z, which is
-// param_vjp's h — h may be z itself — and dx[0, d) the part of ∂L/∂x not
-// through z): a backend then makes vjp's dx as that part plus W·h, over all
-// rows as one product, instead of a d x m loop per row.
+// Its gradients may then come from the features' values, which the backward
+// has already made (the forward's φ(X; W), or a tape's), so that it needs
+// no Z at all: declare
+//     template <class T> static void grad_z(std::size_t d, std::size_t m, T const* phi, T const* g, T* h);
+// (h[0, m) = ∂L/∂z from the row's features φ and their cotangent g) and, where
+// the features also depend on x outside z,
+//     template <class T> static void grad_x(T const* x, std::size_t d, std::size_t m, T const* h, T* dx);
+// (add to dx[0, d), which holds W·h on entry, the rest of ∂L/∂x, from x and
+// h). The derived backward then makes H = ∂L/∂Z once per φ node and reads it
+// twice: ∂X = H·Wᵀ (+ grad_x) and ∂W = Xᵀ·H, both products.
 #pragma once
 
 #include <cmath>
@@ -84,6 +87,12 @@ concept parametric_map = requires(std::size_t d, double const* x, double const* 
   M::apply(x, d, w, d, out);
   M::vjp(x, d, w, d, g, out);
   M::param_vjp(x, d, w, d, g, out);
+};
+
+// A parametric map differentiated from its features' values (above).
+template <class M>
+concept value_differentiable = parametric_map<M> && requires(std::size_t d, double const* p, double* h) {
+  M::grad_z(d, d, p, p, h);
 };
 
 template <class M>
@@ -211,21 +220,20 @@ struct favor {
     T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25));
     detail::each_lane(h, m, [h, g, s](std::size_t j) { return h[j] * (g[j] * s); });
   }
-  // Through z = x·W: h_j = g_j φ_j D^-1/4 (as param_vjp), and the part of dx
-  // from |x'|²: -D^-1/2 x Σ_j g_j φ_j (vjp's dx is that plus W·h).
+  // From the features: h_j = g_j φ_j D^-1/4 (as param_vjp), and the part of
+  // dx from |x'|²: -D^-1/2 x Σ_j g_j φ_j = -D^-1/4 x Σ_j h_j.
   template <class T>
-  static void finish_vjp(T const* x, std::size_t d, std::size_t m, T const* z, T const* g, T* h, T* dx) {
-    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
-    T half_norm = 0;
-    for (std::size_t i = 0; i < d; ++i) half_norm += x[i] * x[i];
-    half_norm *= s * s / 2;
-    detail::each_lane(h, m, [s, half_norm, inv, z, g](std::size_t j) {
-      return g[j] * (detail::exp(s * z[j] - half_norm) * inv) * s;
-    });
-    T gphi = 0;  // Σ_j g_j φ_j
-    for (std::size_t j = 0; j < m; ++j) gphi += h[j];
-    gphi /= s;
-    for (std::size_t i = 0; i < d; ++i) dx[i] = -s * s * x[i] * gphi;
+  static void grad_z(std::size_t d, std::size_t m, T const* phi, T const* g, T* h) {
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25));
+    detail::each_lane(h, m, [phi, g, s](std::size_t j) { return phi[j] * (g[j] * s); });
+  }
+  template <class T>
+  static void grad_x(T const* x, std::size_t d, std::size_t m, T const* h, T* dx) {
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25));
+    T sum = 0;
+    for (std::size_t j = 0; j < m; ++j) sum += h[j];
+    sum *= s;
+    detail::each_lane(dx, d, [x, dx, sum](std::size_t i) { return dx[i] - x[i] * sum; });
   }
 };
 
@@ -266,16 +274,12 @@ struct random_fourier {
       h[j] = s * inv * (-g[j] * std::sin(s * z) + g[m + j] * std::cos(s * z));
     }
   }
-  // Through z = x·W: h as param_vjp's; no part of dx outside z.
+  // From the features (φ_j = cos(s z_j)/√m, φ_{m+j} = sin(s z_j)/√m):
+  // h_j = s (-g_j φ_{m+j} + g_{m+j} φ_j), as param_vjp's; no part of dx outside z.
   template <class T>
-  static void finish_vjp(T const* x, std::size_t d, std::size_t m, T const* z, T const* g, T* h, T* dx) {
-    (void)x;
-    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
-    for (std::size_t j = 0; j < m; ++j) {
-      T const zj = s * z[j];
-      h[j] = s * inv * (-g[j] * std::sin(zj) + g[m + j] * std::cos(zj));
-    }
-    for (std::size_t i = 0; i < d; ++i) dx[i] = 0;
+  static void grad_z(std::size_t d, std::size_t m, T const* phi, T const* g, T* h) {
+    T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25));
+    detail::each_lane(h, m, [phi, g, s, m](std::size_t j) { return s * (g[m + j] * phi[j] - g[j] * phi[m + j]); });
   }
 };
 

@@ -189,6 +189,23 @@ struct phi_param_vjp {
   template <class X, class W, class G>
   using shape_of = matrix_shape<rows_of<X>, cols_of<W>>;
 };
+// A parametric map whose features are a function of Z = X·W (and of X)
+// differentiates from their values (feature_maps.hpp, concepts::
+// value_differentiable): H = ∂L/∂Z from W (for D and m), Φ = φ(X; W) and G,
+// read by both gradients, ∂X = phi_dx(X, W, H) = H·Wᵀ plus the part not
+// through Z, and ∂W = Xᵀ·H.
+template <class Map>
+struct phi_grad_z {
+  using grad_z_of = Map;
+  template <class W, class P, class G>
+  using shape_of = matrix_shape<rows_of<P>, cols_of<W>>;
+};
+template <class Map>
+struct phi_dx {
+  using dx_of = Map;
+  template <class X, class W, class H>
+  using shape_of = X;
+};
 // The adjoint of normalize(S) at cotangent G: G_ij / d_i - (sum_k G_ik S_ik) / d_i^2.
 struct normalize_vjp {
   double eps = 1e-6;

@@ -171,11 +171,17 @@ struct op_traits<op::phi<Map>> : detail::named<"phi"> {
       return {n, n * elem};
     }
   }
-  // φ(X) -> φ′(X)⊙G (J_φ(X_i)ᵀ G_i per row); φ(X; W) -> φ_vjp(X, W, G), Xᵀ·φ_w′(X, W, G)
+  // φ(X) -> φ′(X)⊙G (J_φ(X_i)ᵀ G_i per row); φ(X; W) -> φ_vjp(X, W, G), Xᵀ·φ_w′(X, W, G),
+  // or, for a map differentiated from its values, with H = φ_z′(W, φ(X; W), G)
+  // (one step, read twice), φ_dx(X, W, H), Xᵀ·H
   static constexpr bool differentiable = true;
   template <class N, class G>
   static constexpr auto adjoint(N const& n, G const& g) {
-    if constexpr (N::arity == 2)
+    if constexpr (N::arity == 2 && concepts::value_differentiable<Map>) {
+      auto h = make_node(op::phi_grad_z<Map>{}, kid<1>(n), n, g);
+      return hana::make_tuple(make_node(op::phi_dx<Map>{}, kid<0>(n), kid<1>(n), h),
+                              make_node(op::product{}, make_node(op::transpose{}, kid<0>(n)), h));
+    } else if constexpr (N::arity == 2)
       return hana::make_tuple(make_node(op::phi_vjp<Map>{}, kid<0>(n), kid<1>(n), g),
                               make_node(op::product{}, make_node(op::transpose{}, kid<0>(n)),
                                         make_node(op::phi_param_vjp<Map>{}, kid<0>(n), kid<1>(n), g)));
@@ -394,6 +400,27 @@ struct op_traits<op::phi_param_vjp<Map>> : detail::named<"phi_param_vjp">, detai
   template <class N, class P>
   static void print(N const& n, P& p) {
     p.call(fmt::format("φ_w′{}", detail::map_tag<Map>()), n);
+  }
+};
+template <class Map>
+struct op_traits<op::phi_grad_z<Map>> : detail::named<"phi_grad_z">, detail::elementwise_cost {
+  template <class N, class P>
+  static void print(N const& n, P& p) {
+    p.call(fmt::format("φ_z′{}", detail::map_tag<Map>()), n);
+  }
+};
+template <class Map>
+struct op_traits<op::phi_dx<Map>> : detail::named<"phi_dx"> {
+  template <class N, class P>
+  static void print(N const& n, P& p) {
+    p.call(fmt::format("φ_dx{}", detail::map_tag<Map>()), n);
+  }
+  // H·Wᵀ, then a pass over the rows
+  template <class S, class X, class W, class H, class Src>
+  static constexpr cost_estimate cost(Src const& s, double elem) {
+    double n = detail::elements<S>(s);
+    return {2 * detail::ext<typename S::rows>(s) * detail::ext<typename S::cols>(s) * detail::ext<typename W::cols>(s) + n,
+            n * elem};
   }
 };
 template <>

@@ -425,7 +425,7 @@ struct lower<op::phi_vjp<Map>> {
   template <class T>
   static void run(op::phi_vjp<Map> const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w,
                   matrix<T> const& g) {
-    kernels::feature_map_vjp<Map, false>(x, w, g, out, current_path() == path::simple);
+    kernels::feature_map_vjp<Map, false>(x, w, g, out);
   }
 };
 template <class Map>
@@ -433,7 +433,23 @@ struct lower<op::phi_param_vjp<Map>> {
   template <class T>
   static void run(op::phi_param_vjp<Map> const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w,
                   matrix<T> const& g) {
-    kernels::feature_map_vjp<Map, true>(x, w, g, out, current_path() == path::simple);
+    kernels::feature_map_vjp<Map, true>(x, w, g, out);
+  }
+};
+template <class Map>
+struct lower<op::phi_grad_z<Map>> {
+  template <class T>
+  static void run(op::phi_grad_z<Map> const&, matrix<T>& out, matrix<T> const& w, matrix<T> const& phi,
+                  matrix<T> const& g) {
+    kernels::feature_map_grad_z<Map>(w, phi, g, out);
+  }
+};
+template <class Map>
+struct lower<op::phi_dx<Map>> {
+  template <class T>
+  static void run(op::phi_dx<Map> const&, matrix<T>& out, matrix<T> const& x, matrix<T> const& w,
+                  matrix<T> const& h) {
+    kernels::feature_map_dx<Map>(x, w, h, out, current_path() == path::simple);
   }
 };
 

@@ -912,35 +912,49 @@ void feature_map(matrix<T> const& x, matrix<T> const& w, matrix<T>& out) {
 
 // ---- backward ---------------------------------------------------------------
 
-// A parametric map's row-wise adjoints: dx (Param = false, d columns) or the
-// h of ∂L/∂W = Σ_i x_i h_iᵀ (Param = true, m columns). A map with finish_vjp
-// (feature_maps.hpp) goes through products: Z = X·W for all rows (gemm), each
-// row's h from its z, and dx = the part not through z + H·Wᵀ (gemm). A vjp
-// row by row is a d x m loop of dot products per row: at B·H = 8, N = 4096,
-// D = m = 64, FAVOR+'s backward took 110 ms, 12x its forward. `by_rows` (the
-// simple path, the oracle) calls the map's vjp and param_vjp row by row.
-template <class Map, bool Param, class T>
-void feature_map_vjp(matrix<T> const& x, matrix<T> const& w, matrix<T> const& g, matrix<T>& out, bool by_rows) {
-  std::size_t d = static_cast<std::size_t>(x.cols), m = static_cast<std::size_t>(w.cols);
-  if constexpr (requires(T const* c, T* p) { Map::finish_vjp(c, d, m, c, c, p, p); }) {
-    if (!by_rows) {
-      if (x.rows == 0) return;
-      // H = ∂L/∂Z, made where Z was: in out itself for param_vjp (m columns)
-      buffer<T> hb(Param ? 0 : static_cast<std::size_t>(x.rows) * m);
-      matrix<T> h = Param ? view<T>(out.row_mut(0), x.rows, w.cols, out.rs, 1) : view<T>(hb.get(), x.rows, w.cols, w.cols, 1);
-      gemm(x, view(w.data, w.rows, w.cols, w.rs, w.cs), h);
-      buffer<T> xr(d), gr(static_cast<std::size_t>(g.cols)), unused(Param ? d : 0);
-      for (index i = 0; i < x.rows; ++i) {
-        copy_row(x, i, xr.get());
-        copy_row(g, i, gr.get());
-        T* hi = h.row_mut(i);
-        Map::finish_vjp(static_cast<T const*>(xr.get()), d, m, static_cast<T const*>(hi), static_cast<T const*>(gr.get()),
-                        hi, Param ? unused.get() : out.row_mut(i));
-      }
-      if constexpr (!Param) gemm(h, view(w.data, w.cols, w.rows, w.cs, w.rs), out, true);  // + H·Wᵀ
-      return;
+// A parametric map differentiated from its features' values
+// (concepts::value_differentiable): H = ∂L/∂Z row by row from φ and G, then
+// ∂X = H·Wᵀ (+ the map's grad_x) as one product; by_rows (the simple path,
+// the oracle) sums each element of H·Wᵀ as written instead. The forward
+// made Φ already, so the backward makes no Z = X·W: at B·H = 8, N = 4096,
+// D = m = 64 FAVOR+'s backward took 110 ms with a d x m loop of dot products
+// per row, 39-41 ms with Z made again in each of its four adjoints, 28 ms so
+// (docs/benchmarks.md).
+template <class Map, class T>
+void feature_map_grad_z(matrix<T> const& w, matrix<T> const& phi, matrix<T> const& g, matrix<T>& out) {
+  std::size_t d = static_cast<std::size_t>(w.rows), m = static_cast<std::size_t>(w.cols);
+  buffer<T> pr(static_cast<std::size_t>(phi.cols)), gr(static_cast<std::size_t>(g.cols));
+  for (index i = 0; i < phi.rows; ++i) {
+    copy_row(phi, i, pr.get());
+    copy_row(g, i, gr.get());
+    Map::grad_z(d, m, static_cast<T const*>(pr.get()), static_cast<T const*>(gr.get()), out.row_mut(i));
+  }
+}
+template <class Map, class T>
+void feature_map_dx(matrix<T> const& x, matrix<T> const& w, matrix<T> const& h, matrix<T>& out, bool by_rows) {
+  if (x.rows == 0) return;
+  matrix<T> wt = view(w.data, w.cols, w.rows, w.cs, w.rs);
+  if (by_rows)
+    gemm_simple(h, wt, out);
+  else
+    gemm(h, std::move(wt), out);
+  if constexpr (requires(T const* c, T* p) { Map::grad_x(c, std::size_t{}, std::size_t{}, c, p); }) {
+    std::size_t d = static_cast<std::size_t>(x.cols), m = static_cast<std::size_t>(w.cols);
+    buffer<T> xr(d), hr(m);
+    for (index i = 0; i < x.rows; ++i) {
+      copy_row(x, i, xr.get());
+      copy_row(h, i, hr.get());
+      Map::grad_x(static_cast<T const*>(xr.get()), d, m, static_cast<T const*>(hr.get()), out.row_mut(i));
     }
   }
+}
+
+// Any other parametric map's adjoints, row by row through its vjp (dx: Param
+// = false, d columns) and param_vjp (the h of ∂L/∂W = Σ_i x_i h_iᵀ: Param =
+// true, m columns): a d x m loop of dot products per row.
+template <class Map, bool Param, class T>
+void feature_map_vjp(matrix<T> const& x, matrix<T> const& w, matrix<T> const& g, matrix<T>& out) {
+  std::size_t d = static_cast<std::size_t>(x.cols), m = static_cast<std::size_t>(w.cols);
   matrix<T> wc = writable(view(w.data, w.rows, w.cols, w.rs, w.cs));
   buffer<T> xr(d), gr(static_cast<std::size_t>(g.cols));
   for (index i = 0; i < x.rows; ++i) {
