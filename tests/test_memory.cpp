@@ -136,6 +136,52 @@ TEST_CASE("the softmax backward runs a block of query rows at a time (N x N on t
   CHECK(4 * mem.largest >= rows * n * sizeof(float));  // (and they are counted)
 }
 
+TEST_CASE("softmax through a tape keeps nothing and runs forward and backward a block of query rows at a time") {
+  constexpr auto softmax = normalize(causal(exp(Q * transpose(K)))) * V;
+  auto const plan = compile(softmax);
+  std::size_t const n = 1000, rows = cpu::row_blocks::rows_per_block(n);
+  auto q = tensor<float>::random({1, 2, n, 16}, 1), k = tensor<float>::random({1, 2, n, 16}, 2);
+  auto v = tensor<float>::random({1, 2, n, 8}, 3), dout = tensor<float>::random({1, 2, n, 8}, 4);
+  std::size_t const whole = n * n * sizeof(float), block = rows * n * sizeof(float);
+  bool const simple = cpu::current_path() == cpu::path::simple;  // (the oracle runs plans whole)
+  cpu::tape<float> tp;
+  cpu::release_cached_memory();
+  cpu::memory().reset();
+  auto out = cpu::evaluate(plan, tp, Q = q, K = k, V = v);
+  CHECK(tp.size() == 0);
+  CHECK(cpu::memory().largest <= (simple ? whole : block));
+  cpu::release_cached_memory();
+  cpu::memory().reset();
+  auto g = cpu::gradient(plan, tp, dout, Q = q, K = k, V = v);
+  CHECK(cpu::memory().largest <= (simple ? whole : block));
+  CHECK(4 * cpu::memory().largest >= (simple ? whole : block));  // (and they are counted)
+  // the same calls as without a tape: the same bits
+  CHECK(max_abs_diff(out, cpu::evaluate(plan, Q = q, K = k, V = v)) == 0);
+  auto want = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  for (std::size_t i = 0; i < g.all().size(); ++i) CHECK(max_abs_diff(g.all()[i], want.all()[i]) == 0);
+}
+
+TEST_CASE("packed softmax sequences run a block of query rows at a time, each sequence its own blocks") {
+  if (cpu::current_path() == cpu::path::simple) {
+    MESSAGE("the simple path runs plans whole: checked on the fast path");
+    return;
+  }
+  auto const plan = compile(normalize(causal(exp(Q * transpose(K)))) * V);
+  auto const seqs = sequences::from_lengths({1000, 300, 1200});
+  std::size_t const n = seqs.total(), longest = 1200, rows = cpu::row_blocks::rows_per_block(longest);
+  REQUIRE(rows < longest);
+  auto q = tensor<float>::random({1, 2, n, 16}, 1), k = tensor<float>::random({1, 2, n, 16}, 2);
+  auto v = tensor<float>::random({1, 2, n, 8}, 3), dout = tensor<float>::random({1, 2, n, 8}, 4);
+  cpu::release_cached_memory();
+  cpu::memory().reset();
+  auto out = cpu::evaluate(plan, seqs, Q = q, K = k, V = v);
+  CHECK(cpu::memory().largest <= rows * longest * sizeof(float));
+  cpu::release_cached_memory();
+  cpu::memory().reset();
+  auto g = cpu::gradient(plan, dout, seqs, Q = q, K = k, V = v);
+  CHECK(cpu::memory().largest <= rows * longest * sizeof(float));  // (whole: 1200 x 1200)
+}
+
 TEST_CASE("repeated calls reuse the memory of earlier ones until it is released") {
   // One slice, shorter than a split sequence: the calls run on this thread
   // alone, so the second asks its arena for exactly what the first left there.

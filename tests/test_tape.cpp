@@ -147,6 +147,10 @@ TEST_CASE("tape: the output and gradients of every order equal the recomputing p
   }
   // As written, the backward reads only N x N values of the forward: none is kept.
   static_assert(decltype(save_for_backward(e))::size == 0);
+  // Softmax: its values are N x N or made from exp, so none is kept either; its
+  // forward and backward run as without a tape, a block of query rows at a time
+  // (tests/test_memory.cpp).
+  for (int trial = 0; trial < test::trials(3); ++trial) agrees(compile(normalize(causal(exp(Q * transpose(K)))) * V), r, 0);
   // (FAVOR+ through a tape: tests/test_gradient_fd_maps.cpp, beside its other checks.)
 }
 

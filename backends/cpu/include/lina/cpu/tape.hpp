@@ -11,7 +11,10 @@
 // much as the output), and the backward skips the recomputed forward scan.
 // The gradients are those of cpu::gradient (the same operations on the same
 // values). The tape keeps its tensors from call to call (a training loop
-// reuses memory already faulted in) until clear().
+// reuses memory already faulted in) until clear(). A plan whose backward
+// reads nothing worth keeping (softmax's values are N x N or made from exp)
+// keeps nothing, and its forward and backward are cpu::evaluate's and
+// cpu::gradient's: a block of query rows at a time, never N x N.
 //
 // Chained blocks take one tape per block, filled with the block's forward
 // through its state and read by the block's backward:
@@ -88,15 +91,15 @@ struct tape_access {
     constexpr bool chained = std::is_same_v<St, state<T>*>;
     if constexpr (chained) st->prepare(p, in);  // (a state of another plan or shape throws here: nothing changed)
     auto const sv = save_for_backward(p);
+    constexpr std::size_t k = std::remove_cvref_t<decltype(sv)>::size;
     tp.plan_type_ = nullptr;  // (filled again only once the run has finished)
-    if (!sv.exact) {
+    if (k == 0 || !sv.exact) {  // nothing kept: the plain forward (a softmax plan's in blocks of rows)
       tp.values_.clear();
       if constexpr (chained)
         run_slices<T>(p, in, std::array{out}, st);
       else
-        run_slices<T>(p, in, std::array{out});
-    } else {
-      constexpr std::size_t k = std::remove_cvref_t<decltype(sv)>::size;
+        evaluate_slices<T>(p, in, out);
+    } else if constexpr (k > 0) {
       tp.values_.resize(k);
       std::array<tensor_view<T>, k + 1> outs{out};
       std::size_t i = 0;
@@ -204,7 +207,10 @@ struct tape_access {
     check(p, tp, false);
     with_backward(p, tp, [&](auto const& bp, auto const&... saved) {
       auto [in, outs] = bind_into<T>(bp, into, dout, bindings..., saved...);
-      run_slices<T>(as_bundle(bp), in, outs);
+      if constexpr (sizeof...(saved) == 0)  // the derived backward (a softmax plan's in blocks of rows)
+        run_backward<T>(bp, in, outs);
+      else
+        run_slices<T>(as_bundle(bp), in, outs);
     });
   }
 
