@@ -5,6 +5,8 @@
 
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
+#include <thread>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -180,6 +182,48 @@ TEST_CASE("packed softmax sequences run a block of query rows at a time, each se
   cpu::memory().reset();
   auto g = cpu::gradient(plan, dout, seqs, Q = q, K = k, V = v);
   CHECK(cpu::memory().largest <= rows * longest * sizeof(float));  // (whole: 1200 x 1200)
+}
+
+TEST_CASE("calls from several threads at once each give the bits of the same call made alone") {
+  // A server may run requests on threads of its own. Each call takes a
+  // workspace of its own from the pool (and starts its own OpenMP team), so
+  // calls at once share nothing they write: linear and softmax plans (the
+  // latter in blocks of rows), forward, backward and a tape, four callers at
+  // once, three rounds each, against the same calls made one at a time.
+  auto const linear = compile<order::linear>(attn);
+  auto const softmax = compile(normalize(causal(exp(Q * transpose(K)))) * V);
+  auto calls = [&](std::size_t n, std::uint64_t seed) {
+    auto q = tensor<float>::random({1, 2, n, 16}, seed), k = tensor<float>::random({1, 2, n, 16}, seed + 1);
+    auto v = tensor<float>::random({1, 2, n, 8}, seed + 2), dout = tensor<float>::random({1, 2, n, 8}, seed + 3);
+    std::vector<tensor<float>> got;
+    got.push_back(cpu::evaluate(linear, Q = q, K = k, V = v));
+    auto g1 = cpu::gradient(linear, dout, Q = q, K = k, V = v);
+    for (auto& g : g1.all()) got.push_back(std::move(g));
+    cpu::tape<float> tp;
+    got.push_back(cpu::evaluate(softmax, tp, Q = q, K = k, V = v));
+    auto g2 = cpu::gradient(softmax, tp, dout, Q = q, K = k, V = v);
+    for (auto& g : g2.all()) got.push_back(std::move(g));
+    return got;
+  };
+  constexpr int callers = 4, rounds = 3;
+  auto length = [](int c) { return std::size_t(300 + 250 * c); };  // the last past a block of rows (512)
+  std::vector<std::vector<tensor<float>>> alone;
+  for (int c = 0; c < callers; ++c) alone.push_back(calls(length(c), 10 * std::uint64_t(c) + 1));
+  std::vector<std::vector<double>> diffs(callers);  // (doctest's checks stay on this thread)
+  std::vector<std::thread> threads;
+  for (int c = 0; c < callers; ++c)
+    threads.emplace_back([&, c] {
+      for (int r = 0; r < rounds; ++r) {
+        auto got = calls(length(c), 10 * std::uint64_t(c) + 1);
+        for (std::size_t i = 0; i < got.size(); ++i) diffs[c].push_back(max_abs_diff(got[i], alone[c][i]));
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int c = 0; c < callers; ++c) {
+    CAPTURE(c);
+    REQUIRE(diffs[c].size() == rounds * alone[c].size());
+    for (double d : diffs[c]) CHECK(d == 0);
+  }
 }
 
 TEST_CASE("repeated calls reuse the memory of earlier ones until it is released") {
