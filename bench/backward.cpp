@@ -12,7 +12,7 @@
 // at 16384), GFLOP/s by the suite's count (8·H·N·D·M) and its forward's;
 // then the same forward keeping its values in a cpu::tape and the backward
 // reading them, and how much faster a training step (forward + backward) is so.
-// --favor does the same for FAVOR+ (m = 64) at N = 4096.
+// --favor does the same for FAVOR+ and random Fourier features (m = 64) at N = 4096.
 // --softmax times causal softmax attention, normalize(causal(exp(Q Kᵀ/8))) V
 // (quadratic), forward and backward into reused buffers at B = 1, H = 8,
 // N = 1024 and 2048 (the forward alone at 4096 and 8192), GFLOP/s by the
@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
@@ -150,12 +151,23 @@ void rate_softmax(std::size_t n, int reps, std::size_t backward_max) {
   fmt::print("{:>6} | {:>9.2f} {:>8.1f} {:>9.1f} | {:>9.2f} {:>8.1f} {:>9.1f}\n", n, fwd, flops / fwd / 1e6, mib, bwd,
              2 * flops / bwd / 1e6, bwd_mib);
 }
-// FAVOR+ (m = 64 random features of D = 64) at B = 1, H = 8, N = n: the
-// forward, the backward into reused buffers (∂W included), and both through a tape.
+// FAVOR+ (m = 64 random features of D = 64; normalised) and random Fourier
+// features (m = 64, 128 features; signed, so unnormalised) at B = 1, H = 8,
+// N = n: the forward, the backward into reused buffers (∂W included), and both
+// through a tape.
+constexpr auto F = dim<"F", 64>;
+constexpr auto W = input<"W">(D, F);
+template <class Map>
+auto random_feature_plan() {
+  auto scores = causal(phi<Map>(Q, W) * transpose(phi<Map>(K, W)));
+  if constexpr (std::is_same_v<Map, favor>)
+    return compile<order::linear>(normalize(scores) * V);
+  else
+    return compile<order::linear>(scores * V);
+}
+template <class Map>
 void rate_favor(std::size_t n, int reps) {
-  constexpr auto F = dim<"F", 64>;
-  constexpr auto W = input<"W">(D, F);
-  auto plan = compile<order::linear>(normalize(causal(phi<favor>(Q, W) * transpose(phi<favor>(K, W)))) * V);
+  auto plan = random_feature_plan<Map>();
   io x(n);
   auto &q = x.q, &k = x.k, &v = x.v, &dout = x.dout;
   auto w = tensor<float>::random({1, x.heads, 64, 64}, 5);
@@ -169,8 +181,8 @@ void rate_favor(std::size_t n, int reps) {
   double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v, W = w); });
   double fwd_tape = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), tp, Q = q, K = k, V = v, W = w); });
   double bwd_tape = best_ms(reps, [&] { cpu::gradient_into(plan, into, tp, dout, Q = q, K = k, V = v, W = w); });
-  fmt::print("{:>6} | {:>9.2f} {:>9.2f} | {:>9.2f} {:>9.2f} | {:>6.2f}x\n", n, fwd, bwd, fwd_tape, bwd_tape,
-             (fwd + bwd) / (fwd_tape + bwd_tape));
+  fmt::print("{:>6} {:>6} | {:>9.2f} {:>9.2f} | {:>9.2f} {:>9.2f} | {:>6.2f}x\n", Map::name, n, fwd, bwd, fwd_tape,
+             bwd_tape, (fwd + bwd) / (fwd_tape + bwd_tape));
 }
 // A training step of `blocks` chained blocks of `rows` tokens at B = 1, H = 8:
 // best of reps, without and with a tape per block.
@@ -249,9 +261,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (favor_rates) {
-    fmt::print("causal FAVOR+ attention (m = 64), B=1 H=8 D=M=64 float, {} threads, into reused buffers\n", threads);
-    fmt::print("{:>6} | {:>9} {:>9} | {:>9} {:>9} | {:>7}\n", "N", "fwd ms", "bwd ms", "fwd+tape", "bwd(tape)", "step");
-    rate_favor(4096, reps);
+    fmt::print("causal attention through random features (m = 64), B=1 H=8 D=M=64 float, {} threads, into reused "
+               "buffers\n", threads);
+    fmt::print("{:>6} {:>6} | {:>9} {:>9} | {:>9} {:>9} | {:>7}\n", "map", "N", "fwd ms", "bwd ms", "fwd+tape",
+               "bwd(tape)", "step");
+    rate_favor<favor>(4096, reps);
+    rate_favor<random_fourier>(4096, reps);
     return 0;
   }
   if (rates) {

@@ -61,6 +61,22 @@
 
 namespace lina {
 
+namespace detail {
+// out[0, m) = z = x·W (w row-major, d x m), a row of W at a time: contiguous,
+// vectorised over j, and each z_j summed over i in order, fused, as the CPU
+// backend's product of all rows sums it (the same bits), so that a map's
+// apply and its finish after that product agree.
+template <class T>
+void project(T const* x, std::size_t d, T const* w, std::size_t m, T* out) {
+  for (std::size_t j = 0; j < m; ++j) out[j] = 0;
+  for (std::size_t i = 0; i < d; ++i) {
+    T const xi = x[i];
+    T const* wi = w + i * m;
+    each_lane(out, m, [wi, xi, out](std::size_t j) { return madd(wi[j], xi, out[j]); });
+  }
+}
+}  // namespace detail
+
 namespace concepts {
 
 template <class M>
@@ -179,15 +195,7 @@ struct favor {
   static constexpr std::size_t features(std::size_t m) { return m; }
   template <class T>
   static void apply(T const* x, std::size_t d, T const* w, std::size_t m, T* out) {
-    // z = x·W a row of W at a time (contiguous, vectorised over j; each z_j
-    // still sums over i in order, fused as the CPU backend's product of all
-    // rows sums it: the same bits), then the exp over the row
-    for (std::size_t j = 0; j < m; ++j) out[j] = 0;
-    for (std::size_t i = 0; i < d; ++i) {
-      T const xi = x[i];
-      T const* wi = w + i * m;
-      detail::each_lane(out, m, [wi, xi, out](std::size_t j) { return detail::madd(wi[j], xi, out[j]); });
-    }
+    detail::project(x, d, w, m, out);
     finish(x, d, m, out);
   }
   // out[j] = exp(z_j D^-1/4 - |x|² D^-1/2 / 2) / √m, from out[j] = z_j
@@ -246,12 +254,18 @@ struct random_fourier {
   static constexpr std::size_t features(std::size_t m) { return 2 * m; }
   template <class T>
   static void apply(T const* x, std::size_t d, T const* w, std::size_t m, T* out) {
+    detail::project(x, d, w, m, out);
+    finish(x, d, m, out);
+  }
+  // out[j] = cos(s z_j) / √m, out[m + j] = sin(s z_j) / √m, from out[j] = z_j
+  template <class T>
+  static void finish(T const* x, std::size_t d, std::size_t m, T* out) {
+    (void)x;
     T const s = static_cast<T>(std::pow(static_cast<double>(d), -0.25)), inv = T(1) / std::sqrt(static_cast<T>(m));
     for (std::size_t j = 0; j < m; ++j) {
-      T z = 0;
-      for (std::size_t i = 0; i < d; ++i) z += w[i * m + j] * x[i];
-      out[j] = std::cos(s * z) * inv;
-      out[m + j] = std::sin(s * z) * inv;
+      T const zj = s * out[j];
+      out[m + j] = std::sin(zj) * inv;
+      out[j] = std::cos(zj) * inv;
     }
   }
   // dz_j = (-g_j sin z_j + g_{m+j} cos z_j) / √m, dx = D^-1/4 W dz
