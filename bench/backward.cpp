@@ -4,7 +4,7 @@
 // backend allocates beyond inputs, dout and gradients (cpu::memory().peak),
 // including the workspace it keeps for the next call.
 //
-//   backward [--max-n 65536] [--quadratic-max-n 4096]  (or --rate, --favor, --softmax, --chained)
+//   backward [--max-n 65536] [--quadratic-max-n 4096]  (or --rate, --maps, --favor, --softmax, --chained)
 //
 // --rate instead times the linear backward into the caller's buffers
 // (cpu::gradient_into, no fresh tensors to first-touch) at B = 1, H = 8 and
@@ -12,7 +12,9 @@
 // at 16384), GFLOP/s by the suite's count (8·H·N·D·M) and its forward's;
 // then the same forward keeping its values in a cpu::tape and the backward
 // reading them, and how much faster a training step (forward + backward) is so.
-// --favor does the same for FAVOR+ and random Fourier features (m = 64) at N = 4096.
+// --maps times the forward and backward of the element-wise maps (elu+1, relu,
+// identity) at N = 4096, and --favor those of FAVOR+ and random Fourier
+// features (m = 64), through a tape too.
 // --softmax times causal softmax attention, normalize(causal(exp(Q Kᵀ/8))) V
 // (quadratic), forward and backward into reused buffers at B = 1, H = 8,
 // N = 1024 and 2048 (the forward alone at 4096 and 8192), GFLOP/s by the
@@ -122,6 +124,20 @@ void rate(std::size_t n, int reps) {
              2 * flops / bwd / 1e6, fwd, flops / fwd / 1e6, fwd_tape, bwd_tape, 2 * flops / bwd_tape / 1e6,
              (fwd + bwd) / (fwd_tape + bwd_tape));
 }
+// The causal normalised plan with element-wise map Map at B = 1, H = 8,
+// N = n: the forward and the backward into reused buffers, best of reps.
+template <class Map>
+void rate_map(std::size_t n, int reps) {
+  auto plan = compile<order::linear>(normalize(causal(phi<Map>(Q) * transpose(phi<Map>(K)))) * V);
+  io x(n);
+  auto buffers = gradient_buffers(plan, x.dout, Q = x.q, K = x.k, V = x.v);
+  auto& into = buffers.second;
+  auto &q = x.q, &k = x.k, &v = x.v, &dout = x.dout;
+  auto o = cpu::evaluate(plan, Q = q, K = k, V = v);
+  double fwd = best_ms(reps, [&] { cpu::evaluate_into(plan, o.view(), Q = q, K = k, V = v); });
+  double bwd = best_ms(reps, [&] { cpu::gradient_into(plan, into, dout, Q = q, K = k, V = v); });
+  fmt::print("{:>6} {:>6} | {:>9.2f} {:>9.2f}\n", Map::name, n, fwd, bwd);
+}
 // Causal softmax at B = 1, H = 8, N = n: forward and backward into reused
 // buffers (the backward up to N = backward_max), and the extra memory of each
 // (cpu::memory().peak of a first call, nothing cached before it).
@@ -228,11 +244,12 @@ void rate_chained(std::size_t blocks, std::size_t rows, int reps) {
 
 int main(int argc, char** argv) {
   std::size_t max_n = 65536, quad_max = 4096;
-  bool rates = false, favor_rates = false, chained = false, softmax = false;
+  bool rates = false, favor_rates = false, chained = false, softmax = false, map_rates = false;
   int reps = 30;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--rate")) rates = true;
     if (!std::strcmp(argv[i], "--favor")) favor_rates = true;
+    if (!std::strcmp(argv[i], "--maps")) map_rates = true;
     if (!std::strcmp(argv[i], "--chained")) chained = true;
     if (!std::strcmp(argv[i], "--softmax")) softmax = true;
     if (i + 1 == argc) break;
@@ -258,6 +275,14 @@ int main(int argc, char** argv) {
     rate_softmax(2048, std::max(1, reps / 4), 4096);
     rate_softmax(4096, std::max(1, reps / 8), 4096);
     rate_softmax(8192, std::max(1, reps / 16), 4096);
+    return 0;
+  }
+  if (map_rates) {
+    fmt::print("causal normalised attention, B=1 H=8 D=M=64 float, {} threads, into reused buffers\n", threads);
+    fmt::print("{:>6} {:>6} | {:>9} {:>9}\n", "map", "N", "fwd ms", "bwd ms");
+    rate_map<elu_plus_one>(4096, reps);
+    rate_map<relu>(4096, reps);
+    rate_map<identity>(4096, reps);
     return 0;
   }
   if (favor_rates) {

@@ -4,6 +4,9 @@
 // normalize behaves as a weighted average; layouts bind without copies.
 #include <doctest/doctest.h>
 
+#include <cmath>
+#include <limits>
+
 #include "cpu_props.hpp"
 
 using namespace lina;
@@ -42,6 +45,27 @@ TEST_CASE_TEMPLATE("normalize: constant rows of V come out unchanged", T, float,
       CHECK(err <= 0.625 * 1e-6 / 0.3 + test::rounding_bound<T>(double(s.n * s.d), 1.0));
     }
   }
+}
+
+// The element-wise maps' derivatives where they switch: relu's is 0 at 0 (-0
+// too) and below, 1 above, NaN for NaN; elu+1's 1 above 0 and e^x at and below.
+TEST_CASE_TEMPLATE("element-wise maps: values and derivatives at 0, signed zeros and NaN", T, float, double) {
+  T const nan = std::numeric_limits<T>::quiet_NaN();
+  CHECK(relu::value(T(-2)) == 0);
+  CHECK(relu::value(T(3)) == 3);
+  CHECK(std::isnan(relu::value(nan)));
+  CHECK(relu::derivative(T(-2)) == 0);
+  CHECK(relu::derivative(T(0)) == 0);
+  CHECK(relu::derivative(-T(0)) == 0);
+  CHECK(relu::derivative(T(1e-30)) == 1);
+  CHECK(relu::derivative(T(3)) == 1);
+  CHECK(std::isnan(relu::derivative(nan)));
+  CHECK(elu_plus_one::derivative(T(2)) == 1);
+  CHECK(elu_plus_one::derivative(T(0)) == 1);
+  CHECK(elu_plus_one::derivative(T(-1)) == doctest::Approx(std::exp(-1.0)));
+  CHECK(std::isnan(elu_plus_one::derivative(nan)));
+  CHECK(identity::derivative(T(-5)) == 1);
+  CHECK(std::isnan(identity::derivative(nan)));
 }
 
 TEST_CASE_TEMPLATE("denominators stay positive for positive maps", T, float, double) {

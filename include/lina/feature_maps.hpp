@@ -136,9 +136,13 @@ struct relu {
   static constexpr T value(T x) {
     return x < T(0) ? T(0) : x;  // NaN passes through
   }
+  // 1 above 0, 0 at or below it, NaN for NaN: two selects, which compilers
+  // make vector blends (three nested ones became branches, mispredicted on
+  // signed inputs: the backward ran 1.5x slower than elu+1's).
   template <class T>
   static constexpr T derivative(T x) {
-    return x < T(0) ? T(0) : (x > T(0) ? T(1) : (x == T(0) ? T(0) : x));
+    T const step = x > T(0) ? T(1) : T(0);
+    return x == x ? step : x;
   }
 };
 
