@@ -13,7 +13,7 @@
 // then the same forward keeping its values in a cpu::tape and the backward
 // reading them, and how much faster a training step (forward + backward) is so.
 // --maps times the forward and backward of the element-wise maps (elu+1, relu,
-// identity) at N = 4096, and --favor those of FAVOR+ and random Fourier
+// identity, and relu written with nested selects) at N = 4096, and --favor those of FAVOR+ and random Fourier
 // features (m = 64), through a tape too.
 // --softmax times causal softmax attention, normalize(causal(exp(Q Kᵀ/8))) V
 // (quadratic), forward and backward into reused buffers at B = 1, H = 8,
@@ -31,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <lina/cpu.hpp>
@@ -124,6 +125,19 @@ void rate(std::size_t n, int reps) {
              2 * flops / bwd / 1e6, fwd, flops / fwd / 1e6, fwd_tape, bwd_tape, 2 * flops / bwd_tape / 1e6,
              (fwd + bwd) / (fwd_tape + bwd_tape));
 }
+// relu as a user might write it, its derivative as three nested selects
+// (lina's relu until 94744f5): the row passes' code at -O3 (each_lane).
+struct nested_relu {
+  static constexpr std::string_view name = "relu3";
+  template <class T>
+  static constexpr T value(T x) {
+    return x < T(0) ? T(0) : x;
+  }
+  template <class T>
+  static constexpr T derivative(T x) {
+    return x < T(0) ? T(0) : (x > T(0) ? T(1) : (x == T(0) ? T(0) : x));
+  }
+};
 // The causal normalised plan with element-wise map Map at B = 1, H = 8,
 // N = n: the forward and the backward into reused buffers, best of reps.
 template <class Map>
@@ -283,6 +297,7 @@ int main(int argc, char** argv) {
     rate_map<elu_plus_one>(4096, reps);
     rate_map<relu>(4096, reps);
     rate_map<identity>(4096, reps);
+    rate_map<nested_relu>(4096, reps);
     return 0;
   }
   if (favor_rates) {
