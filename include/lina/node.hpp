@@ -185,7 +185,6 @@ struct phi_vjp {
 // Row-wise h_i with ∂L/∂W = Σ_i x_i h_iᵀ for a parametric map (kids X, W, G).
 template <class Map>
 struct phi_param_vjp {
-  using param_vjp_of = Map;
   template <class X, class W, class G>
   using shape_of = matrix_shape<rows_of<X>, cols_of<W>>;
 };
@@ -196,13 +195,11 @@ struct phi_param_vjp {
 // through Z, and ∂W = Xᵀ·H.
 template <class Map>
 struct phi_grad_z {
-  using grad_z_of = Map;
   template <class W, class P, class G>
   using shape_of = matrix_shape<rows_of<P>, cols_of<W>>;
 };
 template <class Map>
 struct phi_dx {
-  using dx_of = Map;
   template <class X, class W, class H>
   using shape_of = X;
 };
