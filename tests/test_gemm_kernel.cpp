@@ -1,11 +1,11 @@
 // The CPU backend's product kernel (kernels::gemm: register tiles of the
-// result, the columns left after whole vectors through a padded copy, rows
-// over idle threads) against a long-double product: random shapes from 0 to
-// a few vectors and tiles, A in both layouts (the products of non-causal
-// plans read φ(K)ᵀ, a transposed view), B not contiguous, accumulate or not;
-// with known zeros (a triangle of A zero, only out's lower triangle wanted:
-// the masked products of softmax; their diagonals on the first column or
-// right of it) in half of the trials.
+// result, the columns left after whole vectors down the rows or through a
+// padded copy, rows over idle threads) against a long-double product: random
+// shapes from 0 to a few vectors and tiles, A in both layouts (the products
+// of non-causal plans read φ(K)ᵀ, a transposed view), B not contiguous,
+// accumulate or not; with known zeros (a triangle of A zero, only out's lower
+// triangle wanted: the masked products of softmax; their diagonals on the
+// first column or right of it) in half of the trials.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -93,6 +93,32 @@ TEST_CASE_TEMPLATE("gemm matches a long-double product", T, float, double) {
 
 TEST_CASE_TEMPLATE("gemm over a long sum and over many rows (threads, blocks of the padded columns)", T, float, double) {
   check_random_products<T>(sizeof(T) == 4 ? 53 : 54, 6, 1500);
+}
+
+TEST_CASE_TEMPLATE("gemm gives the same bits whichever way A is laid out", T, float, double) {
+  // A transposed view (φ(K)ᵀ) takes the columns left after whole vectors down
+  // out's rows (gemm_columns), a row-major A through a padded strip: each
+  // element is still the same chain of multiply-adds, term by term
+  test::rng r{sizeof(T) == 4 ? 57 : 58};
+  for (int trial = 0; trial < 40; ++trial) {
+    idx n = static_cast<idx>(r.in(1, 150)), k = static_cast<idx>(r.in(1, trial < 4 ? 1200 : 90));
+    idx c = static_cast<idx>(r.in(1, 70));
+    bool accumulate = r.next() % 2;
+    CONTEXT(n, k, c, accumulate);
+    std::vector<T> rowmajor(static_cast<std::size_t>(n * k)), colmajor(rowmajor.size()), bv(static_cast<std::size_t>(k * c));
+    for (idx i = 0; i < n; ++i)
+      for (idx p = 0; p < k; ++p)
+        rowmajor[static_cast<std::size_t>(i * k + p)] = colmajor[static_cast<std::size_t>(p * n + i)] =
+            static_cast<T>(uniform(r));
+    for (auto& x : bv) x = static_cast<T>(uniform(r));
+    std::vector<T> o1(static_cast<std::size_t>(n * c));
+    for (auto& x : o1) x = static_cast<T>(uniform(r));
+    std::vector<T> o2 = o1;
+    cpu::matrix<T> out1 = cpu::view<T>(o1.data(), n, c, c, 1), out2 = cpu::view<T>(o2.data(), n, c, c, 1);
+    cpu::kernels::gemm(cpu::view<T>(rowmajor.data(), n, k, k, 1), cpu::view<T>(bv.data(), k, c, c, 1), out1, accumulate);
+    cpu::kernels::gemm(cpu::view<T>(colmajor.data(), n, k, 1, n), cpu::view<T>(bv.data(), k, c, c, 1), out2, accumulate);
+    CHECK(o1 == o2);
+  }
 }
 
 TEST_CASE_TEMPLATE("favor through one product of all rows gives the bits of its row-by-row apply", T, float, double) {

@@ -709,8 +709,9 @@ namespace detail {
 // [kb, kb + k), the tile in registers over the whole sum: per term p, V
 // vectors of B's row p and R broadcasts of A's column p (A in any layout; B's
 // rows contiguous, b at row kb).
-// (valid < lanes: a last vector of which only the first `valid` columns exist in out.)
-template <int R, int V, class Vec, class T>
+// (Partial: a last vector of which only the first `valid` columns exist in
+// out, stored through a copy; a compile-time choice, not a test per store.)
+template <int R, int V, bool Partial, class Vec, class T>
 inline void gemm_tile(matrix<T> const& a, index i0, index kb, T const* __restrict b, index ldb, index k,
                       T* __restrict out, index ldo, bool accumulate, index valid) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
@@ -739,9 +740,9 @@ inline void gemm_tile(matrix<T> const& a, index i0, index kb, T const* __restric
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       T* o = out + r * ldo + v * L;
-      if (valid == L) {
+      if (!Partial || v + 1 < V) {
         simd::store(o, accumulate ? simd::load<Vec>(o) + acc[r][v] : acc[r][v]);
-      } else {  // through a copy: only `valid` columns exist
+      } else {
         T t[L];
         simd::store(t, acc[r][v]);
         for (index j = 0; j < valid; ++j) o[j] = accumulate ? o[j] + t[j] : t[j];
@@ -749,23 +750,65 @@ inline void gemm_tile(matrix<T> const& a, index i0, index kb, T const* __restric
     }
 }
 // Rows [i0, i1) of the strip of V vectors from column j0: R-row tiles, then 4, 2, 1.
-// (B's rows from column j0 at b, ldb apart; valid as for gemm_tile.) A tile
+// (B's rows from column j0 at b, ldb apart; Partial and valid as for gemm_tile.) A tile
 // of `rows` rows from row i sums the terms terms(i, rows) = [kb, ke) of A's
 // columns (none: the tile is skipped).
-template <int R, int V, class Vec, class T, class Terms>
+template <int R, int V, bool Partial, class Vec, class T, class Terms>
 void gemm_strip(matrix<T> const& a, index i0, index i1, T const* b, index ldb, T* out, index ldo, bool accumulate,
                 Terms const& terms, index valid = static_cast<index>(sizeof(Vec) / sizeof(T))) {
   index i = i0;
   auto tiles = [&]<int Rows>() {
     for (; i + Rows <= i1; i += Rows) {
       auto const [kb, ke] = terms(i, index{Rows});
-      if (kb < ke) gemm_tile<Rows, V, Vec>(a, i, kb, b + kb * ldb, ldb, ke - kb, out + i * ldo, ldo, accumulate, valid);
+      if (kb < ke)
+        gemm_tile<Rows, V, Partial, Vec>(a, i, kb, b + kb * ldb, ldb, ke - kb, out + i * ldo, ldo, accumulate, valid);
     }
   };
   tiles.template operator()<R>();
   if constexpr (R > 4) tiles.template operator()<4>();
   if constexpr (R > 2) tiles.template operator()<2>();
   tiles.template operator()<1>();
+}
+// Columns [0, cols) of out (+)= A B over terms [0, k), for A whose columns
+// are contiguous (a.rs == 1: a transposed view, such as φ(K)ᵀ): vectors run
+// down out's rows, each term one load of A's column and one broadcast of B's
+// element. Every element is the chain of multiply-adds over the terms in
+// order that a tile makes (gemm_tile), so the bits are a tile's.
+template <class Vec, class T>
+void gemm_columns(matrix<T> const& a, index i0, index i1, T const* b, index ldb, index cols, index k, T* out,
+                  index ldo, bool accumulate) {
+  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  auto put = [&](index i, index j, T v) {
+    T* o = out + i * ldo + j;
+    *o = accumulate ? *o + v : v;
+  };
+  for (index j = 0; j < cols; ++j) {
+    index i = i0;
+    auto vectors = [&]<int X>() {  // X vectors of rows at a time
+      for (; i + X * L <= i1; i += X * L) {
+        Vec acc[X];
+#pragma GCC unroll 4
+        for (int x = 0; x < X; ++x) acc[x] = Vec{};
+        T const* ap = a.data + i;
+        for (index p = 0; p < k; ++p) {
+          Vec bv = simd::broadcast<Vec>(b[p * ldb + j]);
+#pragma GCC unroll 4
+          for (int x = 0; x < X; ++x) acc[x] = simd::madd(simd::load<Vec>(ap + p * a.cs + x * L), bv, acc[x]);
+        }
+        alignas(64) T t[X * L];
+#pragma GCC unroll 4
+        for (int x = 0; x < X; ++x) simd::store(t + x * L, acc[x]);
+        for (index r = 0; r < X * L; ++r) put(i + r, j, t[r]);
+      }
+    };
+    vectors.template operator()<4>();
+    vectors.template operator()<1>();
+    for (; i < i1; ++i) {
+      T s = 0;
+      for (index p = 0; p < k; ++p) s = lina::detail::madd(a.data[i + p * a.cs], b[p * ldb + j], s);
+      put(i, j, s);
+    }
+  }
 }
 }  // namespace detail
 
@@ -775,7 +818,8 @@ void gemm_strip(matrix<T> const& a, index i0, index i1, T const* b, index ldb, T
 // past (measured on the non-causal forward, mostly these products, B·H = 8,
 // N = 4096, D = 64: 48 -> 104 GFLOP/s against four rows of out kept in
 // memory). The columns left after whole vectors (the normaliser's one, say)
-// go through a zero-padded copy of B's as a last, partial vector. Rows are
+// go down out's rows where A is a transposed view (gemm_columns), else
+// through a zero-padded copy of B's as a last, partial vector. Rows are
 // split across idle threads when the product is large (a single long
 // sequence), into parts of equal work. With known zeros (product_zeros) each
 // tile sums only its terms that are not zero in A and skips itself when
@@ -821,20 +865,27 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
         return zeros.any() ? terms(i, n, p0, kn, j0) : std::pair{index{0}, kn};
       };
       for (; j0 + V * L <= whole; j0 += V * L)
-        detail::gemm_strip<R, V, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc, strip_terms);
+        detail::gemm_strip<R, V, false, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc, strip_terms);
       for (; j0 < whole; j0 += L)
-        detail::gemm_strip<R, 1, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc, strip_terms);
+        detail::gemm_strip<R, 1, false, vec>(ak, i0, i1, bk + j0, b.rs, o0 + j0, out.rs, acc, strip_terms);
       if (whole == c) continue;
-      // the columns left over (fewer than a vector): B's through a zero-padded
-      // copy into a last, partial vector of out
+      // The columns left over (fewer than a vector: the normaliser's one, say).
+      // Where A's columns are contiguous (φ(K)ᵀ[V|1]), by vectors down out's
+      // rows; else B's through a zero-padded copy as a last, partial vector
+      // of out (one multiply-add per broadcast of A: at M = 64 this strip cost
+      // a third of the product).
+      if (a.rs == 1 && !zeros.any()) {
+        detail::gemm_columns<vec>(ak, i0, i1, bk + whole, b.rs, c - whole, kn, o0 + whole, out.rs, acc);
+        continue;
+      }
       alignas(64) T pad[block * L];
       for (index p = 0; p < kn; ++p) {
         T const* from = bk + p * b.rs;
         std::copy(from + whole, from + c, pad + p * L);
         std::fill(pad + p * L + (c - whole), pad + (p + 1) * L, T(0));
       }
-      detail::gemm_strip<R, 1, vec>(ak, i0, i1, static_cast<T const*>(pad), index{L}, o0 + whole, out.rs, acc,
-                                    strip_terms, c - whole);
+      detail::gemm_strip<R, 1, true, vec>(ak, i0, i1, static_cast<T const*>(pad), index{L}, o0 + whole, out.rs, acc,
+                                          strip_terms, c - whole);
     }
     if (zeros.lower_out)  // (zeroed first: tiles end at most R rows and a strip past the diagonal)
       for (index i = i0; i < i1; ++i)
