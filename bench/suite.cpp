@@ -9,9 +9,10 @@
 // comparisons; bytes: q, k, v read and o written once (forward), plus dout
 // read and dq, dk, dv written (backward).
 //
-//   suite [--quick] [--maps] [--csv FILE] [--orders-csv FILE] [--reps R]
+//   suite [--quick] [--maps] [--mask causal|full] [--csv FILE] [--orders-csv FILE] [--reps R]
 //
-// --maps runs the feature-map rows alone (poly2, favor).
+// --maps runs the feature-map rows alone (poly2, favor); --mask the elu+1 grid's
+// rows of one mask alone.
 #include <fmt/core.h>
 #include <fmt/os.h>
 
@@ -54,6 +55,7 @@ constexpr auto decayed_attn = normalize(causal(phi<elu_plus_one>(Q) * transpose(
 struct options {
   bool quick = false;
   bool maps_only = false;
+  std::optional<std::string> mask;  // the elu+1 grid of this mask alone
   int reps = 3;
   std::optional<std::string> csv, orders_csv;
 };
@@ -113,7 +115,8 @@ void elu_grid(report& rep) {
   std::vector<std::size_t> lengths = rep.opt.quick ? std::vector<std::size_t>{1024, 4096, 16384}
                                                    : std::vector<std::size_t>{1024, 4096, 16384, 65536};
   for (bool backward : {false, true})
-    for (bool causal : {true, false})
+    for (bool causal : {true, false}) {
+      if (rep.opt.mask && *rep.opt.mask != (causal ? "causal" : "full")) continue;
       for (std::size_t d : {32u, 64u, 128u})
         for (std::size_t bh : {1u, 8u})
           for (std::size_t n : lengths) {
@@ -122,6 +125,7 @@ void elu_grid(report& rep) {
             else
               measure<T>(rep, compile<order::linear>(full_attn<elu_plus_one>), "elu+1", "full", bh, n, d, d, backward);
           }
+    }
 }
 
 void feature_maps(report& rep) {
@@ -176,6 +180,9 @@ int main(int argc, char** argv) {
       opt.quick = true;
     } else if (!std::strcmp(argv[i], "--maps")) {
       opt.maps_only = true;
+    } else if (!std::strcmp(argv[i], "--mask") && i + 1 < argc &&
+               (!std::strcmp(argv[i + 1], "causal") || !std::strcmp(argv[i + 1], "full"))) {
+      opt.mask = argv[++i];
     } else if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) {
       opt.csv = argv[++i];
     } else if (!std::strcmp(argv[i], "--orders-csv") && i + 1 < argc) {
@@ -183,7 +190,7 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
       opt.reps = std::max(1, std::atoi(argv[++i]));
     } else {
-      fmt::print(stderr, "usage: suite [--quick] [--maps] [--csv FILE] [--orders-csv FILE] [--reps R]\n");
+      fmt::print(stderr, "usage: suite [--quick] [--maps] [--mask causal|full] [--csv FILE] [--orders-csv FILE] [--reps R]\n");
       return 2;
     }
   }
@@ -199,7 +206,7 @@ int main(int argc, char** argv) {
     elu_grid<float>(rep);
     elu_grid<double>(rep);
   }
-  feature_maps(rep);
+  if (!opt.mask) feature_maps(rep);
   if (opt.csv) {
     auto out = fmt::output_file(*opt.csv);
     out.print("map,mask,pass,type,bh,n,d,m,c,ms,gflops,peak_fraction,gbytes,triad_fraction\n");
@@ -207,5 +214,5 @@ int main(int argc, char** argv) {
       out.print("{},{},{},{},{},{},{},{},{},{:.6f},{:.3f},{:.4f},{:.3f},{:.4f}\n", r.map, r.mask, r.pass, r.type, r.bh,
                 r.n, r.d, r.m, r.c, r.ms, r.gflops, r.peak_fraction, r.gbytes, r.triad_fraction);
   }
-  if (!opt.maps_only) orders(opt);
+  if (!opt.maps_only && !opt.mask) orders(opt);
 }
