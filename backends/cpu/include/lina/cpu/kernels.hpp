@@ -872,8 +872,10 @@ void gemm(matrix<T> const& a, matrix<T>&& b_in, matrix<T>& out, bool accumulate 
       // The columns left over (fewer than a vector: the normaliser's one, say).
       // Where A's columns are contiguous (φ(K)ᵀ[V|1]), by vectors down out's
       // rows; else B's through a zero-padded copy as a last, partial vector
-      // of out (one multiply-add per broadcast of A: at M = 64 this strip cost
-      // a third of the product).
+      // of out (one multiply-add per broadcast of A: by operation count a
+      // third more work for φ(K)ᵀ[V|1] at M = 64). Not with known zeros: a
+      // vector of rows would read terms skipped for some of them (a NaN
+      // there would reach rows the mask keeps it from).
       if (a.rs == 1 && !zeros.any()) {
         detail::gemm_columns<vec>(ak, i0, i1, bk + whole, b.rs, c - whole, kn, o0 + whole, out.rs, acc);
         continue;
