@@ -958,7 +958,7 @@ class program {
   }
   // f.template operator()<M>() for the members of the group from First to K, in order.
   template <std::size_t First, std::size_t K, class F>
-  static void for_members(F&& f) {
+  static constexpr void for_members(F&& f) {
     f.template operator()<First>();
     if constexpr (First != K) for_members<S::absorbed_by[First], K>(f);
   }
@@ -978,7 +978,8 @@ class program {
       if constexpr (rule != exponents::rule::keeps && rule != exponents::rule::ends)
         if (src.row_exp) src = multiplied_out(std::move(src), values, w);
       // (rows end with an exponent when the group exps, or its first op passes its source's on)
-      if (group_exps<first, K>() || src.row_exp) {
+      constexpr bool exps = group_exps<first, K>();
+      if (exps || src.row_exp) {
         w.exps[K] = ws_.take(w.arena, static_cast<std::size_t>(src.rows));
         bool any = false;
         for (index i = 0; i < src.rows; ++i) {
@@ -986,7 +987,7 @@ class program {
                               src.row_exp ? src.row_exp[i] : T(0), w.exps[K] + i);
           any = any || w.exps[K][i] != 0;
         }
-        keep_exponents<K>(slot, w, any);
+        keep_exponents(K, slot, w, any);
         return;
       }
     }
@@ -1059,7 +1060,7 @@ class program {
           w.exps[K][i] = r;
           any = any || r != 0;
         }
-        keep_exponents<K>(slot, w, any);
+        keep_exponents(K, slot, w, any);
         return;
       }
     }
@@ -1067,14 +1068,13 @@ class program {
       row<Op>::run(o, i, source_row(x, i, copies.p), source_row(y, i, copies.p + x.cols), x.cols, y.cols,
                    slot[K].row_mut(i));
   }
-  // After step K wrote its row exponents into w.exps[K]: kept when any is not 0.
-  template <std::size_t K>
-  void keep_exponents(std::array<matrix<T>, steps + 1>& slot, turn& w, bool any) const {
+  // After step k wrote its row exponents into w.exps[k]: kept when any is not 0.
+  void keep_exponents(std::size_t k, std::array<matrix<T>, steps + 1>& slot, turn& w, bool any) const {
     if (any) {
-      slot[K].row_exp = w.exps[K];
+      slot[k].row_exp = w.exps[k];
     } else {
-      ws_.give(w.arena, w.exps[K]);
-      w.exps[K] = nullptr;
+      ws_.give(w.arena, w.exps[k]);
+      w.exps[k] = nullptr;
     }
   }
   // m with its exponents multiplied out, in memory from `mem` (m itself when it has none).
@@ -1096,14 +1096,20 @@ class program {
   template <std::size_t J>
   void product(std::array<matrix<T>, steps + 1>& slot, turn& w) const {
     using ops = typename S::template operands<J>;
-    matrix<T> a = operand<lina::detail::type_at_t<0, ops>>(slot, w);
-    matrix<T> b = operand<lina::detail::type_at_t<1, ops>>(slot, w);
     constexpr kernels::triangle at = triangle_of<lina::detail::type_at_t<0, ops>, true>();
+    constexpr bool lower_half = lower_only<J>();
+    multiply(operand<lina::detail::type_at_t<0, ops>>(slot, w), operand<lina::detail::type_at_t<1, ops>>(slot, w), at,
+             lower_half, J, slot, w);
+  }
+  // The product itself, at step j (one function per program, not per step:
+  // what depends on the step is known before, in product<J>).
+  void multiply(matrix<T> a, matrix<T> b, kernels::triangle at, bool lower_half, std::size_t j,
+                std::array<matrix<T>, steps + 1>& slot, turn& w) const {
     // (diagonals: a lower triangle's lies its columns less its rows right of
     // the first column, `diagonal`; an upper one, a lower one's transpose, its
     // rows less its columns)
-    kernels::product_zeros const zeros{at, lower_only<J>(), at == kernels::triangle::upper ? a.rows - a.cols : a.cols - a.rows,
-                                       diagonal(J)};
+    kernels::product_zeros const zeros{at, lower_half, at == kernels::triangle::upper ? a.rows - a.cols : a.cols - a.rows,
+                                       diagonal(j)};
     [[maybe_unused]] T const* rows_exp = nullptr;
     lease ma, mb;
     if constexpr (with_exp) {
@@ -1120,12 +1126,12 @@ class program {
         }
       }
     }
-    lower<op::product>::run(S::template node_at<J>(plan_).op, slot[J], a, std::move(b), zeros);
+    lower<op::product>::run(op::product{}, slot[j], a, std::move(b), zeros);
     if constexpr (with_exp)
       if (rows_exp) {
-        w.exps[J] = ws_.take(w.arena, static_cast<std::size_t>(a.rows));
-        std::copy_n(rows_exp, a.rows, w.exps[J]);
-        slot[J].row_exp = w.exps[J];
+        w.exps[j] = ws_.take(w.arena, static_cast<std::size_t>(a.rows));
+        std::copy_n(rows_exp, a.rows, w.exps[j]);
+        slot[j].row_exp = w.exps[j];
       }
   }
 
