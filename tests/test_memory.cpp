@@ -246,3 +246,26 @@ TEST_CASE("repeated calls reuse the memory of earlier ones until it is released"
   cpu::release_cached_memory();
   CHECK(cpu::memory().live == 0);
 }
+
+#ifdef LINA_ASAN  // (lina/cpu/matrix.hpp: built with AddressSanitizer, as the test command builds this binary)
+// A step's buffer comes from its thread's workspace, often one an earlier
+// step gave back and larger than asked for: under AddressSanitizer its
+// elements past the request, and all of it once given back, are
+// unaddressable, so that an overrun or a view read after its step's release
+// is reported as on a fresh allocation.
+TEST_CASE("under AddressSanitizer a workspace buffer is addressable only while taken and as far as asked") {
+  cpu::workspace<float> ws;
+  ws.begin(1);
+  float* p = ws.take(0, 32);
+  CHECK_FALSE(__asan_address_is_poisoned(p + 31));
+  ws.give(0, p);
+  CHECK(__asan_address_is_poisoned(p));
+  float* q = ws.take(0, 3);  // the same buffer again
+  REQUIRE(q == p);
+  CHECK_FALSE(__asan_address_is_poisoned(q + 2));
+  CHECK(__asan_address_is_poisoned(q + 3));
+  CHECK(__asan_address_is_poisoned(q + 31));
+  ws.begin(1);  // the next call: every buffer free
+  CHECK(__asan_address_is_poisoned(q));
+}
+#endif

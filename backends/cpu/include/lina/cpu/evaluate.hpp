@@ -253,7 +253,9 @@ class workspace {
     if (arenas_.size() < arenas) arenas_.resize(arenas);
     for (auto& a : arenas_) give_all(a);
   }
-  // The smallest free buffer of at least n elements of arena `a`, else a new one.
+  // The smallest free buffer of at least n elements of arena `a`, else a new
+  // one. (Under AddressSanitizer only its first n elements are addressable,
+  // and a buffer given back none: detail::poison.)
   T* take(std::size_t a, std::size_t n) {
     auto& blocks = arenas_[a];
     block* best = nullptr;
@@ -261,11 +263,13 @@ class workspace {
       if (!b.used && b.mem.size() >= n && (!best || b.mem.size() < best->mem.size())) best = &b;
     if (!best) best = &blocks.emplace_back(block{buffer<T>(std::max<std::size_t>(n, 1)), false});
     best->used = true;
+    detail::unpoison(best->mem.get(), n);
+    detail::poison(best->mem.get() + n, best->mem.size() - n);
     return best->mem.get();
   }
   void give(std::size_t a, T const* p) {
     for (auto& b : arenas_[a])
-      if (b.mem.get() == p) b.used = false;
+      if (b.mem.get() == p) set_free(b);
   }
   void give_all(std::size_t a) { give_all(arenas_[a]); }
 
@@ -274,8 +278,12 @@ class workspace {
     buffer<T> mem;
     bool used;
   };
+  static void set_free(block& b) {
+    b.used = false;
+    detail::poison(b.mem.get(), b.mem.size());
+  }
   static void give_all(std::vector<block>& blocks) {
-    for (auto& b : blocks) b.used = false;
+    for (auto& b : blocks) set_free(b);
   }
   std::vector<std::vector<block>> arenas_;
 };

@@ -11,6 +11,22 @@
 #include <new>
 #include <utility>
 
+// Under AddressSanitizer (GCC says so with __SANITIZE_ADDRESS__, Clang with
+// __has_feature), memory the backend keeps for reuse is marked unaddressable
+// while no one may touch it (lina::cpu::detail::poison).
+#if defined(__SANITIZE_ADDRESS__)
+#define LINA_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LINA_ASAN 1
+#endif
+#endif
+#if defined(LINA_ASAN) && __has_include(<sanitizer/asan_interface.h>)
+#include <sanitizer/asan_interface.h>
+#else
+#undef LINA_ASAN
+#endif
+
 namespace lina::cpu {
 
 // Counters of the backend's temporaries, over all threads.
@@ -37,6 +53,22 @@ inline void raise_to(std::atomic<std::size_t>& a, std::size_t v) {
   std::size_t cur = a.load(std::memory_order_relaxed);
   while (v > cur && !a.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
   }
+}
+// [p, p + n) unaddressable (poison) or addressable again (unpoison) under
+// AddressSanitizer, so that a read or write of a reused buffer where it is
+// free, or past what its taker asked for, is reported as one past a fresh
+// allocation would be; nothing otherwise.
+template <class T>
+void poison([[maybe_unused]] T const* p, [[maybe_unused]] std::size_t n) {
+#ifdef LINA_ASAN
+  ASAN_POISON_MEMORY_REGION(p, n * sizeof(T));
+#endif
+}
+template <class T>
+void unpoison([[maybe_unused]] T const* p, [[maybe_unused]] std::size_t n) {
+#ifdef LINA_ASAN
+  ASAN_UNPOISON_MEMORY_REGION(p, n * sizeof(T));
+#endif
 }
 }  // namespace detail
 
@@ -73,6 +105,7 @@ class buffer {
   void release() {
     if (!p_) return;
     memory().live -= n_ * sizeof(T);
+    detail::unpoison(p_, n_);  // (a workspace's free buffer goes back to the allocator addressable)
     ::operator delete(p_, std::align_val_t{64});
     p_ = nullptr;
   }
