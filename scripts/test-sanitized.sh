@@ -2,11 +2,11 @@
 # Build the kernels' unit and property tests (lina_tests) with AddressSanitizer
 # and UBSan and run them (CI runs this after scripts/test.sh): heap overflows,
 # use after free, leaks and undefined behaviour fail the run. The plan tests
-# (lina_plan_tests) are already built so by scripts/test.sh, at -Og like here:
-# one build of them, not two (LINA_SANITIZE, tests/CMakeLists.txt, has the
-# flags and why). The preset (CMakePresets.json) compiles at -Og, the level
-# meant for debugging (252 s instead of 355 s at -O0, the same tests passing;
-# 2 cores, 2026-12-01).
+# (lina_plan_tests) are already built with AddressSanitizer by scripts/test.sh,
+# at -Og like here: one build of them, not two (LINA_SANITIZE_ADDRESS,
+# tests/CMakeLists.txt, has the flags and why). The preset (CMakePresets.json)
+# compiles at -Og, the level meant for debugging (252 s instead of 355 s at
+# -O0, the same tests passing; 2 cores, 2026-12-01).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
