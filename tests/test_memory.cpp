@@ -247,7 +247,7 @@ TEST_CASE("repeated calls reuse the memory of earlier ones until it is released"
   CHECK(cpu::memory().live == 0);
 }
 
-#ifdef LINA_ASAN  // (lina/cpu/matrix.hpp: built with AddressSanitizer, as the test command builds this binary)
+#ifdef LINA_ASAN  // (lina/cpu/matrix.hpp: ASan and LINA_ASAN_WORKSPACES, as the test command builds this binary)
 // A step's buffer comes from its thread's workspace, often one an earlier
 // step gave back and larger than asked for: under AddressSanitizer its
 // elements past the request, and all of it once given back, are

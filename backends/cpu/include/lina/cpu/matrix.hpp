@@ -11,12 +11,16 @@
 #include <new>
 #include <utility>
 
-// Under AddressSanitizer (GCC says so with __SANITIZE_ADDRESS__, Clang with
-// __has_feature), memory the backend keeps for reuse is marked unaddressable
-// while no one may touch it (lina::cpu::detail::poison).
-#if defined(__SANITIZE_ADDRESS__)
+// Where a build defines LINA_ASAN_WORKSPACES and compiles with AddressSanitizer
+// (GCC says so with __SANITIZE_ADDRESS__, Clang with __has_feature), memory
+// the backend keeps for reuse is marked unaddressable while no one may touch
+// it (lina::cpu::detail::poison); lina's sanitized tests do. Asked for, not
+// automatic: a program whose files are compiled some with ASan and some
+// without could keep one file's take() and another's give() of the same
+// template, and report its own buffers.
+#if defined(LINA_ASAN_WORKSPACES) && defined(__SANITIZE_ADDRESS__)
 #define LINA_ASAN 1
-#elif defined(__has_feature)
+#elif defined(LINA_ASAN_WORKSPACES) && defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define LINA_ASAN 1
 #endif
