@@ -254,8 +254,8 @@ class workspace {
     for (auto& a : arenas_) give_all(a);
   }
   // The smallest free buffer of at least n elements of arena `a`, else a new
-  // one. (Under AddressSanitizer only its first n elements are addressable,
-  // and a buffer given back none: detail::poison.)
+  // one. (In lina's sanitized tests only its first n elements are
+  // addressable, and a buffer given back none: detail::poison.)
   T* take(std::size_t a, std::size_t n) {
     auto& blocks = arenas_[a];
     block* best = nullptr;

@@ -58,10 +58,10 @@ inline void raise_to(std::atomic<std::size_t>& a, std::size_t v) {
   while (v > cur && !a.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
   }
 }
-// [p, p + n) unaddressable (poison) or addressable again (unpoison) under
-// AddressSanitizer, so that a read or write of a reused buffer where it is
-// free, or past what its taker asked for, is reported as one past a fresh
-// allocation would be; nothing otherwise.
+// [p, p + n) unaddressable (poison) or addressable again (unpoison) where
+// LINA_ASAN is defined (above), so that a read or write of a reused buffer
+// where it is free, or past what its taker asked for, is reported as one past
+// a fresh allocation would be; nothing otherwise.
 template <class T>
 void poison([[maybe_unused]] T const* p, [[maybe_unused]] std::size_t n) {
 #ifdef LINA_ASAN
