@@ -3,8 +3,14 @@
 // tests, counting the backend's buffers).
 #include <doctest/doctest.h>
 
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -267,5 +273,55 @@ TEST_CASE("under AddressSanitizer a workspace buffer is addressable only while t
   CHECK(__asan_address_is_poisoned(q + 31));
   ws.begin(1);  // the next call: every buffer free
   CHECK(__asan_address_is_poisoned(q));
+}
+#endif
+
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+namespace {
+// The word in brackets of /sys/kernel/mm/transparent_hugepage/enabled
+// ("always", "madvise", "never"), empty where the kernel has no such file.
+std::string huge_page_mode() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  std::getline(f, line);
+  auto open = line.find('['), close = line.find(']');
+  return open == std::string::npos || close == std::string::npos ? "" : line.substr(open + 1, close - open - 1);
+}
+// THPeligible of the mapping that holds p (/proc/self/smaps): 1 where the
+// kernel may back it with huge pages; -1 where it does not say.
+int huge_page_eligible(void const* p) {
+  auto const a = reinterpret_cast<std::uintptr_t>(p);
+  std::ifstream f("/proc/self/smaps");
+  bool inside = false;
+  for (std::string line; std::getline(f, line);) {
+    std::uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " ", &lo, &hi) == 2) {  // a mapping's first line
+      inside = lo <= a && a < hi;
+    } else if (inside && line.rfind("THPeligible:", 0) == 0) {
+      return std::atoi(line.c_str() + 12);
+    }
+  }
+  return -1;
+}
+bool on_huge_page_boundary(void const* p) { return reinterpret_cast<std::uintptr_t>(p) % lina::detail::huge_page == 0; }
+}  // namespace
+
+// Fresh memory costs a page fault per page at its first touch: 4 KiB pages
+// made cpu::gradient's fresh gradient tensors cost more than its arithmetic at
+// B·H = 8, N = 16384 (lina/detail/allocate.hpp).
+TEST_CASE("tensors and workspace buffers of 2 MiB or more start on a huge page and ask the kernel for huge pages") {
+  tensor<float> t({1, 2, 1024, 512});  // 4 MiB
+  cpu::buffer<double> b(std::size_t{1} << 18);  // 2 MiB
+  cpu::buffer<float> small(1000);
+  CHECK(on_huge_page_boundary(t.data()));
+  CHECK(on_huge_page_boundary(b.get()));
+  CHECK(reinterpret_cast<std::uintptr_t>(small.get()) % 64 == 0);
+  std::string const mode = huge_page_mode();
+  if (mode == "madvise" || mode == "always") {
+    CHECK(huge_page_eligible(t.data()) == 1);
+    CHECK(huge_page_eligible(b.get()) == 1);
+  } else {
+    MESSAGE("transparent huge pages are '", mode, "' here: whether the kernel may use them is not checked");
+  }
 }
 #endif

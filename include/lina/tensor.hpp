@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "lina/detail/allocate.hpp"
 #include "lina/fixed_string.hpp"
 
 namespace lina {
@@ -258,7 +259,7 @@ class tensor {
 
   shape4 shape_{0, 0, 0, 0};
   strides4 strides_{0, 0, 0, 1};
-  std::vector<T> data_;
+  std::vector<T, detail::page_allocator<T>> data_;  // large ones on huge pages (detail/allocate.hpp)
 };
 
 template <class T>

@@ -233,9 +233,9 @@ void multiply_out(T* row, index cols, T r) {
 // Memory a program reuses: arenas of buffers, each handed out again once
 // given back. A call keeps one arena per thread, so the slices a thread runs
 // one after another reuse the memory of the first (fresh N-row temporaries
-// cost a page fault per 4 KiB: at N = 16k, half the time of a backward); a
-// recurrent step keeps one per slice across calls, so that a step allocates
-// nothing.
+// cost a page fault per page, 4 KiB or, from 2 MiB, a huge page:
+// lina/detail/allocate.hpp); a recurrent step keeps one per slice across
+// calls, so that a step allocates nothing.
 template <class T>
 class workspace {
  public:

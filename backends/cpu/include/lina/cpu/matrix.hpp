@@ -11,6 +11,8 @@
 #include <new>
 #include <utility>
 
+#include "lina/detail/allocate.hpp"
+
 // Where a build defines LINA_ASAN_WORKSPACES and compiles with AddressSanitizer
 // (GCC says so with __SANITIZE_ADDRESS__, Clang with __has_feature), memory
 // the backend keeps for reuse is marked unaddressable while no one may touch
@@ -76,14 +78,14 @@ void unpoison([[maybe_unused]] T const* p, [[maybe_unused]] std::size_t n) {
 }
 }  // namespace detail
 
-// A counted, 64-byte aligned array of T.
+// A counted, 64-byte aligned array of T (2 MiB aligned on huge pages when large).
 template <class T>
 class buffer {
  public:
   buffer() = default;
   explicit buffer(std::size_t n) : n_(n) {
     if (n == 0) return;
-    p_ = static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+    p_ = static_cast<T*>(lina::detail::allocate_bytes(n * sizeof(T), 64));  // large ones on huge pages
     auto& m = memory();
     std::size_t bytes = n * sizeof(T);
     detail::raise_to(m.peak, m.live.fetch_add(bytes) + bytes);
@@ -110,7 +112,7 @@ class buffer {
     if (!p_) return;
     memory().live -= n_ * sizeof(T);
     detail::unpoison(p_, n_);  // (a workspace's free buffer goes back to the allocator addressable)
-    ::operator delete(p_, std::align_val_t{64});
+    lina::detail::deallocate_bytes(p_, n_ * sizeof(T), 64);
     p_ = nullptr;
   }
   T* p_ = nullptr;
