@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cinttypes>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -230,6 +231,32 @@ TEST_CASE("calls from several threads at once each give the bits of the same cal
     REQUIRE(diffs[c].size() == rounds * alone[c].size());
     for (double d : diffs[c]) CHECK(d == 0);
   }
+}
+
+// A result evaluate or gradient returns is a tensor made lina::uninitialized
+// (not zero-filled first: the call writes every element). The tests build
+// with LINA_POISON_UNINITIALIZED, so such a tensor starts as NaN and an
+// element a backend left unwritten shows as a NaN in whatever test reads it.
+TEST_CASE("new results are not zero-filled first, and every element is written: in the tests they start as NaN") {
+  auto all_finite = [](auto const& t) {
+    bool ok = t.size() > 0;
+    for (std::size_t i = 0; i < t.size(); ++i) ok = ok && std::isfinite(t.data()[i]);
+    return ok;
+  };
+  tensor<float> fresh({1, 2, 3, 4}, uninitialized), zeros({1, 2, 3, 4});
+  auto like = tensor<double>::like(tensor_view<double const>(nullptr, {1, 2, 3, 4}, {24, 1, 8, 2}), uninitialized);
+  CHECK(std::isnan(fresh(0, 1, 2, 3)));
+  CHECK(std::isnan(like(0, 1, 2, 3)));
+  CHECK(like.strides() == strides4{24, 1, 8, 2});
+  CHECK(zeros(0, 1, 2, 3) == 0.0f);
+  auto q = tensor<float>::random({2, 2, 37, 16}, 1), k = tensor<float>::random({2, 2, 37, 16}, 2);
+  auto v = tensor<float>::random({2, 2, 37, 8}, 3), dout = tensor<float>::random({2, 2, 37, 8}, 4);
+  auto plan = compile<order::linear>(attn);
+  CHECK(all_finite(cpu::evaluate(plan, Q = q, K = k, V = v)));
+  auto g = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  CHECK(all_finite(g[Q]));
+  CHECK(all_finite(g[K]));
+  CHECK(all_finite(g[V]));
 }
 
 TEST_CASE("repeated calls reuse the memory of earlier ones until it is released") {

@@ -188,6 +188,17 @@ class tensor_view {
   strides4 strides_{0, 0, 0, 0};
 };
 
+// `tensor<T>(shape, lina::uninitialized)`: a tensor whose elements are not
+// written before its first use, for results a call then overwrites whole
+// (every evaluate and gradient that returns a new tensor: writing zeros first
+// would cost a pass over memory as large as the result). Where
+// LINA_POISON_UNINITIALIZED is defined (lina's tests define it) its elements
+// start as quiet NaN, so that a result left partly unwritten shows.
+struct uninitialized_t {
+  explicit uninitialized_t() = default;
+};
+inline constexpr uninitialized_t uninitialized{};
+
 template <class T>
 class tensor {
   static_assert(std::is_floating_point_v<T>, "lina::tensor<T>: T must be float or double");
@@ -197,14 +208,26 @@ class tensor {
   // A contiguous [B,H,N,D] tensor.
   explicit tensor(shape4 shape, T fill = T(0))
       : shape_(shape), strides_(tensor_view<T>::contiguous_strides(shape)), data_(count(shape), fill) {}
+  tensor(shape4 shape, uninitialized_t) : shape_(shape), strides_(tensor_view<T>::contiguous_strides(shape)) {
+    data_.resize(count(shape));  // page_allocator default-initialises: nothing written
+    poison_fresh();
+  }
 
   // A tensor with the shape of `v` whose memory is laid out in the same order
   // as v's (densely): a [B,N,H,D] view gives a [B,N,H,D] tensor.
   template <class U>
   static tensor like(tensor_view<U> const& v, T fill = T(0)) {
+    tensor t = like(v, uninitialized);
+    std::fill(t.data_.begin(), t.data_.end(), fill);
+    return t;
+  }
+  // The same, its elements not written (lina::uninitialized).
+  template <class U>
+  static tensor like(tensor_view<U> const& v, uninitialized_t) {
     tensor t;
     t.shape_ = v.shape();
-    t.data_.assign(count(v.shape()), fill);
+    t.data_.resize(count(v.shape()));
+    t.poison_fresh();
     std::array<int, 4> dims{0, 1, 2, 3};  // innermost first after sorting
     std::stable_sort(dims.begin(), dims.end(), [&](int a, int b) {
       return std::abs(v.strides()[a]) < std::abs(v.strides()[b]) ||
@@ -252,6 +275,11 @@ class tensor {
 
  private:
   static std::size_t count(shape4 const& s) { return s[0] * s[1] * s[2] * s[3]; }
+  void poison_fresh() {
+#ifdef LINA_POISON_UNINITIALIZED
+    std::fill(data_.begin(), data_.end(), std::numeric_limits<T>::quiet_NaN());
+#endif
+  }
   std::size_t offset(std::size_t b, std::size_t h, std::size_t n, std::size_t d) const noexcept {
     return static_cast<std::size_t>(static_cast<std::ptrdiff_t>(b) * strides_[0] + static_cast<std::ptrdiff_t>(h) * strides_[1] +
                                     static_cast<std::ptrdiff_t>(n) * strides_[2] + static_cast<std::ptrdiff_t>(d) * strides_[3]);

@@ -14,6 +14,8 @@
 
 #include <cstddef>
 #include <new>
+#include <type_traits>
+#include <utility>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -59,6 +61,17 @@ struct page_allocator {
   constexpr page_allocator(page_allocator<U> const&) noexcept {}
   T* allocate(std::size_t n) { return static_cast<T*>(allocate_bytes(n * sizeof(T), alignof(T))); }
   void deallocate(T* p, std::size_t n) noexcept { deallocate_bytes(p, n * sizeof(T), alignof(T)); }
+  // Default construction default-initialises (writes nothing to a float), so
+  // that resize(n) leaves what lina::uninitialized promises; construction
+  // from a value is as usual.
+  template <class U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
   template <class U>
   friend constexpr bool operator==(page_allocator const&, page_allocator<U> const&) noexcept {
     return true;

@@ -1480,7 +1480,7 @@ void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Ou
   for (std::size_t k = 0; k < Outputs; ++k) {
     auto shared = [&](auto const& v) { return lina::detail::may_share_memory(outs[k], v); };
     if (std::any_of(in.views.begin(), in.views.end(), shared)) {
-      spare[k] = tensor<T>(outs[k].shape());
+      spare[k] = tensor<T>(outs[k].shape(), uninitialized);
       outs[k] = spare[k].view();
     }
   }
@@ -1588,7 +1588,7 @@ template <class Plan, class... B>
 auto evaluate(Plan const& plan, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
   using T = typename decltype(in)::value_type;
-  tensor<T> out(result_shape<Plan>(in));
+  tensor<T> out(result_shape<Plan>(in), uninitialized);
   detail::evaluate_slices<T>(plan, in, out.view());
   return out;
 }

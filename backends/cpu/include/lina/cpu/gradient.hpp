@@ -53,7 +53,7 @@ template <class T, class BP, class Bound>
 auto new_gradients(Bound const& in, std::array<tensor_view<T>, gradient_count<BP>>& outs) {
   gradients_of<tensor<T>, BP> g;
   [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((g.all()[I] = tensor<T>::like(in.views[gradient_input_index<BP, Bound, I>()]), outs[I] = g.all()[I].view()), ...);
+    ((g.all()[I] = tensor<T>::like(in.views[gradient_input_index<BP, Bound, I>()], uninitialized), outs[I] = g.all()[I].view()), ...);
   }(std::make_index_sequence<gradient_count<BP>>{});
   return g;
 }

@@ -98,7 +98,7 @@ template <class Plan, class... B>
 auto evaluate(Plan const& plan, sequences const& seqs, B const&... bindings) {
   auto in = bind<Plan>(bindings...);
   using T = typename decltype(in)::value_type;
-  tensor<T> out(result_shape<Plan>(in));
+  tensor<T> out(result_shape<Plan>(in), uninitialized);
   evaluate_into(plan, out.view(), seqs, bindings...);
   return out;
 }
@@ -133,7 +133,7 @@ template <class Plan, class T, class... B>
 tensor<T> evaluate(Plan const& plan, state<T>& st, sequences const& seqs, B const&... bindings) {
   auto linear = longest_branch(plan);
   auto in = bind<decltype(linear)>(bindings...);
-  tensor<T> out(result_shape<decltype(linear)>(in));
+  tensor<T> out(result_shape<decltype(linear)>(in), uninitialized);
   evaluate_into(plan, out.view(), st, seqs, bindings...);
   return out;
 }
@@ -163,7 +163,7 @@ void packed_backward(P const& plan, gradients<tensor_view<T>, In...>& into, D co
       if (cut[i]) {
         mine.all()[i] = into.all()[i].rows(seqs.begin(s), seqs.length(s));
       } else {
-        shares[s][i] = tensor<T>(into.all()[i].shape());
+        shares[s][i] = tensor<T>(into.all()[i].shape(), uninitialized);
         mine.all()[i] = shares[s][i].view();
       }
     }

@@ -58,7 +58,7 @@ template <class Plan, class T, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 tensor<T> evaluate(Plan const& plan, state<T>& st, B const&... bindings) {
   using L = decltype(longest_branch(plan));
-  tensor<T> out(result_shape<L>(bind<L>(bindings...)));
+  tensor<T> out(result_shape<L>(bind<L>(bindings...)), uninitialized);
   evaluate_into(plan, out.view(), st, bindings...);
   return out;
 }
@@ -74,7 +74,7 @@ class rnn {
     requires(is_binding<B> && ...)
   tensor<T> step(B const&... bindings) {
     auto in = bind_token(bindings...);
-    tensor<T> out(result_shape<L>(in));
+    tensor<T> out(result_shape<L>(in), uninitialized);
     detail::evaluate_bound(plan_, state_, in, out.view(), &workspace_);
     return out;
   }

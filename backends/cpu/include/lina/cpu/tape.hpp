@@ -245,7 +245,7 @@ void evaluate_into(Plan const& plan, tensor_view<T> out, tape<T>& tp, B const&..
 template <class Plan, class T, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 auto evaluate(Plan const& plan, tape<T>& tp, B const&... bindings) {
-  tensor<T> out(result_shape<Plan>(bind<Plan>(bindings...)));
+  tensor<T> out(result_shape<Plan>(bind<Plan>(bindings...)), uninitialized);
   evaluate_into(plan, out.view(), tp, bindings...);
   return out;
 }
@@ -271,7 +271,7 @@ auto gradient(P const& plan, tape<T> const& tp, D const& dout, B const&... bindi
   gradients_for<tensor<T>, P> g;
   gradients_for<tensor_view<T>, P> into;
   for (std::size_t i = 0; i < g.all().size(); ++i) {
-    g.all()[i] = tensor<T>::like(in.views[i]);
+    g.all()[i] = tensor<T>::like(in.views[i], uninitialized);
     into.all()[i] = g.all()[i].view();
   }
   gradient_into(plan, into, tp, dout, bindings...);
@@ -298,7 +298,7 @@ template <class Plan, class T, class... B>
   requires(is_node<Plan> && (is_binding<B> && ...))
 tensor<T> evaluate(Plan const& plan, state<T>& st, tape<T>& tp, B const&... bindings) {
   using L = decltype(longest_branch(plan));
-  tensor<T> out(result_shape<L>(bind<L>(bindings...)));
+  tensor<T> out(result_shape<L>(bind<L>(bindings...)), uninitialized);
   evaluate_into(plan, out.view(), st, tp, bindings...);
   return out;
 }
