@@ -121,11 +121,11 @@ struct elu_plus_one {
   static constexpr std::string_view name = "elu+1";
   template <class T>
   static constexpr T value(T x) {
-    return x > T(0) ? x + T(1) : detail::exp(x);  // a vectorisable exp (detail/exp.hpp)
+    return x > T(0) ? x + T(1) : detail::exp_min0(x);  // a vectorisable exp of what is not above 0 (detail/exp.hpp)
   }
   template <class T>
   static constexpr T derivative(T x) {
-    return x > T(0) ? T(1) : detail::exp(x);
+    return x > T(0) ? T(1) : detail::exp_min0(x);
   }
 };
 

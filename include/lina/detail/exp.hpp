@@ -7,7 +7,8 @@
 // double: truncation below half an ulp on that interval), then scaled by 2^k
 // in two steps so that results down to the subnormals and up to overflow come
 // out right. Within 2 ulp of the correctly rounded exp (tests/test_exp.cpp);
-// exp(NaN) = NaN, exp(+inf) = inf, exp(-inf) = 0.
+// exp(NaN) = NaN, exp(+inf) = inf, exp(-inf) = 0. exp_min0, below, is the same
+// function on (-inf, 0] in fewer operations.
 #pragma once
 
 #include <bit>
@@ -85,6 +86,31 @@ inline T exp(T x) {
   T s2 = std::bit_cast<T>(static_cast<I>((k2 + C::bias) << C::mantissa));
   T y = p * s1 * s2;
   return x == x ? y : x;
+}
+
+// e^min(x, 0): elu+1's exp (its positive inputs take the other branch), in
+// about 18 vector operations where exp takes 25. On (-inf, 0] it is exp(x)
+// bit for bit: the results lie in [0, 1], so 2^k scales in one step, by
+// 2^(k + 64) (exact: a normal number for every k down to lo's) and then by
+// 2^-64, which rounds once as exp's second step does; k is read from the bits
+// of the sum that rounded it rather than converted; and a NaN needs no test,
+// since the clamps keep it and it spreads through the arithmetic.
+template <class T>
+inline T exp_min0(T x) {
+  static_assert(std::is_floating_point_v<T> && (sizeof(T) == 4 || sizeof(T) == 8), "lina::detail::exp_min0: float or double");
+  using C = exp_constants<T>;
+  using U = std::make_unsigned_t<typename C::bits>;
+  constexpr int shift = 64;  // k + shift + bias >= 1 for every k from lo's (float -150, double -1076) to 0
+  constexpr T unshift = std::bit_cast<T>(static_cast<U>(U(C::bias - shift) << C::mantissa));  // 2^-shift
+  T xc = x < C::lo ? C::lo : (x > T(0) ? T(0) : x);  // (a NaN fails both tests and stays)
+  T t = xc * C::inv_ln2 + C::shifter;  // its low mantissa bits hold k
+  T kf = t - C::shifter;
+  T r = (xc - kf * C::ln2_hi) - kf * C::ln2_lo;
+  T p = exp_poly(r);
+  // (bits(t) + bias + shift) << mantissa: t's exponent and the shifter's own
+  // mantissa bit move out of the word, leaving 2^(k + shift)'s bits.
+  T s = std::bit_cast<T>(static_cast<U>((std::bit_cast<U>(t) + U(C::bias + shift)) << C::mantissa));
+  return p * s * unshift;
 }
 
 }  // namespace lina::detail
