@@ -89,7 +89,9 @@ inline T exp(T x) {
 }
 
 // e^min(x, 0): elu+1's exp (its positive inputs take the other branch), in
-// about 18 vector operations where exp takes 25. On (-inf, 0] it is exp(x)
+// fewer instructions: a loop of it over floats, vectorised by GCC 12 at -O3
+// for AVX-512, spends 25 per 16 values besides the load and store, where
+// exp's spends 39 (mask operations included). On (-inf, 0] it is exp(x)
 // bit for bit: the results lie in [0, 1], so 2^k scales in one step, by
 // 2^(k + 64) (exact: a normal number for every k down to lo's) and then by
 // 2^-64, which rounds once as exp's second step does; k is read from the bits
