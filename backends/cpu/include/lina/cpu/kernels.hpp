@@ -115,10 +115,19 @@ template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level,
   static_assert(!two || F == fade::none);
   Vec const gv = simd::broadcast<Vec>(g);
   Vec acc[P][V];
+  // In two levels every row's outputs add the state in memory to the chunk's
+  // sums: the tile's state is first copied to one local block, read at constant
+  // offsets from one address. (From s itself, P row pointers at a run-time
+  // stride did not fit the general registers: GCC 12 moved them through vector
+  // registers and the stack, and the kernel ran 1.1-1.45x slower.)
+  alignas(64) T base[two ? P : 1][V * L];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[p][v] = two ? Vec{} : simd::load<Vec>(s + p * lds + v * L);
+    for (int v = 0; v < V; ++v) {
+      acc[p][v] = two ? Vec{} : simd::load<Vec>(s + p * lds + v * L);
+      if constexpr (two) simd::store(&base[p][v * L], simd::load<Vec>(s + p * lds + v * L));
+    }
   for (index i = 0; i < n; ++i) {
     T const* ci = c + i * ldc;
     T* oi = o + i * ldo;
@@ -141,7 +150,7 @@ template <int P, int V, class Vec, bool Out = true, sums Sums = sums::one_level,
 #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) {
           Vec sv = acc[p][v];
-          if constexpr (two) sv += simd::load<Vec>(s + p * lds + v * L);
+          if constexpr (two) sv += simd::load<Vec>(&base[p][v * L]);
           ov[v] += ap * sv;
           if constexpr (Dual) u[p] = v == 0 ? sv * xv[0] : u[p] + sv * xv[v];
         }
@@ -326,10 +335,10 @@ inline constexpr index scan_chunk_rows = 64;
 // row by row, a running sum's rounding error grows like sqrt(n) eps relative
 // to the sum (measured, bench/limits: 5.5e-5 for float at n = 2^20); in two
 // levels like sqrt(chunk rows + n / chunk rows) eps. Below the threshold,
-// sqrt(n) eps <= 2^-17 (7.6e-6) and the single level is 8-11% faster (the
-// extra add per state element and row; bench/scan_kernel --n 16384 --da 64
-// --db 65), so only float
-// scans over more than 4096 rows take two levels; a double scan never does.
+// sqrt(n) eps <= 2^-17 (7.6e-6) and the single level is faster (the extra
+// add per state element and row: 1.1-1.3x, bench/scan_kernel --n 16384 at
+// da = 64 and 128, float), so only float scans over more than 4096 rows take
+// two levels; a double scan never does.
 template <class T>
 inline constexpr index two_level_rows = [] {
   constexpr double eps = std::numeric_limits<T>::epsilon(), rows = 0x1p-34 / (eps * eps);
