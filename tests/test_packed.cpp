@@ -177,6 +177,8 @@ TEST_CASE_TEMPLATE("packed sequences: chained blocks carry one state per sequenc
         for (std::size_t i = 0; i < sums.shape()[2]; ++i)
           for (std::size_t j = 0; j < sums.shape()[3]; ++j) diff = std::max(diff, std::abs(double(sums(0, hh, i, j)) - double(all(s, hh, i, j))));
       CHECK(diff == 0);
+      CHECK(alone.rows(0, 0) == a.length(s) + b.length(s));  // the rows each sequence's sums hold
+      CHECK(st.rows(0, s) == alone.rows(0, 0));
       auto solo = cpu::recurrent<T>(plan, 1, h);
       solo.set_state(std::move(alone));
       CHECK(max_abs_diff(solo.step(Q = row(qt, s), K = row(kt, s), V = row(vt, s)), row(yt, s)) == 0);

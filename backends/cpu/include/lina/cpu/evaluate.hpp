@@ -585,6 +585,13 @@ class program {
     for (std::size_t j = 0; j < steps; ++j) extent_[j] = extent_fns[j](in_);
   }
 
+  // The rows its scans run over (the sequence's), 0 without a scan.
+  std::size_t scanned_rows() const {
+    for (std::size_t j = 0; j < steps; ++j)
+      if (S::scan_index[j] != sched::none) return static_cast<std::size_t>(extent_[j][0]);
+    return 0;
+  }
+
   void run(std::size_t b, std::size_t h) const {
     std::array<matrix<T>, steps + 1> slot{};
     std::array<bool, Outputs> direct{};
@@ -772,6 +779,8 @@ class program {
     };
     lease sums_space;
     T* sums = sums_of.template operator()<J>(sums_space, static_cast<std::size_t>(bs.cols() * c.cols()));
+    // the rows those sums hold already (chained blocks: two levels past two_level_rows)
+    index const before = S::scan_index[J] != sched::none && st_ ? static_cast<index>(st_->rows(S::scan_index[J], w.b)) : 0;
     // one scan, as written (the simple path), split over threads (not a
     // decayed one: the parts' sums would need powers of the decay), or in one
     // pass (with a second output)
@@ -780,13 +789,15 @@ class program {
       if (simple_) {
         simple_scan(a_, b_, c_, sink, rows, sums_, reverse, decay, w);
       } else if (int parts = sequence_parts(rows); parts > 1 && per_thread_ && decay == T(1)) {
-        kernels::scan_rows_split(a_.rows(), b_.rows(), c_.rows(), sink, rows, sums_, reverse, parts, sec);
+        kernels::scan_rows_split(a_.rows(), b_.rows(), c_.rows(), sink, rows, sums_, reverse, parts, sec, before);
       } else {
         lease space(ws_, w.arena, kernels::scan_scratch_size<T>(rows, a_.rows(), b_.rows(), c_.rows(), sink, sec));
         if constexpr (scan_decays<J>())
-          kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec, decay);
+          kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec, decay,
+                             before);
         else  // (no decayed kernels compiled for a plan without one)
-          kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec);
+          kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec,
+                             kernels::unit_decay{}, before);
       }
     };
     with_sink<J>(slot, direct, w, c.cols(), [&](auto const& sink) {
@@ -1500,6 +1511,7 @@ void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Ou
     // slice's running sums stay in the cache of the core that updates them
 #pragma omp parallel for schedule(static) if (threads)
     for (long bh = 0; bh < total; ++bh) run(bh);
+    st->add_rows(prog.scanned_rows());
   } else {
 #pragma omp parallel for schedule(dynamic, 1) if (threads)
     for (long bh = 0; bh < total; ++bh) run(bh);

@@ -427,13 +427,16 @@ state<T> chained_backward(L const& linear, BP const& bp, Bound const& in, FwdBou
   each_scan([&](std::size_t j, std::size_t layer, bool prefix, bool transposed, std::size_t part) {
     std::size_t const c = s0.scan(layer).a, w = s0.scan(layer).b;
     if (!prefix && first_part[layer] == SB::size) first_part[layer] = part;
-    for (std::size_t b = 0; b < in.batch; ++b)
+    for (std::size_t b = 0; b < in.batch; ++b) {
       for (std::size_t h = 0; h < in.heads; ++h)
         if (prefix || part == first_part[layer])
           copy_sums(prefix ? s0.at(layer, b, h) : ds1.at(layer, b, h), sums.at(SB::scan_index[j], b, h), c, w,
                     transposed);
         else
           std::fill_n(sums.at(SB::scan_index[j], b, h), c * w, T(0));
+      // (the rows before the block, or after it: where one pass would have summed them)
+      sums.set_rows(SB::scan_index[j], b, prefix ? s0.rows(layer, b) : ds1.rows(layer, b));
+    }
   });
   run_slices<T>(bundle, in, outs, &sums);
   // Each layer's ∂initial: the sum of its parts, each what the first of its
@@ -443,9 +446,11 @@ state<T> chained_backward(L const& linear, BP const& bp, Bound const& in, FwdBou
     if (prefix || added[part] || SB::runs_in[j] != j) return;
     added[part] = true;
     std::size_t const c = s0.scan(layer).a, w = s0.scan(layer).b, rows = transposed ? w : c;
-    for (std::size_t b = 0; b < in.batch; ++b)
+    for (std::size_t b = 0; b < in.batch; ++b) {
       for (std::size_t h = 0; h < in.heads; ++h)
         copy_sums(sums.at(SB::scan_index[j], b, h), ds0.at(layer, b, h), rows, c * w / rows, transposed, true);
+      ds0.set_rows(layer, b, sums.rows(SB::scan_index[j], b));
+    }
   });
   return ds0;
 }

@@ -478,11 +478,15 @@ std::size_t scan_scratch_size(matrix<T> const& b, matrix<T> const& c) {  // into
 // decay (unit_decay): the decayed kernels, half of the strip kernels, are then
 // not instantiated, which a plan without a decay would otherwise compile for
 // nothing (each scan's code, per plan and dtype, in every translation unit).
+// `before`: how many rows `state` already sums (an earlier call's, chained):
+// the call sums in two levels when those and its own are more than
+// two_level_rows, as one call over them all would (a one-row call, a step,
+// stays in one level).
 struct unit_decay {};
 template <bool Outputs = true, class T, class A, class B, class C, class Out, class Second = no_second,
           class Decay = unit_decay>
 void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, index hi, T* state, bool reverse,
-               T* scratch, Second const& sec = {}, Decay const decay_or_unit = {}) {
+               T* scratch, Second const& sec = {}, Decay const decay_or_unit = {}, index before = 0) {
   constexpr bool decays = !std::is_same_v<Decay, unit_decay>;
   T decay = 1;
   if constexpr (decays) decay = decay_or_unit;
@@ -555,7 +559,7 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
                                                            decay);
       };
       auto undecayed = [&] {
-        if (n > two_level_rows<T>)
+        if (n > 1 && n > two_level_rows<T> - std::min(before, two_level_rows<T>))
           strips.template operator()<detail::sums::two_level>();
         else
           strips.template operator()<detail::sums::one_level>();
@@ -647,7 +651,7 @@ std::size_t scan_sums_scratch_size(index n, B const& b, C const& c) {
 // one sequential scan, so results agree to rounding, not bit for bit.
 template <class T, class A, class B, class C, class Out, class Second = no_second>
 void scan_rows_split(A const& a, B const& b, C const& c, Out const& out, index n, T* state, bool reverse,
-                     int parts, Second const& sec = {}) {
+                     int parts, Second const& sec = {}, index before = 0) {
   index da = b.cols(), db = c.cols();
   std::size_t ab = static_cast<std::size_t>(da * db);
   auto bound = [&](int p) { return static_cast<index>(static_cast<long long>(n) * p / parts); };
@@ -686,7 +690,7 @@ void scan_rows_split(A const& a, B const& b, C const& c, Out const& out, index n
   for (int p = 0; p < parts; ++p) {
     auto [lo, hi] = range(p);
     buffer<T> scratch(scan_scratch_size<T>(hi - lo, a, b, c, out, sec));
-    scan_rows(a, b, c, out, lo, hi, at(enter, p), reverse, scratch.get(), sec);
+    scan_rows(a, b, c, out, lo, hi, at(enter, p), reverse, scratch.get(), sec, unit_decay{}, before + bound(p));
   }
   std::copy_n(at(enter, parts - 1), ab, state);  // the state after the last part
 }

@@ -27,6 +27,21 @@ class state : public state_info {
 
   void reset() {
     for (auto& s : sums_) std::fill(s.begin(), s.end(), T(0));
+    std::fill(rows_.begin(), rows_.end(), std::size_t(0));
+  }
+
+  // How many rows of the sequence scan k's sums hold for batch entry b: each
+  // evaluation through the state adds its rows. A float scan that continues a
+  // long sum sums its rows in two levels (kernels::two_level_rows), as one
+  // call over the whole sequence would: blocks chained through a state keep
+  // that call's accuracy. Sums written by hand count no rows.
+  std::size_t rows(std::size_t k, std::size_t b) const { return rows_.empty() ? 0 : rows_[k * batch() + b]; }
+  // For the backend: set them, or add n rows to every scan and batch entry.
+  void set_rows(std::size_t k, std::size_t b, std::size_t n) {
+    if (!rows_.empty()) rows_[k * batch() + b] = n;
+  }
+  void add_rows(std::size_t n) {
+    for (auto& r : rows_) r += n;
   }
 
   // For the backend: check the state against an evaluation (sizing it at the
@@ -41,6 +56,7 @@ class state : public state_info {
     if (!state_info::prepare(plan, in, count, count_label)) return;
     sums_.assign(scans(), {});
     for (std::size_t k = 0; k < scans(); ++k) sums_[k].assign(batch() * heads() * scan(k).a * scan(k).b, T(0));
+    rows_.assign(scans() * batch(), 0);
   }
   // Running sums of every scan and slice (once sized).
   std::size_t elements() const noexcept {
@@ -60,6 +76,7 @@ class state : public state_info {
     return {sums_.at(k).data(), {batch(), heads(), scan(k).a, scan(k).b}};
   }
   std::vector<std::vector<T>> sums_;
+  std::vector<std::size_t> rows_;  // rows(k, b) at [k * batch + b]
 };
 
 }  // namespace lina::cpu
