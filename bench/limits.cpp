@@ -1,9 +1,10 @@
 // The CPU issue's remaining checks, measured (never timed tests):
 //   - a recurrent step against the per-token time of the chunked forward
-//     (causal elu+1, fp32, B = 1, H = 8, D = M = 64, N = 4096 tokens);
+//     (causal elu+1, fp32, B = 1, H = 8, D = M = 64, N = 4096 tokens), and
+//     the same steps after a prefill of 8192 tokens;
 //   - accuracy of a long sequence: fp32 against fp64 at N = 2^20, D = M = 16,
-//     relative RMS error, both from the same (fp32-rounded) inputs, in one call
-//     and in blocks chained through a state;
+//     relative RMS error, both from the same (fp32-rounded) inputs, in one call,
+//     in blocks chained through a state and in recurrent steps;
 //   - subnormal and NaN inputs against normal ones (B·H = 8, N = 16384, D = 64).
 //
 //   limits
@@ -47,6 +48,16 @@ void step_against_forward() {
   }, 3);
   fmt::print("recurrent step, B1 H8 D=M=64: {:.2f} us per token; chunked forward over N = {}: {:.2f} us per token; "
              "step / forward = {:.1f}x\n", 1e6 * steps / n, n, 1e6 * fwd / n, steps / fwd);
+  // the same steps after a prefill of 2n tokens (past two_level_rows: two-level steps)
+  cpu::state<float> prefill;
+  tensor<float> out2({1, h, 2 * n, d});
+  auto q2 = tensor<float>::random({1, h, 2 * n, d}, 10);
+  cpu::evaluate_into(plan, out2.view(), prefill, Q = q2, K = q2, V = q2);
+  double late = bench::best_seconds([&] {
+    rnn.set_state(prefill);
+    for (std::size_t i = 0; i < n; ++i) rnn.step_into(y.view(), Q = token(q, i), K = token(k, i), V = token(v, i));
+  }, 3);
+  fmt::print("  the same steps after {} tokens: {:.2f} us per token\n", 2 * n, 1e6 * late / n);
 }
 
 void long_sequence_accuracy() {
@@ -81,6 +92,17 @@ void long_sequence_accuracy() {
     }
     fmt::print("  in blocks of {} chained through a state: {:.2e}\n", blk, std::sqrt(num / den));
   }
+  // and token by token (recurrent steps: one row a call, summed in one level)
+  tensor<float> stepped({1, 1, n, d});
+  auto rnn = cpu::recurrent<float>(plan, 1, 1);
+  for (std::size_t t = 0; t < n; ++t)
+    rnn.step_into(stepped.rows(t, 1), Q = qf.rows(t, 1), K = kf.rows(t, 1), V = vf.rows(t, 1));
+  num = 0;
+  for (std::size_t i = 0; i < od.size(); ++i) {
+    double e = stepped.data()[i] - od.data()[i];
+    num += e * e;
+  }
+  fmt::print("  in recurrent steps: {:.2e}\n", std::sqrt(num / den));
 }
 
 void subnormals_and_nan() {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
+#include <utility>
 #include <vector>
 
 #include "heap_counter.hpp"
@@ -202,8 +203,9 @@ TEST_CASE_TEMPLATE("chained blocks differentiated last first, handing back ∂st
 // sum in two levels as one call does: the state counts the rows it holds. Row
 // by row (each block in one level from the state it was handed) the error grew
 // like √N ε: at N = 65536 in blocks of 1024 the chained forward was 7x, its
-// gradients 4.7-5.5x, as far from fp64 as one call; now within 2x of it.
-TEST_CASE("blocks chained through a state are as accurate as one call over them") {
+// gradients 4.7-5.5x, as far from fp64 as one call; now within 2x of it. And
+// so do recurrent steps, through the state's pending sums.
+TEST_CASE("blocks chained through a state, and steps, are as accurate as one call over them") {
   std::size_t const n = 65536, d = 4, blk = 1024, blocks = n / blk;
   auto const plan = compile<order::linear>(causal_attn<elu_plus_one>);
   auto qf = tensor<float>::random({1, 1, n, d}, 4), kf = tensor<float>::random({1, 1, n, d}, 5);
@@ -251,6 +253,31 @@ TEST_CASE("blocks chained through a state are as accurate as one call over them"
   CHECK(rel(gq, g_exact[Q]) <= 2 * rel(g_once[Q], g_exact[Q]));
   CHECK(rel(gk, g_exact[K]) <= 2 * rel(g_once[K], g_exact[K]));
   CHECK(rel(gv, g_exact[V]) <= 2 * rel(g_once[V], g_exact[V]));
+  // recurrent steps past two_level_rows: each row into pending sums, folded
+  // into the state every fold_rows steps (row by row onto the state they erred
+  // like the row-by-row blocks); the state read between folds includes them
+  auto rnn = cpu::recurrent<float>(plan, 1, 1);
+  tensor<float> stepped({1, 1, n, d});
+  std::size_t const mid = n / 2 + 5;  // (5 steps into a fold's 64)
+  double mid_err = 0;
+  for (std::size_t t = 0; t < n; ++t) {
+    rnn.step_into(stepped.rows(t, 1), Q = qf.rows(t, 1), K = kf.rows(t, 1), V = vf.rows(t, 1));
+    if (t + 1 == mid) {
+      cpu::state<double> exact_sums;
+      (void)cpu::evaluate(plan, exact_sums, Q = qd.rows(0, mid), K = kd.rows(0, mid), V = vd.rows(0, mid));
+      auto const want = std::as_const(exact_sums)[0];
+      auto const got = std::as_const(rnn.state())[0];
+      double scale = 0;
+      for_each_index(want.shape(), [&](auto... i) {
+        mid_err = std::max(mid_err, std::abs(double(got(i...)) - want(i...)));
+        scale = std::max(scale, std::abs(want(i...)));
+      });
+      mid_err /= scale;
+    }
+  }
+  CHECK(rel(stepped, exact) <= 2 * rel(once, exact));
+  CHECK(mid_err <= 1e-5);  // (without the 5 pending rows: ~1e-4)
+  CHECK(rnn.state().rows(0, 0) == n);
   // a reset state holds no rows; a copy holds the rows of what it copies
   cpu::state<float> copy = st;
   st.reset();

@@ -777,14 +777,20 @@ class program {
       std::fill_n(space.p, size, T(0));
       return space.p;
     };
-    lease sums_space;
-    T* sums = sums_of.template operator()<J>(sums_space, static_cast<std::size_t>(bs.cols() * c.cols()));
-    // the rows those sums hold already (chained blocks: two levels past two_level_rows)
+    // the rows the state's sums hold already (chained blocks: two levels past
+    // two_level_rows; a step there adds to the state's pending sums)
     index const before = S::scan_index[J] != sched::none && st_ ? static_cast<index>(st_->rows(S::scan_index[J], w.b)) : 0;
+    T const decay = scan_decay<J>(w.h);
+    bool const pending_step = D == sched::none && !scan_decays<J>() && rows == 1 && !simple_ && st_ &&
+                              S::scan_index[J] != sched::none && st_->has_pending() &&
+                              before >= kernels::two_level_rows<T>;
+    lease sums_space;
+    T* sums = pending_step ? st_->unfolded_at(S::scan_index[J], w.b, w.h)
+                           : sums_of.template operator()<J>(sums_space, static_cast<std::size_t>(bs.cols() * c.cols()));
+    T* const pending = pending_step ? st_->pending_at(S::scan_index[J], w.b, w.h) : nullptr;
     // one scan, as written (the simple path), split over threads (not a
     // decayed one: the parts' sums would need powers of the decay), or in one
     // pass (with a second output)
-    T const decay = scan_decay<J>(w.h);
     auto scan = [&](auto const& a_, auto const& b_, auto const& c_, auto const& sink, T* sums_, auto const& sec) {
       if (simple_) {
         simple_scan(a_, b_, c_, sink, rows, sums_, reverse, decay, w);
@@ -797,7 +803,7 @@ class program {
                              before);
         else  // (no decayed kernels compiled for a plan without one)
           kernels::scan_rows(a_.rows(), b_.rows(), c_.rows(), sink, 0, rows, sums_, reverse, space.p, sec,
-                             kernels::unit_decay{}, before);
+                             kernels::unit_decay{}, before, sums_ == sums ? pending : nullptr);
       }
     };
     with_sink<J>(slot, direct, w, c.cols(), [&](auto const& sink) {
@@ -825,6 +831,7 @@ class program {
         });
       }
     });
+    if (pending_step) st_->pending_step(S::scan_index[J], w.b, w.h);  // (folded every fold_rows steps)
   }
   // The decay of scan step J's running sums in head h (1: none), and whether
   // its mask has one at all (else it is 1 whatever the head).
@@ -1503,6 +1510,7 @@ void run_slices(Plan const& plan, Bound const& in, std::array<tensor_view<T>, Ou
     ws->begin(in.batch * in.heads);
   }
   program<T, Plan, Bound, Outputs> prog(plan, in, outs, st, *ws, per_thread);
+  if (st && prog.scanned_rows() == 1) st->make_pending(kernels::two_level_rows<T>);  // (steps past it: once)
   long total = static_cast<long>(in.batch * in.heads);
   [[maybe_unused]] bool const threads = worth_threads(in, st);  // (read by the pragmas alone)
   auto run = [&](long bh) { prog.run(static_cast<std::size_t>(bh) / in.heads, static_cast<std::size_t>(bh) % in.heads); };

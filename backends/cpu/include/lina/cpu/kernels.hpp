@@ -299,6 +299,59 @@ void scan_one_row(T* state, index da, index db, index vectors, T const* a, T con
   if (v0 < vectors) block.template operator()<1>();
 }
 
+// One row in two levels (a step past two_level_rows, cpu::state's pending
+// sums): pending += b cᵀ, o += aᵀ (state + pending), as a two-level tile's
+// rows read theirs; the state itself is left to the caller's fold. W vectors
+// of columns at a time, their outputs in registers over the state's rows (as
+// scan_one_row_block), then the columns left one by one.
+template <int W, class Vec, class T>
+inline void scan_one_row_two_level_block(T const* __restrict state, T* __restrict pending, index da, index db,
+                                         T const* __restrict a, T const* __restrict b, T const* __restrict c,
+                                         T* __restrict o) {
+  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  Vec cv[W], ov[W];
+#pragma GCC unroll 4
+  for (int v = 0; v < W; ++v) {
+    cv[v] = simd::load<Vec>(c + v * L);
+    ov[v] = simd::load<Vec>(o + v * L);
+  }
+  for (index p = 0; p < da; ++p) {
+    Vec const bp = simd::broadcast<Vec>(b[p]), ap = simd::broadcast<Vec>(a[p]);
+    T const* sp = state + p * db;
+    T* pp = pending + p * db;
+#pragma GCC unroll 4
+    for (int v = 0; v < W; ++v) {
+      Vec x = fade_add<fade::none>(simd::load<Vec>(pp + v * L), bp, cv[v], Vec{});
+      simd::store(pp + v * L, x);
+      ov[v] += ap * (x + simd::load<Vec>(sp + v * L));
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < W; ++v) simd::store(o + v * L, ov[v]);
+}
+template <class Vec, class T>
+void scan_one_row_two_level(T const* state, T* pending, index da, index db, T const* a, T const* b, T const* c, T* o) {
+  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
+  index const vectors = db / L;
+  index v0 = 0;
+  auto block = [&]<int W>() {
+    scan_one_row_two_level_block<W, Vec>(state + v0 * L, pending + v0 * L, da, db, a, b, c + v0 * L, o + v0 * L);
+    v0 += W;
+  };
+  while (v0 + 4 <= vectors) block.template operator()<4>();
+  if (v0 + 2 <= vectors) block.template operator()<2>();
+  if (v0 < vectors) block.template operator()<1>();
+  for (index q = vectors * L; q < db; ++q) {
+    T out = o[q];
+    for (index p = 0; p < da; ++p) {
+      T const x = pending[p * db + q] + b[p] * c[q];
+      pending[p * db + q] = x;
+      out += a[p] * (x + state[p * db + q]);
+    }
+    o[q] = out;
+  }
+}
+
 // Rows first, first + 1, ... (first, first - 1, ... when reversed) of x,
 // n of them, into `to`, each row `ld` wide with zeros past x's columns.
 template <class T>
@@ -480,13 +533,15 @@ std::size_t scan_scratch_size(matrix<T> const& b, matrix<T> const& c) {  // into
 // nothing (each scan's code, per plan and dtype, in every translation unit).
 // `before`: how many rows `state` already sums (an earlier call's, chained):
 // the call sums in two levels when those and its own are more than
-// two_level_rows, as one call over them all would (a one-row call, a step,
-// stays in one level).
+// two_level_rows, as one call over them all would. A one-row call (a step)
+// does so through `pending` sums the caller keeps (cpu::state): the row adds
+// to them and its output reads state + pending; the caller folds them in.
 struct unit_decay {};
 template <bool Outputs = true, class T, class A, class B, class C, class Out, class Second = no_second,
           class Decay = unit_decay>
 void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, index hi, T* state, bool reverse,
-               T* scratch, Second const& sec = {}, Decay const decay_or_unit = {}, index before = 0) {
+               T* scratch, Second const& sec = {}, Decay const decay_or_unit = {}, index before = 0,
+               T* pending = nullptr) {
   constexpr bool decays = !std::is_same_v<Decay, unit_decay>;
   T decay = 1;
   if constexpr (decays) decay = decay_or_unit;
@@ -544,7 +599,10 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
       }
       auto strips = [&]<detail::sums Sums, detail::fade F = detail::fade::none>() {
         index q0 = 0;
-        if (Outputs && !Dual && m == 1) {  // a step: whole vectors row by row
+        if (Outputs && !Dual && m == 1 && pending && F == detail::fade::none) {  // a step in two levels: every column
+          q0 = db;
+          detail::scan_one_row_two_level<vec>(state, pending, da, db, ra, rb, rc, po);
+        } else if (Outputs && !Dual && m == 1) {  // a step: whole vectors row by row
           q0 = db / L * L;
           detail::scan_one_row<vec, F>(state, da, db, db / L, ra, rb, rc, po, decay);
         }

@@ -80,7 +80,8 @@ class rnn {
   }
   // One token into the caller's [B, H, 1, cols] output. After the first step
   // nothing is allocated: the state is updated in place and the temporaries
-  // come from this rnn's workspace.
+  // come from this rnn's workspace (but once, at the first float step past
+  // 4096 tokens: the state's pending sums, cpu/state.hpp).
   template <class... B>
     requires(is_binding<B> && ...)
   void step_into(tensor_view<T> out, B const&... bindings) {

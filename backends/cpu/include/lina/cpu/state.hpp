@@ -28,6 +28,8 @@ class state : public state_info {
   void reset() {
     for (auto& s : sums_) std::fill(s.begin(), s.end(), T(0));
     std::fill(rows_.begin(), rows_.end(), std::size_t(0));
+    pending_.clear();
+    pending_rows_.clear();
   }
 
   // How many rows of the sequence scan k's sums hold for batch entry b: each
@@ -57,6 +59,8 @@ class state : public state_info {
     sums_.assign(scans(), {});
     for (std::size_t k = 0; k < scans(); ++k) sums_[k].assign(batch() * heads() * scan(k).a * scan(k).b, T(0));
     rows_.assign(scans() * batch(), 0);
+    pending_.clear();
+    pending_rows_.clear();
   }
   // Running sums of every scan and slice (once sized).
   std::size_t elements() const noexcept {
@@ -65,18 +69,69 @@ class state : public state_info {
     return n;
   }
   T* at(std::size_t k, std::size_t b, std::size_t h) {
+    settle(k, b, h);
     return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
   }
   T const* at(std::size_t k, std::size_t b, std::size_t h) const {
+    settle(k, b, h);
     return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
+  }
+
+  // Recurrent steps past two_level_rows sum in two levels too: each step adds
+  // its row to pending sums (from zero since the last fold) and reads the
+  // state plus them; every `fold_rows` steps they are added to the state once
+  // (kernels::scan_rows's `pending`). Row by row onto the state itself, steps
+  // over 2^20 tokens erred 40x more than one call over them (bench/limits).
+  // Every other reader (at, operator[], copies made through them) sees the
+  // pending sums folded in first. For the backend: make the pending sums
+  // (outside any parallel region) where a scan holds `threshold` rows; the
+  // state's and the pending sums of slice (k, b, h), unfolded; one more step
+  // taken there.
+  static constexpr unsigned fold_rows = 64;
+  void make_pending(std::size_t threshold) {
+    if (!pending_.empty() || std::none_of(rows_.begin(), rows_.end(), [&](std::size_t r) { return r >= threshold; }))
+      return;
+    pending_.resize(scans());
+    for (std::size_t k = 0; k < scans(); ++k) pending_[k].assign(sums_[k].size(), T(0));
+    pending_rows_.assign(scans() * batch() * heads(), 0);
+  }
+  bool has_pending() const noexcept { return !pending_.empty(); }
+  T* unfolded_at(std::size_t k, std::size_t b, std::size_t h) {
+    return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
+  }
+  T* pending_at(std::size_t k, std::size_t b, std::size_t h) {
+    return pending_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
+  }
+  void pending_step(std::size_t k, std::size_t b, std::size_t h) {
+    if (++pending_rows_[(k * batch() + b) * heads() + h] == fold_rows) settle(k, b, h);
   }
 
  private:
   tensor_view<T> view(std::size_t k) {
+    for (std::size_t b = 0; b < batch(); ++b)
+      for (std::size_t h = 0; h < heads(); ++h) settle(k, b, h);
     return {sums_.at(k).data(), {batch(), heads(), scan(k).a, scan(k).b}};
   }
-  std::vector<std::vector<T>> sums_;
+  // Fold slice (k, b, h)'s pending sums into its state. (Logically const:
+  // the sums they make are the same; a const state read from two threads at
+  // once while it holds pending sums would race here.)
+  void settle(std::size_t k, std::size_t b, std::size_t h) const {
+    if (pending_.empty()) return;
+    unsigned& n = pending_rows_[(k * batch() + b) * heads() + h];
+    if (n == 0) return;
+    std::size_t const size = scan(k).a * scan(k).b, at = (b * heads() + h) * size;
+    T* s = sums_[k].data() + at;
+    T* p = pending_[k].data() + at;
+    for (std::size_t e = 0; e < size; ++e) {
+      s[e] += p[e];
+      p[e] = T(0);
+    }
+    n = 0;
+  }
+  mutable std::vector<std::vector<T>> sums_;
   std::vector<std::size_t> rows_;  // rows(k, b) at [k * batch + b]
+  mutable std::vector<std::vector<T>> pending_;  // as sums_, once a step sums in two levels
+  mutable std::vector<unsigned> pending_rows_;   // steps in each slice's pending sums, [(k * batch + b) * heads + h]
 };
 
 }  // namespace lina::cpu
