@@ -261,9 +261,14 @@ void scan_column(T* state, index da, index db, index q, T const* a, index lda, T
 // row inside a chunk; but the state is read and written in its own row order,
 // not in 8-row tiles - 28% faster for a step at C = 64, M + 1 = 65 (measured:
 // 3.06 -> 2.20 us for 8 heads, the state in L2).
-template <int W, class Vec, fade F, class T>
-inline void scan_one_row_block(T* __restrict state, index da, index db, T const* __restrict a,
-                               T const* __restrict b, T const* __restrict c, T* __restrict o, T g) {
+// Two = true: a step in two levels (past two_level_rows, cpu::state's pending
+// sums): `sums` are the pending sums (from zero since the last fold), the
+// output reads base + sums, as a two-level tile's rows read theirs; the caller
+// folds the pending sums into the state (`base`).
+template <int W, class Vec, fade F, bool Two, class T>
+inline void scan_one_row_block(T* __restrict sums, T const* __restrict base, index da, index db,
+                               T const* __restrict a, T const* __restrict b, T const* __restrict c, T* __restrict o,
+                               T g) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   Vec const gv = simd::broadcast<Vec>(g);
   Vec cv[W], ov[W];
@@ -274,74 +279,42 @@ inline void scan_one_row_block(T* __restrict state, index da, index db, T const*
   }
   for (index p = 0; p < da; ++p) {
     Vec bp = simd::broadcast<Vec>(b[p]), ap = simd::broadcast<Vec>(a[p]);
-    T* sp = state + p * db;
+    T* sp = sums + p * db;
 #pragma GCC unroll 4
     for (int v = 0; v < W; ++v) {
       Vec x = simd::load<Vec>(sp + v * L);
       x = fade_add<F>(x, bp, cv[v], gv);
       simd::store(sp + v * L, fade_out<F>(x, gv));
-      ov[v] += ap * x;
+      if constexpr (Two)
+        ov[v] += ap * (x + simd::load<Vec>(base + p * db + v * L));
+      else
+        ov[v] += ap * x;
     }
   }
 #pragma GCC unroll 4
   for (int v = 0; v < W; ++v) simd::store(o + v * L, ov[v]);
 }
-template <class Vec, fade F = fade::none, class T>
-void scan_one_row(T* state, index da, index db, index vectors, T const* a, T const* b, T const* c, T* o, T g = 1) {
+template <class Vec, fade F = fade::none, bool Two = false, class T>
+void scan_one_row(T* sums, index da, index db, index vectors, T const* a, T const* b, T const* c, T* o, T g = 1,
+                  T const* base = nullptr) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
   index v0 = 0;  // (each vector of columns is its own sums: splitting them changes no bits)
   auto block = [&]<int W>() {
-    scan_one_row_block<W, Vec, F>(state + v0 * L, da, db, a, b, c + v0 * L, o + v0 * L, g);
+    scan_one_row_block<W, Vec, F, Two>(sums + v0 * L, Two ? base + v0 * L : nullptr, da, db, a, b, c + v0 * L,
+                                       o + v0 * L, g);
     v0 += W;
   };
   while (v0 + 4 <= vectors) block.template operator()<4>();
   if (v0 + 2 <= vectors) block.template operator()<2>();
   if (v0 < vectors) block.template operator()<1>();
 }
-
-// One row in two levels (a step past two_level_rows, cpu::state's pending
-// sums): pending += b cᵀ, o += aᵀ (state + pending), as a two-level tile's
-// rows read theirs; the state itself is left to the caller's fold. W vectors
-// of columns at a time, their outputs in registers over the state's rows (as
-// scan_one_row_block), then the columns left one by one.
-template <int W, class Vec, class T>
-inline void scan_one_row_two_level_block(T const* __restrict state, T* __restrict pending, index da, index db,
-                                         T const* __restrict a, T const* __restrict b, T const* __restrict c,
-                                         T* __restrict o) {
-  constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
-  Vec cv[W], ov[W];
-#pragma GCC unroll 4
-  for (int v = 0; v < W; ++v) {
-    cv[v] = simd::load<Vec>(c + v * L);
-    ov[v] = simd::load<Vec>(o + v * L);
-  }
-  for (index p = 0; p < da; ++p) {
-    Vec const bp = simd::broadcast<Vec>(b[p]), ap = simd::broadcast<Vec>(a[p]);
-    T const* sp = state + p * db;
-    T* pp = pending + p * db;
-#pragma GCC unroll 4
-    for (int v = 0; v < W; ++v) {
-      Vec x = fade_add<fade::none>(simd::load<Vec>(pp + v * L), bp, cv[v], Vec{});
-      simd::store(pp + v * L, x);
-      ov[v] += ap * (x + simd::load<Vec>(sp + v * L));
-    }
-  }
-#pragma GCC unroll 4
-  for (int v = 0; v < W; ++v) simd::store(o + v * L, ov[v]);
-}
+// A step in two levels over every column: whole vectors as above, then the
+// columns left one by one.
 template <class Vec, class T>
 void scan_one_row_two_level(T const* state, T* pending, index da, index db, T const* a, T const* b, T const* c, T* o) {
   constexpr int L = static_cast<int>(sizeof(Vec) / sizeof(T));
-  index const vectors = db / L;
-  index v0 = 0;
-  auto block = [&]<int W>() {
-    scan_one_row_two_level_block<W, Vec>(state + v0 * L, pending + v0 * L, da, db, a, b, c + v0 * L, o + v0 * L);
-    v0 += W;
-  };
-  while (v0 + 4 <= vectors) block.template operator()<4>();
-  if (v0 + 2 <= vectors) block.template operator()<2>();
-  if (v0 < vectors) block.template operator()<1>();
-  for (index q = vectors * L; q < db; ++q) {
+  scan_one_row<Vec, fade::none, true>(pending, da, db, db / L, a, b, c, o, T(1), state);
+  for (index q = db / L * L; q < db; ++q) {
     T out = o[q];
     for (index p = 0; p < da; ++p) {
       T const x = pending[p * db + q] + b[p] * c[q];
