@@ -783,7 +783,7 @@ class program {
     T const decay = scan_decay<J>(w.h);
     bool const pending_step = D == sched::none && !scan_decays<J>() && rows == 1 && !simple_ && st_ &&
                               S::scan_index[J] != sched::none && st_->has_pending() &&
-                              before >= kernels::two_level_rows<T>;
+                              kernels::past_one_level<T>(before, 1);
     lease sums_space;
     T* sums = pending_step ? st_->unfolded_at(S::scan_index[J], w.b, w.h)
                            : sums_of.template operator()<J>(sums_space, static_cast<std::size_t>(bs.cols() * c.cols()));

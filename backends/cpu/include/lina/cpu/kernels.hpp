@@ -370,6 +370,12 @@ inline constexpr index two_level_rows = [] {
   constexpr double eps = std::numeric_limits<T>::epsilon(), rows = 0x1p-34 / (eps * eps);
   return rows < 0x1p40 ? static_cast<index>(rows) : std::numeric_limits<index>::max();
 }();
+// Do n rows added to sums that hold `before` rows already pass two_level_rows?
+// (scan_rows's choice of level for a call; a step's, n = 1, for its pending sums)
+template <class T>
+constexpr bool past_one_level(index before, index n) {
+  return n > two_level_rows<T> - std::min(before, two_level_rows<T>);
+}
 
 // Row i of `out` = A_i^T S_i with S_i the running sum of B_j C_j^T over
 // j <= i (forward) or j >= i (reverse). `state` (a x b, row-major) holds the
@@ -590,7 +596,7 @@ void scan_rows(A const& a, B const& b, C const& c, Out const& out, index lo, ind
                                                            decay);
       };
       auto undecayed = [&] {
-        if (n > 1 && n > two_level_rows<T> - std::min(before, two_level_rows<T>))
+        if (n > 1 && past_one_level<T>(before, n))
           strips.template operator()<detail::sums::two_level>();
         else
           strips.template operator()<detail::sums::one_level>();
