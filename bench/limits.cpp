@@ -5,7 +5,10 @@
 //   - accuracy of a long sequence: fp32 against fp64 at N = 2^20, D = M = 16,
 //     relative RMS error, both from the same (fp32-rounded) inputs, in one call,
 //     in blocks chained through a state and in recurrent steps;
-//   - subnormal and NaN inputs against normal ones (B·H = 8, N = 16384, D = 64).
+//   - subnormal and NaN inputs against normal ones (B·H = 8, N = 16384, D = 64);
+//   - where the CUDA backend is built (LINA_LIMITS_CUDA), the same long sequence
+//     through its kernels' host emulation (no GPU needed): one call, blocks of
+//     1024, the gradients and decoding steps.
 //
 //   limits
 #include <fmt/core.h>
@@ -15,6 +18,9 @@
 #include <limits>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
+#ifdef LINA_LIMITS_CUDA
+#include <lina/cuda.hpp>
+#endif
 
 #include "probes.hpp"
 
@@ -103,6 +109,37 @@ void long_sequence_accuracy() {
     num += e * e;
   }
   fmt::print("  in recurrent steps: {:.2e}\n", std::sqrt(num / den));
+#ifdef LINA_LIMITS_CUDA
+  // The CUDA kernels (fp32 in and out), emulated on the host, against the same fp64 result.
+  auto error = [](auto const& got, auto const& want) {
+    double n2 = 0, d2 = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      double e = got.data()[i] - want.data()[i];
+      n2 += e * e;
+      d2 += want.data()[i] * want.data()[i];
+    }
+    return std::sqrt(n2 / d2);
+  };
+  cuda::options const opt{cuda::dtype::f32, cuda::dtype::f32};
+  tensor<float> blocks({1, 1, n, d}), steps({1, 1, n, d});
+  cuda::state st(cuda::memory::host);
+  for (std::size_t r = 0; r < n; r += 1024)
+    cuda::emulate_into(plan, opt, blocks.rows(r, 1024), st, Q = qf.rows(r, 1024), K = kf.rows(r, 1024), V = vf.rows(r, 1024));
+  auto crnn = cuda::recurrent(plan, 1, 1, opt, cuda::memory::host);
+  for (std::size_t t = 0; t < n; ++t)
+    crnn.step_into(steps.rows(t, 1), Q = qf.rows(t, 1), K = kf.rows(t, 1), V = vf.rows(t, 1));
+  fmt::print("  the CUDA kernels, emulated: in one call {:.2e}, in blocks of 1024 {:.2e}, in decoding steps {:.2e}\n",
+             error(cuda::emulate(plan, opt, Q = qf, K = kf, V = vf), od), error(blocks, od), error(steps, od));
+  auto df = tensor<float>::random({1, 1, n, d}, 11);
+  tensor<double> dd({1, 1, n, d});
+  std::copy(df.data(), df.data() + df.size(), dd.data());
+  auto gd = cpu::gradient(plan, dd, Q = qd, K = kd, V = vd);
+  auto gf = cpu::gradient(plan, df, Q = qf, K = kf, V = vf);
+  auto gc = cuda::emulate_gradient(plan, opt, df, Q = qf, K = kf, V = vf);
+  fmt::print("  gradients ∂Q, ∂K, ∂V: the CPU's {:.2e} {:.2e} {:.2e}, the CUDA kernels' (emulated) {:.2e} {:.2e} {:.2e}\n",
+             error(gf[Q], gd[Q]), error(gf[K], gd[K]), error(gf[V], gd[V]), error(gc[Q], gd[Q]), error(gc[K], gd[K]),
+             error(gc[V], gd[V]));
+#endif
 }
 
 void subnormals_and_nan() {

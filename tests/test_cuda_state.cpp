@@ -149,6 +149,52 @@ TEST_CASE("chained backward: the emulated blocks' gradients and ∂state = the C
   check(compile(causal(Q * transpose(K), decay{0.8}) * V));
 }
 
+// A long sequence in fp32: the kernels' carried sums (the state forward, R
+// backward) grow by a chunk's sum at a time (program.hpp, product), so their
+// error against fp64 is the CPU backend's (which sums in two levels past 4096
+// rows). Row by row, as the kernels summed before, it was 10x the CPU's here
+// (forward 3.1e-6 against 2.9e-7; ∂Q 3.5e-6 against 3.4e-7) and 40x at 2^20
+// rows. One call, chained blocks that end inside chunks, and the gradients,
+// against fp64 on the same (fp32) inputs: within 2x the CPU's fp32 error.
+TEST_CASE("long sequences: the emulated kernels' fp32 sums stay as accurate as the CPU backend's") {
+  constexpr auto plan = compile<order::linear>(normalize(causal(phi<elu_plus_one>(Q) * transpose(phi<elu_plus_one>(K)))) * V);
+  std::size_t const n = 65536, d = 16, block = 1000;
+  auto q = tensor<float>::random({1, 1, n, d}, 61), k = tensor<float>::random({1, 1, n, d}, 62),
+       v = tensor<float>::random({1, 1, n, d}, 63), dout = tensor<float>::random({1, 1, n, d}, 64);
+  auto wide = [](tensor<float> const& x) {
+    tensor<double> w(x.shape());
+    std::copy(x.data(), x.data() + x.size(), w.data());
+    return w;
+  };
+  auto const exact = cpu::evaluate(plan, Q = wide(q), K = wide(k), V = wide(v));
+  double const cpu_error = relative_rms(cpu::evaluate(plan, Q = q, K = k, V = v), exact);
+  cuda::options const opt{cuda::dtype::f32, cuda::dtype::f32, true};
+  double const once = relative_rms(cuda::emulate(plan, opt, Q = q, K = k, V = v), exact);
+  tensor<float> chained({1, 1, n, d});
+  cuda::state st(cuda::memory::host);
+  for (std::size_t r = 0; r < n; r += block) {
+    std::size_t const e = std::min(n, r + block);
+    cuda::emulate_into(plan, opt, rows_of(chained, r, e), st, Q = test::tokens(q, r, e), K = test::tokens(k, r, e),
+                       V = test::tokens(v, r, e));
+  }
+  double const blocks = relative_rms(chained, exact);
+  INFO("fp32 against fp64: the CPU ", cpu_error, ", emulated in one call ", once, ", in blocks of ", block, " ", blocks);
+  CHECK(once <= 2 * cpu_error);
+  CHECK(blocks <= 2 * cpu_error);
+
+  auto const g64 = cpu::gradient(plan, wide(dout), Q = wide(q), K = wide(k), V = wide(v));
+  auto const g32 = cpu::gradient(plan, dout, Q = q, K = k, V = v);
+  auto const ge = cuda::emulate_gradient(plan, opt, dout, Q = q, K = k, V = v);
+  auto check = [&](std::string const& name, auto const& sym) {
+    double const c = relative_rms(g32[sym], g64[sym]), e = relative_rms(ge[sym], g64[sym]);
+    INFO(name, " against fp64: the CPU ", c, ", emulated ", e);
+    CHECK(e <= 2 * c);
+  };
+  check("∂Q", Q);
+  check("∂K", K);
+  check("∂V", V);
+}
+
 // favor's state has C = F rows (the random features), and W comes with every
 // block: two chained blocks equal one pass, and the sums are the CPU's.
 TEST_CASE("chained: favor blocks = one pass, and the same state as the CPU's, and so do decoding steps and split rows") {

@@ -147,6 +147,7 @@ struct block {
   std::int64_t group = 0, groups = 1, row_begin = 0, row_end = 0;  // split programs: this block's rows
   std::vector<tile> reg{};
   tile op_a{}, op_b{}, op_bt{};  // rounded (and transposed) copies of product operands
+  std::vector<float> held{};      // an accumulating product's row as it was (added back after its sums)
 
   // Register r, or a copy of it rounded to precision p (into `copy`).
   tile const& rounded(int r, precision p, tile& copy) {
@@ -404,14 +405,20 @@ struct block {
                  : tri == triangle::upper ? std::pair{std::min(s, n), n}
                                           : std::pair{std::size_t{0}, n};
         };
+        // Accumulating, the chains start from zero and their sums are added to
+        // t at the end (program.hpp: the state's sums in two levels).
+        held.resize(cols);
         for (std::size_t r = 0; r < static_cast<std::size_t>(t.rows); ++r) {
           float* acc = t.v.data() + r * cols;
           auto const [c0, c1] = span(i.tri_t, r / 16 * 16, cols);
           auto const [k0, k1] = span(i.tri_a, r / 16 * 16, inner);
           std::fill(acc, acc + c0, 0.0f);
           std::fill(acc + c1, acc + cols, 0.0f);
-          if (!i.accumulate) std::fill(acc + c0, acc + c1, 0.0f);
+          if (i.accumulate) std::copy(acc + c0, acc + c1, held.begin() + static_cast<std::ptrdiff_t>(c0));
+          std::fill(acc + c0, acc + c1, 0.0f);
           fma_chains(x.v.data() + r * a_row, a_k, y.v.data(), cols, acc, k0, k1, c0, c1);
+          if (i.accumulate)
+            for (std::size_t c = c0; c < c1; ++c) acc[c] = held[c] + acc[c];
         }
         break;
       }

@@ -17,7 +17,8 @@
 // element for element: inputs convert to fp32 exactly, outputs round to
 // nearest even; products are one fmaf chain per element in increasing k
 // (fma_f32) or tensor-core mma.sync on operands rounded to bf16 or tf32 as
-// they are read from shared memory, accumulating in fp32 registers.
+// they are read from shared memory, accumulating in fp32 registers from zero
+// (an accumulating product adds its sums to the tile after them).
 //
 // Element-wise operations give one element to one thread at a time; a
 // product gives each warp 16-row stripes × a few 8-column tiles of the result.
@@ -685,7 +686,8 @@ __device__ __forceinline__ bool tri_masked(int i, int j) {
   return (Tri == tri_causal && j > i) || (Tri == tri_anticausal && j < i);
 }
 
-// fma_f32: one fmaf chain per element of t, in increasing k.
+// fma_f32: one fmaf chain per element of t, in increasing k, from zero (Acc:
+// added to t's element after it).
 template <int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, class ST, class SA,
           class SB>
 __device__ void fma_product(ST* t, const SA* a, const SB* b) {
@@ -695,13 +697,13 @@ __device__ void fma_product(ST* t, const SA* a, const SB* b) {
       put(t, i * PT + j, 0.0f);
       continue;
     }
-    float acc = Acc ? get(t, i * PT + j) : 0.0f;
+    float acc = 0.0f;
     for (int k = tri_first<TriA>(s, 1); k < tri_end<TriA>(s, 1, K); ++k) {
       const float u = get(a, TA ? k * PA + i : i * PA + k);
       const float w = get(b, TB ? j * PB + k : k * PB + j);
       acc = fmaf(u, w, acc);
     }
-    put(t, i * PT + j, acc);
+    put(t, i * PT + j, Acc ? get(t, i * PT + j) + acc : acc);
   }
 }
 
@@ -746,10 +748,12 @@ __device__ __forceinline__ void mma_stripe(float (&acc)[NB][4], const SA* a, con
   }
 }
 
-// t = (Acc ? t : 0) + op(a)·op(b), then (with a2, b2: a second product of
-// inner dimension K2 into the same tile) + op(a2)·op(b2), summed in the
-// registers: one pass over t where two products would store it and load it
-// back (the emitter fuses such pairs into tl::product2).
+// t = (Acc ? t : 0) + op(a)·op(b), the product summed in the registers from
+// zero, then (with a2, b2: a second product of inner dimension K2 into the
+// same tile) + op(a2)·op(b2) in the same registers: one pass over t where two
+// products would store it and load it back (the emitter fuses such pairs into
+// tl::product2; the second's terms join the first's sums, an order of
+// summation the tensor cores' products are free to choose).
 template <class Prec, int R, int C, int K, bool TA, bool TB, bool Acc, int PT, int PA, int PB, int TriT, int TriA, int W,
           int K2 = 0, bool TA2 = false, bool TB2 = false, int PA2 = 0, int PB2 = 0, int TriA2 = tri_none, class ST,
           class SA, class SB, class SA2 = SA, class SB2 = SB>
@@ -765,10 +769,7 @@ __device__ void mma_product(ST* t, const SA* a, const SB* b, const SA2* a2 = nul
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
-        acc[nb][r] = Acc && i < R && j < C && n0 + nb >= lo && n0 + nb < hi ? get(t, i * PT + j) : 0.0f;
-      }
+      for (int r = 0; r < 4; ++r) acc[nb][r] = 0.0f;
     if (n0 >= lo && n0 + NB <= hi) {  // (hi ≤ NT)
       mma_stripe<Prec, R, C, K, TA, TB, PA, PB, TriA, true>(acc, a, b, i0, n0, lo, hi, lane);
       if constexpr (K2 > 0) mma_stripe<Prec, R, C, K2, TA2, TB2, PA2, PB2, TriA2, true>(acc, a2, b2, i0, n0, lo, hi, lane);
@@ -781,12 +782,17 @@ __device__ void mma_product(ST* t, const SA* a, const SB* b, const SA2* a2 = nul
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = i0 + mma16::c_row(lane, r), j = (n0 + nb) * 8 + mma16::c_col(lane, r);
-        if (i < R && j < C) put(t, i * PT + j, tri_masked<TriT>(i, j) ? 0.0f : acc[nb][r]);
+        if (i >= R || j >= C) continue;
+        float x = acc[nb][r];  // (0 in the tiles outside [lo, hi))
+        if constexpr (Acc)
+          if (n0 + nb >= lo && n0 + nb < hi) x = get(t, i * PT + j) + x;
+        put(t, i * PT + j, tri_masked<TriT>(i, j) ? 0.0f : x);
       }
   }
 }
 
-// t (R × C, pitch PT) = (Acc ? t : 0) + op(a)·op(b) at precision Prec, inner
+// t (R × C, pitch PT) = (Acc ? t : 0) + op(a)·op(b), the product summed from
+// zero and then added (program.hpp: a carried sum in two levels), at precision Prec, inner
 // dimension K; a is R × K (K × R when TA, pitch PA), b is K × C (C × K when
 // TB, pitch PB); TriT, TriA: a masked product's triangles (tri_first); W: the
 // block's warps (the kernel's threads / 32). t is neither a nor b.
