@@ -3,9 +3,11 @@
 // exact, favor and random Fourier features converging as m grows).
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cmath>
 #include <lina/cpu.hpp>
 #include <lina/lina.hpp>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -283,6 +285,57 @@ TEST_CASE("blocks chained through a state, and steps, are as accurate as one cal
   st.reset();
   CHECK(st.rows(0, 0) == 0);
   CHECK(copy.rows(0, 0) == n);
+}
+
+// Reading a state folds its pending sums in (steps past two_level_rows): a
+// const member that writes. Two threads reading one const state at once, or
+// one reading while another copies it, must still leave the sums a fold makes
+// once (before the fold took a lock, both readers added the same pending sums).
+TEST_CASE("a const state holding pending sums may be read and copied from two threads at once") {
+  std::size_t const h = 8, d = 64, steps = 4096 + 37;  // 37 steps into a fold, 8 slices of 64 x 65 sums
+  auto const plan = compile<order::linear>(causal_attn<elu_plus_one>);
+  auto q = tensor<float>::random({1, h, steps, d}, 21), k = tensor<float>::random({1, h, steps, d}, 22);
+  auto v = tensor<float>::random({1, h, steps, d}, 23);
+  auto rnn = cpu::recurrent<float>(plan, 1, h);
+  tensor<float> y({1, h, 1, d});
+  for (std::size_t t = 0; t < steps; ++t) rnn.step_into(y.view(), Q = q.rows(t, 1), K = k.rows(t, 1), V = v.rows(t, 1));
+  REQUIRE(rnn.state().has_pending());
+  auto sums = [](cpu::state<float> const& st) {  // folded by this read
+    auto s = st[0];
+    std::vector<float> out;
+    for_each_index(s.shape(), [&](auto... i) { out.push_back(s(i...)); });
+    return out;
+  };
+  cpu::state<float> const held = rnn.state();  // still pending: a copy carries them
+  auto const want = sums(cpu::state<float>(held));
+  int wrong = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    cpu::state<float> const shared = held;
+    cpu::state<float> copied;
+    std::atomic<int> ready{0};
+    auto start = [&] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+    };
+    std::vector<float> read1, read2;
+    std::thread first([&] {
+      start();
+      read1 = sums(shared);
+    });
+    std::thread second([&] {
+      start();
+      if (trial % 2 == 0)
+        read2 = sums(shared);
+      else
+        copied = shared;
+    });
+    first.join();
+    second.join();
+    if (trial % 2 != 0) read2 = sums(copied);
+    wrong += read1 != want || read2 != want || sums(shared) != want;
+  }
+  CHECK(wrong == 0);
 }
 
 TEST_CASE_TEMPLATE("favor attention steps like any linear attention", T, float, double) {

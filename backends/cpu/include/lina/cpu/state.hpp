@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <mutex>
 #include <vector>
 
 #include "lina/state.hpp"
@@ -19,6 +20,18 @@ class state : public state_info {
   state() = default;
   template <class L>
   state(L const& plan, std::size_t batch, std::size_t heads) : state_info(plan, batch, heads), sums_(scans()) {}
+  // A copy reads the sums under the fold's lock: a const state may be copied
+  // while another thread reads it (and so folds its pending sums).
+  state(state const& o) : state_info(o) { o.copy_sums_to(*this); }
+  state& operator=(state const& o) {
+    if (this != &o) {
+      state_info::operator=(o);
+      o.copy_sums_to(*this);
+    }
+    return *this;
+  }
+  state(state&&) = default;
+  state& operator=(state&&) = default;
 
   // Scan k's running sums as a [B, H, a, b] tensor (for attention: [B, H, C, M+1],
   // the normaliser z in the last column).
@@ -112,11 +125,13 @@ class state : public state_info {
       for (std::size_t h = 0; h < heads(); ++h) settle(k, b, h);
     return {sums_.at(k).data(), {batch(), heads(), scan(k).a, scan(k).b}};
   }
-  // Fold slice (k, b, h)'s pending sums into its state. (Logically const:
-  // the sums they make are the same; a const state read from two threads at
-  // once while it holds pending sums would race here.)
+  // Fold slice (k, b, h)'s pending sums into its state. Logically const (the
+  // sums they make are the same), so a const state's readers may run at once,
+  // as a value's may: they fold under a lock (rare: a fold is every 64 steps
+  // or at a read; without the lock two readers added the same pending sums twice).
   void settle(std::size_t k, std::size_t b, std::size_t h) const {
     if (pending_.empty()) return;
+    std::lock_guard<std::mutex> lock(fold_.m);
     unsigned& n = pending_rows_[(k * batch() + b) * heads() + h];
     if (n == 0) return;
     std::size_t const size = scan(k).a * scan(k).b, at = (b * heads() + h) * size;
@@ -128,10 +143,21 @@ class state : public state_info {
     }
     n = 0;
   }
+  void copy_sums_to(state& to) const {
+    std::lock_guard<std::mutex> lock(fold_.m);
+    to.sums_ = sums_, to.rows_ = rows_, to.pending_ = pending_, to.pending_rows_ = pending_rows_;
+  }
   mutable std::vector<std::vector<T>> sums_;
   std::vector<std::size_t> rows_;  // rows(k, b) at [k * batch + b]
   mutable std::vector<std::vector<T>> pending_;  // as sums_, once a step sums in two levels
   mutable std::vector<unsigned> pending_rows_;   // steps in each slice's pending sums, [(k * batch + b) * heads + h]
+  struct fold_lock {  // a state's own: copies and moves of a state take none along
+    std::mutex m;
+    fold_lock() = default;
+    fold_lock(fold_lock const&) noexcept {}
+    fold_lock& operator=(fold_lock const&) noexcept { return *this; }
+  };
+  mutable fold_lock fold_;
 };
 
 }  // namespace lina::cpu
