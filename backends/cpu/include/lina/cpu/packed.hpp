@@ -64,20 +64,12 @@ template <class T, class L, class Bound>
 state<T> state_row(state<T> const& all, std::size_t s, L const& plan, Bound const& one) {
   state<T> mine;
   mine.prepare(plan, one);
-  for (std::size_t k = 0; k < all.scans(); ++k) {
-    for (std::size_t h = 0; h < all.heads(); ++h)
-      std::copy_n(all.at(k, s, h), all.scan(k).a * all.scan(k).b, mine.at(k, 0, h));
-    mine.set_rows(k, 0, all.rows(k, s));
-  }
+  for (std::size_t k = 0; k < all.scans(); ++k) mine.copy_entry(k, 0, all, k, s);
   return mine;
 }
 template <class T>
 void set_state_row(state<T>& all, std::size_t s, state<T> const& one) {
-  for (std::size_t k = 0; k < all.scans(); ++k) {
-    for (std::size_t h = 0; h < all.heads(); ++h)
-      std::copy_n(one.at(k, 0, h), all.scan(k).a * all.scan(k).b, all.at(k, s, h));
-    all.set_rows(k, s, one.rows(k, 0));
-  }
+  for (std::size_t k = 0; k < all.scans(); ++k) all.copy_entry(k, s, one, k, 0);
 }
 }  // namespace detail
 

@@ -83,11 +83,19 @@ class state : public state_info {
   }
   T* at(std::size_t k, std::size_t b, std::size_t h) {
     settle(k, b, h);
-    return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
+    return sums_[k].data() + offset(k, b, h);
   }
   T const* at(std::size_t k, std::size_t b, std::size_t h) const {
     settle(k, b, h);
-    return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
+    return sums_[k].data() + offset(k, b, h);
+  }
+  // For the backend: scan k's sums of batch entry b, every head's, and the
+  // rows they hold, from scan kf of `from`'s batch entry bf (a packed
+  // sequence's row of a state, a tape's share of one).
+  void copy_entry(std::size_t k, std::size_t b, state const& from, std::size_t kf, std::size_t bf) {
+    std::size_t const n = from.scan(kf).a * from.scan(kf).b;
+    for (std::size_t h = 0; h < heads(); ++h) std::copy_n(from.at(kf, bf, h), n, at(k, b, h));
+    set_rows(k, b, from.rows(kf, bf));
   }
 
   // Recurrent steps past two_level_rows sum in two levels too: each step adds
@@ -109,17 +117,15 @@ class state : public state_info {
     pending_rows_.assign(scans() * batch() * heads(), 0);
   }
   bool has_pending() const noexcept { return !pending_.empty(); }
-  T* unfolded_at(std::size_t k, std::size_t b, std::size_t h) {
-    return sums_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
-  }
-  T* pending_at(std::size_t k, std::size_t b, std::size_t h) {
-    return pending_[k].data() + (b * heads() + h) * scan(k).a * scan(k).b;
-  }
+  T* unfolded_at(std::size_t k, std::size_t b, std::size_t h) { return sums_[k].data() + offset(k, b, h); }
+  T* pending_at(std::size_t k, std::size_t b, std::size_t h) { return pending_[k].data() + offset(k, b, h); }
   void pending_step(std::size_t k, std::size_t b, std::size_t h) {
     if (++pending_rows_[(k * batch() + b) * heads() + h] == fold_rows) settle(k, b, h);
   }
 
  private:
+  // Where slice (b, h) of scan k starts in its sums (and pending sums).
+  std::size_t offset(std::size_t k, std::size_t b, std::size_t h) const { return (b * heads() + h) * scan(k).a * scan(k).b; }
   tensor_view<T> view(std::size_t k) {
     for (std::size_t b = 0; b < batch(); ++b)
       for (std::size_t h = 0; h < heads(); ++h) settle(k, b, h);
@@ -134,7 +140,7 @@ class state : public state_info {
     std::lock_guard<std::mutex> lock(fold_.m);
     unsigned& n = pending_rows_[(k * batch() + b) * heads() + h];
     if (n == 0) return;
-    std::size_t const size = scan(k).a * scan(k).b, at = (b * heads() + h) * size;
+    std::size_t const size = scan(k).a * scan(k).b, at = offset(k, b, h);
     T* s = sums_[k].data() + at;
     T* p = pending_[k].data() + at;
     for (std::size_t e = 0; e < size; ++e) {

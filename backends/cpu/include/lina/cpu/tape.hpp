@@ -143,11 +143,7 @@ struct tape_access {
     state<T> sums(fb, in.batch, in.heads);
     sums.prepare(fb, in);
     auto copy = [&](state<T> const& from, std::size_t f, state<T>& to, std::size_t t) {
-      std::size_t const n = from.scan(f).a * from.scan(f).b;
-      for (std::size_t b = 0; b < in.batch; ++b) {
-        for (std::size_t h = 0; h < in.heads; ++h) std::copy_n(from.at(f, b, h), n, to.at(t, b, h));
-        to.set_rows(t, b, from.rows(f, b));
-      }
+      for (std::size_t b = 0; b < in.batch; ++b) to.copy_entry(t, b, from, f, b);
     };
     for (std::size_t k = 0; k < of_mine.size(); ++k) copy(st, of_mine[k], sums, k);
     run_slices<T>(fb, in, outs, &sums);
